@@ -1,0 +1,26 @@
+# Two commands set everything up on a fresh machine: `make demo` and `make test`.
+PYTHON ?= python3
+VENV := .venv
+PY := $(VENV)/bin/python
+STAMP := $(VENV)/.installed
+
+.PHONY: demo test lint bench clean
+
+$(STAMP): pyproject.toml
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install --quiet torch==2.13.0
+	$(PY) -m pip install --quiet -e '.[dev]'
+	touch $(STAMP)
+
+demo: $(STAMP)
+	$(VENV)/bin/workbench layout sample_meshes/toy_expert_tp.toml
+
+test: $(STAMP)
+	$(VENV)/bin/ruff check workbench tests bench
+	$(PY) -m pytest -q
+
+bench: $(STAMP)
+	$(PY) bench/plan_layouts.py
+
+clean:
+	rm -rf $(VENV) .pytest_cache .hypothesis

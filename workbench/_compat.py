@@ -1,0 +1,233 @@
+"""Every private (or moving) torch API workbench touches, each behind one shim with a fallback.
+
+torch.distributed's tensor internals move between releases: ``_StridedShard`` stopped being a
+``Shard`` subclass (2.13), ``_explicit_order_placements`` is gone (2.13), the chunk helper became
+public (``Shard.local_shard_size_and_offset``). Code outside this module never names a private torch
+symbol; ``tests/test_compat.py`` checks each shim and its fallback.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+__all__ = [
+    "HAS_TORCH_STRIDED_SHARD",
+    "StridedShardBase",
+    "chunk_size_and_offset",
+    "dtensor_local",
+    "fake_process_group",
+    "fully_shard",
+    "is_dtensor",
+    "is_partial",
+    "is_replicate",
+    "is_shard",
+    "is_strided_shard",
+    "local_tensor_mode",
+    "make_strided_shard",
+    "strided_split_factor",
+    "torch_explicit_order",
+    "torch_local_shape_and_offset",
+]
+
+# -- placements ---------------------------------------------------------------------------------
+try:  # torch >= 2.4 ships it; 2.13 keeps it private.
+    from torch.distributed.tensor.placement_types import _StridedShard as _TorchStridedShard
+
+    HAS_TORCH_STRIDED_SHARD = True
+except ImportError:  # pragma: no cover - exercised through _FallbackStridedShard's own test
+    _TorchStridedShard = None
+    HAS_TORCH_STRIDED_SHARD = False
+
+from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
+
+
+@dataclass(frozen=True)
+class _FallbackStridedShard:
+    """Stand-in for torch's ``_StridedShard`` when a torch release no longer has it.
+
+    It carries the same two fields, so layout math keeps working; it cannot be used as a DTensor
+    placement.
+    """
+
+    dim: int
+    split_factor: int = 1
+
+
+StridedShardBase: type = _TorchStridedShard if HAS_TORCH_STRIDED_SHARD else _FallbackStridedShard
+
+
+def make_strided_shard(dim: int, split_factor: int) -> Any:
+    """A ``_StridedShard(dim, split_factor)`` of the installed torch (or the fallback type)."""
+    if StridedShardBase is _FallbackStridedShard:
+        return _FallbackStridedShard(dim, split_factor)
+    return StridedShardBase(dim, split_factor=split_factor)
+
+
+def is_strided_shard(placement: Any) -> bool:
+    """True for torch's ``_StridedShard`` (and subclasses such as InterleavedShard) or the fallback."""
+    return isinstance(placement, (StridedShardBase, _FallbackStridedShard))
+
+
+def strided_split_factor(placement: Any) -> int:
+    """The split factor of a strided shard (torch has spelled it ``split_factor`` and ``sf``)."""
+    for attr in ("split_factor", "sf"):
+        value = getattr(placement, attr, None)
+        if value is not None:
+            return int(value)
+    raise TypeError(f"{placement!r} has no split factor")
+
+
+def is_shard(placement: Any) -> bool:
+    """True for a plain contiguous ``Shard`` (not a strided shard, which older torch subclassed)."""
+    return isinstance(placement, Shard) and not is_strided_shard(placement)
+
+
+def is_replicate(placement: Any) -> bool:
+    """True for ``Replicate``."""
+    return isinstance(placement, Replicate)
+
+
+def is_partial(placement: Any) -> bool:
+    """True for ``Partial`` and its private variants (pending reductions)."""
+    return isinstance(placement, Partial) or type(placement).__name__.lstrip("_").endswith("Partial")
+
+
+# -- chunk rule and torch's own offsets (used as an oracle by the tests) --------------------------
+def chunk_size_and_offset(n: int, world: int, index: int) -> tuple[int, int]:
+    """Size and offset of chunk ``index`` when ``n`` elements are cut over ``world`` ranks.
+
+    Calls torch's helper (public ``Shard.local_shard_size_and_offset`` since 2.9; private before);
+    falls back to the same ceil-chunk rule written out.
+    """
+    public = getattr(Shard, "local_shard_size_and_offset", None)  # static, torch >= 2.9
+    private = getattr(Shard(0), "_local_shard_size_and_offset", None)  # bound method before
+    helper = public or private
+    if helper is not None:
+        with torch.device("cpu"):  # the helper may allocate on the default device, even "meta"
+            size, offset = helper(n, world, index)
+        return int(size), int(offset)
+    return _chunk_fallback(n, world, index)
+
+
+def _chunk_fallback(n: int, world: int, index: int) -> tuple[int, int]:
+    chunk = math.ceil(n / world) if world else 0
+    start = min(chunk * index, n)
+    return min(start + chunk, n) - start, start
+
+
+def torch_local_shape_and_offset(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Any],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """torch's ``_compute_local_shape_and_global_offset`` on plain data (no DeviceMesh needed).
+
+    This is torch's opinion of where a rank's shard starts; it follows torch's literal left-to-right
+    placement semantics, which differ from what FSDP2 really does for an uneven ``_StridedShard``.
+    Fallback: the same left-to-right walk for ``Shard`` and ``Replicate`` (strided shards raise).
+    """
+    try:
+        from torch.distributed.tensor._utils import _compute_local_shape_and_global_offset as helper
+    except ImportError:  # pragma: no cover - depends on torch release
+        helper = None
+    if helper is not None:
+        shape, offset = helper(tuple(global_shape), tuple(mesh_shape), list(coordinate), list(placements))
+        return tuple(int(s) for s in shape), tuple(int(o) for o in offset)
+    return _local_shape_and_offset_fallback(global_shape, mesh_shape, coordinate, placements)
+
+
+def _local_shape_and_offset_fallback(
+    global_shape: Sequence[int],
+    mesh_shape: Sequence[int],
+    coordinate: Sequence[int],
+    placements: Sequence[Any],
+) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    shape, offset = list(global_shape), [0] * len(global_shape)
+    for mesh_dim, p in enumerate(placements):
+        if is_strided_shard(p):
+            raise NotImplementedError("fallback offsets do not model _StridedShard")
+        if is_shard(p):
+            size, start = _chunk_fallback(shape[p.dim], mesh_shape[mesh_dim], coordinate[mesh_dim])
+            offset[p.dim] = offset[p.dim] + start if size else global_shape[p.dim]
+            shape[p.dim] = size
+    return tuple(shape), tuple(offset)
+
+
+def torch_explicit_order(mesh_shape: Sequence[int], placements: Sequence[Any]) -> list[tuple[int, Any]] | None:
+    """torch's own placement ordering, where this torch has one (``_explicit_order_placements``).
+
+    Returns ``None`` when the helper is gone (torch 2.13) or refuses the placements; callers then
+    rely on ``workbench.layout.normalize``, which is the source of truth either way.
+    """
+    try:
+        from torch.distributed.tensor._utils import _explicit_order_placements as helper
+    except ImportError:
+        return None
+    try:
+        return list(helper(tuple(mesh_shape), tuple(placements)))
+    except (RuntimeError, NotImplementedError, AssertionError, TypeError):
+        return None
+
+
+# -- DTensor access -------------------------------------------------------------------------------
+def is_dtensor(value: Any) -> bool:
+    """True for a ``torch.distributed.tensor.DTensor``."""
+    try:
+        from torch.distributed.tensor import DTensor
+    except ImportError:  # pragma: no cover
+        return False
+    return isinstance(value, DTensor)
+
+
+def dtensor_local(value: Any) -> torch.Tensor:
+    """The rank-local tensor of a DTensor, without autograd or communication."""
+    local = getattr(value, "_local_tensor", None)
+    return local if local is not None else value.to_local()
+
+
+# -- FSDP2, fake process groups, local tensor mode ------------------------------------------------
+def fully_shard(module: torch.nn.Module, **kwargs: Any) -> Any:
+    """FSDP2's ``fully_shard`` (public since 2.6; ``torch.distributed._composable.fsdp`` before)."""
+    try:
+        from torch.distributed.fsdp import fully_shard as impl
+    except ImportError:  # pragma: no cover
+        from torch.distributed._composable.fsdp import fully_shard as impl
+    return impl(module, **kwargs)
+
+
+@contextlib.contextmanager
+def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
+    """A default process group of any size in this one process, posing as ``rank`` (no comms).
+
+    Uses torch's test-only ``FakeStore``/``fake`` backend. DeviceMeshes and FSDP2 can be built on it;
+    collectives return garbage, so only metadata and rank-local values are meaningful.
+    """
+    import torch.distributed as dist
+
+    try:
+        from torch.testing._internal.distributed.fake_pg import FakeStore
+    except ImportError as exc:  # pragma: no cover
+        raise RuntimeError("this torch has no fake process group (torch.testing._internal)") from exc
+    if dist.is_initialized():
+        dist.destroy_process_group()
+    dist.init_process_group("fake", store=FakeStore(), rank=rank, world_size=world_size)
+    try:
+        yield
+    finally:
+        dist.destroy_process_group()
+
+
+def local_tensor_mode(world_size: int) -> Any:
+    """torch's all-ranks-in-one-process simulation (``LocalTensorMode``), or ``None`` if absent."""
+    try:
+        from torch.distributed._local_tensor import LocalTensorMode
+    except ImportError:
+        return None
+    return LocalTensorMode(world_size)

@@ -1,0 +1,60 @@
+"""The two cut rules of a shard descriptor, as integer interval math.
+
+* Contiguous (PyTorch's chunk rule): ``chunk = ceil(N / W)``; rank ``r`` holds
+  ``[min(r * chunk, N), min((r + 1) * chunk, N))``, so trailing ranks may be short or empty.
+
+  =====  =====  ==================
+  N      W      sizes by rank
+  =====  =====  ==================
+  10     3      4, 4, 2
+  10     4      3, 3, 3, 1
+  3      4      1, 1, 1, 0
+  =====  =====  ==================
+
+* Even interleave (expert TP): ``N % (W * F) == 0``; ``run = N / (W * F)``; rank ``r`` holds runs
+  ``j * W + r`` for ``j = 0 .. F-1``, in that order. N=8, W=2, F=2 gives run 2: rank 0 holds
+  ``[0, 2) [4, 6)`` and rank 1 holds ``[2, 4) [6, 8)``.
+"""
+
+from __future__ import annotations
+
+from workbench.errors import LayoutError
+
+__all__ = ["Interval", "chunk_interval", "chunk_sizes", "interleave_intervals", "local_sizes"]
+
+Interval = tuple[int, int]  # [start, stop) in the coordinates of the tensor being cut
+
+
+def chunk_interval(n: int, world: int, index: int) -> Interval:
+    """``[start, stop)`` that chunk ``index`` of ``world`` holds of ``n`` elements (may be empty)."""
+    chunk = -(-n // world)
+    start = min(chunk * index, n)
+    return start, min(start + chunk, n)
+
+
+def chunk_sizes(n: int, world: int) -> tuple[int, ...]:
+    """Sizes of every chunk when ``n`` elements are cut over ``world`` ranks."""
+    return tuple(b - a for a, b in (chunk_interval(n, world, i) for i in range(world)))
+
+
+def interleave_intervals(n: int, world: int, index: int, factor: int, *, what: str = "tensor") -> tuple[Interval, ...]:
+    """The ``factor`` runs that group rank ``index`` holds under an even interleave.
+
+    Raises:
+        LayoutError: ``n`` is not a multiple of ``world * factor`` (uneven interleave is not defined).
+    """
+    if n % (world * factor):
+        raise LayoutError(
+            f"{what}: an interleaved shard needs its dim length N={n} to be a multiple of "
+            f"W*F={world}*{factor}={world * factor} (group size W={world}, interleave factor F={factor}); "
+            "pad the tensor or pick num_local_stripes that divides it"
+        )
+    run = n // (world * factor)
+    return tuple(((j * world + index) * run, (j * world + index + 1) * run) for j in range(factor))
+
+
+def local_sizes(n: int, world: int, factor: int) -> set[int]:
+    """Every local length a rank can end up with when ``n`` is cut over ``world`` ranks."""
+    if factor > 1:
+        return {n // world} if n % (world * factor) == 0 else set()
+    return set(chunk_sizes(n, world))
