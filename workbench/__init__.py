@@ -1,1 +1,23 @@
-"""workbench."""
+"""workbench: derive, plan, show, run and debug sharded HuggingFace checkpoints of DTensor training runs.
+
+The public API (DESIGN.md section 4); everything else is reachable through its subpackage.
+"""
+
+from workbench.layout import InterleavedShard, LoadSpec, Run, ShardDescriptor, compute_runs
+from workbench.layout.layout_file import load_layout
+from workbench.layout.model_layout import Layout
+from workbench.mesh import MeshSpec
+
+__version__ = "0.1.0"
+
+__all__ = [
+    "InterleavedShard",
+    "Layout",
+    "LoadSpec",
+    "MeshSpec",
+    "Run",
+    "ShardDescriptor",
+    "__version__",
+    "compute_runs",
+    "load_layout",
+]
