@@ -339,6 +339,18 @@ class LoadSpec:
                 out.append(KeyRegion(self.hf_keys[k], tuple(key_offset), tuple(piece), tuple(local)))
         return tuple(out)
 
+    def plan_hf_load(self, rank: int, key_shapes: Any = None) -> Any:
+        """The ``HFLoadPlan`` of this parameter for ``rank`` (see ``workbench.plan.load_plan``)."""
+        from workbench.plan.load_plan import plan_hf_load
+
+        return plan_hf_load(self, rank, key_shapes)
+
+    def plan_hf_save(self, rank: int, policy: Any = None, **kwargs: Any) -> Any:
+        """The ``HFSavePlan`` of this parameter for ``rank`` under ``policy`` (see ``workbench.plan.save_plan``)."""
+        from workbench.plan.save_plan import plan_hf_save
+
+        return plan_hf_save(self, rank, policy, **kwargs)
+
     def coverage(self) -> CoverageReport:
         """Prove every element is held exactly once per replica group, or list holes and overlaps."""
         groups = self.replica_groups()

@@ -1,0 +1,224 @@
+"""HFSavePlan: the steps one rank undoes to turn its local tensor into the output a save writes."""
+
+from __future__ import annotations
+
+import math
+import re
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workbench.errors import PlanError
+from workbench.layout.descriptors import ShardDescriptor
+from workbench.layout.load_spec import LoadSpec
+from workbench.layout.runs import Segment, dim_segments
+from workbench.mesh import format_mesh_dim
+from workbench.plan.policy import SavePolicy
+
+__all__ = ["HFSavePlan", "SaveShardStep", "plan_hf_save", "save_dtypes"]
+
+
+@dataclass(frozen=True, slots=True)
+class SaveShardStep:
+    """One shard as the save sees it: the cut, the tensor's shape before it, and whether it stays applied.
+
+    ``chunk`` is the per-rank length along ``descriptor.dim`` every member of the group contributes to the
+    all-gather (``ceil(N / W)`` padded for contiguous cuts, ``N / W`` for interleaves); it is the same on
+    every rank of the group.
+    """
+
+    descriptor: ShardDescriptor
+    shape_before: tuple[int, ...]
+    world: int
+    group_rank: int
+    preserved: bool
+
+    @property
+    def chunk(self) -> int:
+        """Per-rank contribution along the cut dim (collective padding included)."""
+        n = self.shape_before[self.descriptor.dim]
+        return n // self.world if self.descriptor.is_interleaved else -(-n // self.world)
+
+    @property
+    def padded_shape(self) -> tuple[int, ...]:
+        """Shape every rank of the group sends for this step."""
+        shape = list(self.shape_before)
+        shape[self.descriptor.dim] = self.chunk
+        return tuple(shape)
+
+    @property
+    def gathered_shape(self) -> tuple[int, ...]:
+        """Shape of the all-gather's output for this tensor (padding included)."""
+        shape = list(self.shape_before)
+        shape[self.descriptor.dim] = self.chunk * self.world
+        return tuple(shape)
+
+    def __str__(self) -> str:
+        state = "keep" if self.preserved else "gather"
+        return f"{state} {self.descriptor} (shape before {self.shape_before}, W={self.world})"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class HFSavePlan:
+    """One rank's save program for one parameter under a policy.
+
+    Attributes:
+        name: runtime parameter name.
+        rank: global rank the plan is for.
+        policy: the save policy.
+        steps: every shard in forward order, each marked preserved or not.
+        local_shape: the rank's local tensor shape (input).
+        runtime_output_shape: shape after the pending gathers (tail padding included).
+        output_shape: checkpoint-visible output shape (after the tail trim).
+        hf_keys: the keys the output covers (all keys unless a preserved cut selects a key range).
+        fused_dim: dim the keys are concatenated on (None for one key).
+        gather_dtype: dtype the tensor is cast to before gathering.
+        key_dtypes: dtype each covered key is written in.
+    """
+
+    name: str
+    rank: int
+    policy: SavePolicy
+    steps: tuple[SaveShardStep, ...]
+    local_shape: tuple[int, ...]
+    runtime_output_shape: tuple[int, ...]
+    output_shape: tuple[int, ...]
+    hf_keys: tuple[str, ...]
+    fused_dim: int | None
+    gather_dtype: torch.dtype
+    key_dtypes: tuple[torch.dtype, ...]
+
+    @property
+    def pending(self) -> tuple[SaveShardStep, ...]:
+        """Steps to undo, in execution order (reverse forward order, preserved skipped)."""
+        return tuple(s for s in reversed(self.steps) if not s.preserved)
+
+    @property
+    def preserves_shards(self) -> bool:
+        """True when some cut stays applied in the output."""
+        return any(s.preserved for s in self.steps)
+
+    @property
+    def output_bytes(self) -> int:
+        """Bytes of the runtime output at the gather dtype."""
+        return math.prod(self.runtime_output_shape) * self.gather_dtype.itemsize
+
+    def __str__(self) -> str:
+        keys = self.hf_keys[0] if len(self.hf_keys) == 1 else f"{len(self.hf_keys)} keys"
+        lines = [
+            f"HFSavePlan {self.name!r} rank {self.rank} [{self.policy}]: local {self.local_shape} -> "
+            f"{self.runtime_output_shape} -> output {self.output_shape} ({keys}, {self.gather_dtype})"
+        ]
+        lines += [f"  {i}. {s}" for i, s in enumerate(self.pending, 1)]
+        lines += [f"  -  {s}" for s in self.steps if s.preserved]
+        return "\n".join(lines)
+
+
+def save_dtypes(
+    hf_keys: Sequence[str],
+    runtime_dtype: torch.dtype,
+    *,
+    dtype: torch.dtype | None = None,
+    fp32_keys_pattern: Sequence[str] | str | None = None,
+) -> tuple[torch.dtype, ...]:
+    """Dtype each key is saved in: float32 when any pattern ``re.search``-matches it, else ``dtype``
+    (default: the runtime dtype). Non-floating tensors always keep their runtime dtype."""
+    if not runtime_dtype.is_floating_point:
+        return tuple(runtime_dtype for _ in hf_keys)
+    patterns = [fp32_keys_pattern] if isinstance(fp32_keys_pattern, str) else list(fp32_keys_pattern or ())
+    compiled = [re.compile(p) for p in patterns]
+    default = dtype or runtime_dtype
+    return tuple(torch.float32 if any(c.search(k) for c in compiled) else default for k in hf_keys)
+
+
+def plan_hf_save(
+    spec: LoadSpec,
+    rank: int,
+    policy: SavePolicy | None = None,
+    *,
+    runtime_dtype: torch.dtype = torch.float32,
+    dtype: torch.dtype | None = None,
+    fp32_keys_pattern: Sequence[str] | str | None = None,
+) -> HFSavePlan:
+    """Compile the save plan of ``spec`` for ``rank`` under ``policy`` (default: full).
+
+    Raises:
+        PlanError: a preserved cut does not fall on HF key boundaries, or a kept cut was applied after one
+            the policy undoes on the same dim (the output would not be a tensor of the global one).
+    """
+    policy = policy or SavePolicy.full()
+    mesh = spec.mesh
+    cur = list(spec.global_shape)
+    steps = []
+    for d in spec.shards:
+        world, index = mesh.group_size(d.mesh_dim), mesh.group_rank(rank, d.mesh_dim)
+        steps.append(SaveShardStep(d, tuple(cur), world, index, policy.keeps(d, spec.fused_dim)))
+        cur[d.dim] = sum(b - a for a, b in d.local_intervals(cur[d.dim], world, index))
+    _check_order(spec, steps, policy)
+    kept = [s for s in steps if s.preserved]
+    segments = _segments(spec, kept)
+    runtime_out = tuple(sum(n for _, n in segs) for segs in segments)
+    visible = spec.visible_shape
+    output = tuple(sum(max(0, min(g + n, v) - g) for g, n in segs) for segs, v in zip(segments, visible))
+    keys = _covered_keys(spec, segments, kept, rank) if kept and policy.mode == "preserve" else spec.hf_keys
+    key_dtypes = save_dtypes(keys, runtime_dtype, dtype=dtype, fp32_keys_pattern=fp32_keys_pattern)
+    gather_dtype = torch.float32 if torch.float32 in key_dtypes else (key_dtypes[0] if key_dtypes else runtime_dtype)
+    if not runtime_dtype.is_floating_point:
+        gather_dtype = runtime_dtype
+    return HFSavePlan(
+        name=spec.name, rank=rank, policy=policy, steps=tuple(steps), local_shape=tuple(cur),
+        runtime_output_shape=runtime_out, output_shape=output, hf_keys=tuple(keys), fused_dim=spec.fused_dim,
+        gather_dtype=gather_dtype, key_dtypes=key_dtypes,
+    )
+
+
+def _check_order(spec: LoadSpec, steps: list[SaveShardStep], policy: SavePolicy) -> None:
+    undone_dims: dict[int, SaveShardStep] = {}
+    for step in steps:
+        d = step.descriptor
+        if not step.preserved:
+            undone_dims.setdefault(d.dim, step)
+        elif d.dim in undone_dims:
+            raise PlanError(
+                f"parameter {spec.name!r}: policy {policy} keeps {d} but undoes "
+                f"{undone_dims[d.dim].descriptor}, which was applied before it on the same dim; the output "
+                "would interleave pieces of different ranks. Keep the outer cut too, or gather both."
+            )
+
+
+def _segments(spec: LoadSpec, kept: list[SaveShardStep]) -> tuple[tuple[Segment, ...], ...]:
+    out = []
+    for dim, length in enumerate(spec.global_shape):
+        cuts = [(s.descriptor, s.world, s.group_rank) for s in kept if s.descriptor.dim == dim]
+        out.append(dim_segments(length, cuts, what=f"parameter {spec.name!r} dim {dim}"))
+    return tuple(out)
+
+
+def _covered_keys(
+    spec: LoadSpec, segments: tuple[tuple[Segment, ...], ...], kept: list[SaveShardStep], rank: int
+) -> tuple[str, ...]:
+    fd, ks = spec.fused_dim, spec.key_size
+    if fd is None or not ks:
+        return spec.hf_keys
+    visible = spec.visible_shape[fd]
+    keys: list[str] = []
+    for g, n in segments[fd]:
+        lo, hi = g, min(g + n, visible)
+        if hi <= lo:
+            continue
+        if lo % ks or (hi % ks and hi != visible):
+            kept_desc = ", ".join(f"{s.descriptor}" for s in kept)
+            raise PlanError(
+                f"parameter {spec.name!r}, rank {rank}: keeping {kept_desc} leaves fused-dim rows [{lo}, {hi}) "
+                f"on this rank, which do not fall on HF key boundaries (each of the {len(spec.hf_keys)} keys "
+                f"has {ks} rows on dim {fd}). Preserve a mesh dim whose size divides the key count "
+                f"({len(spec.hf_keys)}), or gather it (SavePolicy.full())."
+            )
+        keys.extend(spec.hf_keys[lo // ks : -(-hi // ks)])
+    return tuple(keys)
+
+
+def describe_group(step: SaveShardStep) -> str:
+    """``fsdp`` / ``dp+ep``: the group a step gathers over."""
+    return format_mesh_dim(step.descriptor.mesh_dim)

@@ -1,0 +1,317 @@
+"""The unshard scheduler: batch a save's all-gathers into few calls under a memory budget.
+
+A save undoes each tensor's pending shard steps (inner first). The scheduler
+
+1. packs tensors, in plan order, into *waves* whose modeled peak memory stays within ``budget_bytes``
+   (a tensor whose own peak exceeds the budget forms a wave alone and is flagged ``oversized``);
+2. inside a wave, runs *rounds*: round k takes every tensor's k-th pending step (so an outer gather
+   always sees the output of the inner one), and batches the steps of one (mesh dim, dtype) into one
+   foreach all-gather *call*.
+
+Every byte count that decides the batching is rank-independent (the largest chunk any rank of the group
+sends), so every rank computes the same calls in the same order: the SPMD contract that keeps
+collectives from hanging. ``check_schedules`` verifies it across ranks.
+
+Memory model of one call, per rank (the executors free in this order): allocate the flat send buffer,
+drop the intermediate inputs, allocate the receive buffer (``W x`` send), drop the send buffer, allocate
+the merged outputs, drop the receive buffer. A single contiguous dim-0 gather merges in place (a view of
+the receive buffer). A tensor's output stays live until its wave ends (it is then written and freed).
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.errors import PlanError
+from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
+from workbench.plan.save_plan import HFSavePlan, SaveShardStep
+
+__all__ = ["GatherCall", "GatherItem", "UnshardSchedule", "check_schedules", "schedule_unshard"]
+
+
+@dataclass(frozen=True, slots=True)
+class GatherItem:
+    """One tensor's step inside a call: this rank sends ``padded_shape`` and gets back ``merged_shape``."""
+
+    name: str
+    step: int  # index into the plan's pending steps
+    dim: int
+    interleave_factor: int
+    padded_shape: tuple[int, ...]
+    merged_shape: tuple[int, ...]
+    bound_numel: int  # largest gathered numel of this step on any rank (rank-independent)
+
+
+@dataclass(frozen=True, slots=True)
+class GatherCall:
+    """One foreach all-gather over one mesh dim (group) and one dtype."""
+
+    wave: int
+    round: int
+    mesh_dim: MeshDimRef
+    world: int
+    dtype: torch.dtype
+    items: tuple[GatherItem, ...]
+    oversized: bool = False
+
+    @property
+    def bytes_in(self) -> int:
+        """Bytes this rank sends."""
+        return sum(math.prod(i.padded_shape) for i in self.items) * self.dtype.itemsize
+
+    @property
+    def bytes_out(self) -> int:
+        """Bytes this rank receives into the gather buffer (its own chunk included)."""
+        return self.bytes_in * self.world
+
+    def structure(self) -> tuple:
+        """What must agree on every rank: names, steps, group, dtype (shapes may differ across groups)."""
+        return (self.wave, self.round, self.mesh_dim, str(self.dtype), tuple((i.name, i.step) for i in self.items))
+
+    def __str__(self) -> str:
+        names = ", ".join(i.name for i in self.items[:3]) + (f", +{len(self.items) - 3}" if len(self.items) > 3 else "")
+        flag = "  OVERSIZED (alone)" if self.oversized else ""
+        return (
+            f"wave {self.wave} round {self.round}  {format_mesh_dim(self.mesh_dim):<8} W={self.world:<4} "
+            f"{str(self.dtype).removeprefix('torch.'):<9} {len(self.items):>4} tensors  "
+            f"in {_fmt_bytes(self.bytes_in):>9}  out {_fmt_bytes(self.bytes_out):>9}  [{names}]{flag}"
+        )
+
+
+@dataclass(frozen=True, slots=True)
+class UnshardSchedule:
+    """The all-gather program of a save on one rank, with its predicted cost.
+
+    Attributes:
+        rank: the rank the schedule is for.
+        calls: every call in execution order.
+        waves: tensor names of each wave, in order.
+        budget_bytes: the memory budget it was built for (None: unbounded).
+        peak_bytes: predicted peak of the memory the save allocates on this rank.
+        bytes_moved: bytes this rank receives from other ranks.
+    """
+
+    rank: int
+    calls: tuple[GatherCall, ...]
+    waves: tuple[tuple[str, ...], ...]
+    budget_bytes: int | None
+    peak_bytes: int
+    bytes_moved: int
+    _by_round: tuple[tuple[GatherCall, ...], ...] = field(default=(), repr=False, compare=False)
+
+    @property
+    def num_calls(self) -> int:
+        """Number of collective calls."""
+        return len(self.calls)
+
+    @property
+    def rounds(self) -> tuple[tuple[GatherCall, ...], ...]:
+        """Calls grouped by (wave, round), in order."""
+        groups: dict[tuple[int, int], list[GatherCall]] = {}
+        for call in self.calls:
+            groups.setdefault((call.wave, call.round), []).append(call)
+        return tuple(tuple(g) for g in groups.values())
+
+    def structure(self) -> tuple:
+        """The rank-independent shape of the program (equal on every rank, or collectives hang)."""
+        return tuple(c.structure() for c in self.calls)
+
+    def __str__(self) -> str:
+        budget = "unbounded" if self.budget_bytes is None else _fmt_bytes(self.budget_bytes)
+        lines = [
+            f"UnshardSchedule rank {self.rank}: {len(self.waves)} wave(s), {len(self.rounds)} round(s), "
+            f"{self.num_calls} call(s); budget {budget}, predicted peak {_fmt_bytes(self.peak_bytes)}, "
+            f"receives {_fmt_bytes(self.bytes_moved)}"
+        ]
+        shown = self.calls if len(self.calls) <= 24 else self.calls[:12] + self.calls[-12:]
+        for index, call in enumerate(shown):
+            if len(self.calls) > 24 and index == 12:
+                lines.append(f"  ... {len(self.calls) - 24} more calls")
+            lines.append(f"  {call}")
+        return "\n".join(lines)
+
+    def __repr__(self) -> str:
+        return (
+            f"UnshardSchedule(rank={self.rank}, calls={self.num_calls}, waves={len(self.waves)}, "
+            f"peak_bytes={self.peak_bytes}, bytes_moved={self.bytes_moved})"
+        )
+
+
+def schedule_unshard(
+    save_plans: Sequence[HFSavePlan],
+    dtypes: Mapping[str, torch.dtype] | None = None,
+    budget_bytes: int | None = None,
+) -> UnshardSchedule:
+    """Build the all-gather schedule of one rank's save plans (every rank passes its own, same order).
+
+    Args:
+        save_plans: this rank's plans, in the model's order (the same names, in the same order, on every
+            rank).
+        dtypes: runtime dtype of each tensor, to count the cast to the gather dtype (default: no cast).
+        budget_bytes: bound on the modeled peak memory of a wave (None: one wave, XTuner's behaviour).
+
+    Returns:
+        The schedule; see the module docstring for its memory model.
+    """
+    if not save_plans:
+        return UnshardSchedule(-1, (), (), budget_bytes, 0, 0)
+    rank = save_plans[0].rank
+    if len({p.name for p in save_plans}) != len(save_plans):
+        raise PlanError("schedule_unshard: save plans repeat a parameter name")
+    tensors = [_Tensor.of(p, (dtypes or {}).get(p.name, p.gather_dtype)) for p in save_plans]
+    waves: list[list[_Tensor]] = []
+    current: list[_Tensor] = []
+    for t in tensors:
+        if budget_bytes is not None and current and _simulate([*current, t])[0] > budget_bytes:
+            waves.append(current)
+            current = []
+        current.append(t)
+    if current:
+        waves.append(current)
+    calls: list[GatherCall] = []
+    peak = 0
+    moved = 0
+    for w, wave in enumerate(waves):
+        wave_peak, wave_calls = _simulate(wave, wave_index=w)
+        oversized = budget_bytes is not None and len(wave) == 1 and wave_peak > budget_bytes
+        if oversized:
+            wave_calls = [_replace_oversized(c) for c in wave_calls]
+        calls.extend(wave_calls)
+        peak = max(peak, wave_peak)
+        moved += sum(c.bytes_out - c.bytes_in for c in wave_calls)
+    return UnshardSchedule(
+        rank, tuple(calls), tuple(tuple(t.name for t in wave) for wave in waves), budget_bytes, peak, moved
+    )
+
+
+def check_schedules(schedules: Mapping[int, UnshardSchedule], mesh: MeshSpec) -> None:
+    """Check the SPMD contract across ranks: same calls everywhere, same shapes within every group.
+
+    Raises:
+        PlanError: naming the first call and ranks that disagree (a real run would hang there).
+    """
+    ranks = sorted(schedules)
+    if not ranks:
+        return
+    reference = schedules[ranks[0]].structure()
+    for rank in ranks[1:]:
+        other = schedules[rank].structure()
+        if other != reference:
+            diverging = (i for i, (a, b) in enumerate(zip(reference, other)) if a != b)
+            index = next(diverging, min(len(reference), len(other)))
+            raise PlanError(
+                f"unshard schedules differ between rank {ranks[0]} and rank {rank} at call {index}: "
+                f"{_describe(reference, index)} vs {_describe(other, index)}; collectives would hang"
+            )
+    for index, call in enumerate(schedules[ranks[0]].calls):
+        for group in mesh.groups(call.mesh_dim):
+            members = [r for r in group if r in schedules]
+            shapes = {tuple(i.padded_shape for i in schedules[r].calls[index].items) for r in members}
+            if len(shapes) > 1:
+                raise PlanError(
+                    f"call {index} ({call}) gathers over ranks {list(group)} whose send shapes differ: "
+                    f"{sorted(shapes)}; an all-gather needs equal shapes"
+                )
+
+
+# -- internals ---------------------------------------------------------------------------------------
+@dataclass(frozen=True, slots=True)
+class _Tensor:
+    name: str
+    dtype: torch.dtype
+    runtime_dtype: torch.dtype
+    local_numel: int
+    output_numel: int
+    items: tuple[tuple[MeshDimRef, int, GatherItem], ...]  # (mesh dim, world, item) per pending step
+
+    @classmethod
+    def of(cls, plan: HFSavePlan, runtime_dtype: torch.dtype) -> _Tensor:
+        bounds = _bound_shapes(plan)
+        items = []
+        for k, step in enumerate(plan.pending):
+            items.append(
+                (
+                    step.descriptor.mesh_dim,
+                    step.world,
+                    GatherItem(
+                        plan.name, k, step.descriptor.dim, step.descriptor.interleave_factor,
+                        step.padded_shape, step.shape_before, math.prod(bounds[id(step)]),
+                    ),
+                )
+            )
+        return cls(
+            plan.name, plan.gather_dtype, runtime_dtype, math.prod(plan.local_shape),
+            math.prod(plan.runtime_output_shape), tuple(items),
+        )
+
+
+def _bound_shapes(plan: HFSavePlan) -> dict[int, tuple[int, ...]]:
+    """Gathered shape of every pending step on the group-rank-0 chain (the largest on any rank)."""
+    if not plan.steps:
+        return {}
+    cur = list(plan.steps[0].shape_before)
+    before: dict[int, tuple[int, ...]] = {}
+    for step in plan.steps:
+        d = step.descriptor
+        n = cur[d.dim]
+        chunk = n // step.world if d.is_interleaved else -(-n // step.world)
+        gathered = list(cur)
+        gathered[d.dim] = chunk * step.world
+        before[id(step)] = tuple(gathered)
+        cur[d.dim] = sum(b - a for a, b in d.local_intervals(n, step.world, 0))
+    return before
+
+
+def _simulate(wave: list[_Tensor], wave_index: int = 0) -> tuple[int, list[GatherCall]]:
+    """Peak bytes (rank-independent bound) and the calls of one wave."""
+    live = sum(t.local_numel * t.dtype.itemsize for t in wave if t.dtype != t.runtime_dtype)
+    peak = live
+    held = {t.name: (t.local_numel * t.dtype.itemsize if t.dtype != t.runtime_dtype else 0) for t in wave}
+    calls: list[GatherCall] = []
+    depth = max((len(t.items) for t in wave), default=0)
+    for rnd in range(depth):
+        batches: dict[tuple[MeshDimRef, torch.dtype], list[tuple[int, GatherItem]]] = {}
+        for t in wave:
+            if rnd < len(t.items):
+                ref, world, item = t.items[rnd]
+                batches.setdefault((ref, t.dtype), []).append((world, item))
+        for (ref, dtype), members in batches.items():
+            world = members[0][0]
+            items = tuple(item for _, item in members)
+            size = dtype.itemsize
+            out = sum(i.bound_numel for i in items) * size
+            send = out // world
+            freed = sum(held[i.name] for i in items)
+            in_place = len(items) == 1 and items[0].dim == 0 and items[0].interleave_factor == 1
+            merged = 0 if in_place else sum(i.bound_numel for i in items) * size
+            peak = max(peak, live + send, live - freed + send + out, live - freed + out + merged)
+            live = live - freed + (out if in_place else merged)
+            for i in items:
+                held[i.name] = i.bound_numel * size
+            calls.append(GatherCall(wave_index, rnd, ref, world, dtype, items))
+    return peak, calls
+
+
+def _replace_oversized(call: GatherCall) -> GatherCall:
+    return GatherCall(call.wave, call.round, call.mesh_dim, call.world, call.dtype, call.items, oversized=True)
+
+
+def _describe(structure: tuple, index: int) -> str:
+    return repr(structure[index]) if index < len(structure) else "no call"
+
+
+def _fmt_bytes(n: int) -> str:
+    for unit in ("B", "KiB", "MiB", "GiB", "TiB"):
+        if abs(n) < 1024 or unit == "TiB":
+            return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
+        n /= 1024
+    return f"{n} B"
+
+
+def step_group(step: SaveShardStep) -> MeshDimRef:
+    """The mesh dim (group) a step gathers over."""
+    return step.descriptor.mesh_dim

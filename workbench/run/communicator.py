@@ -1,0 +1,51 @@
+"""Communicator: what an executor needs from a world of ranks, and the driver loop that uses it."""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Generator
+from typing import Any, Protocol, runtime_checkable
+
+import torch
+
+from workbench.mesh import MeshDimRef
+from workbench.run.executor import GatherRequest, WaveOutput
+
+__all__ = ["Communicator", "drive"]
+
+
+@runtime_checkable
+class Communicator(Protocol):
+    """One rank's view of the world: collectives over mesh dims named like the layout's."""
+
+    rank: int
+
+    def all_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef) -> torch.Tensor:
+        """Concatenate ``send`` of every rank in this rank's group along ``mesh_dim`` (group-rank order)."""
+        ...
+
+    def barrier(self) -> None:
+        """Wait for every rank."""
+        ...
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Small Python objects from every rank, in rank order."""
+        ...
+
+
+def drive(
+    program: Generator[GatherRequest | WaveOutput, torch.Tensor | None, None],
+    comm: Communicator,
+    on_wave: Callable[[WaveOutput], None],
+) -> None:
+    """Run an executor generator on one rank: answer its gathers with ``comm``, hand waves to ``on_wave``."""
+    reply: torch.Tensor | None = None
+    while True:
+        try:
+            request = program.send(reply)
+        except StopIteration:
+            return
+        if isinstance(request, GatherRequest):
+            reply = comm.all_gather(request.send, request.mesh_dim)
+        else:
+            on_wave(request)
+            reply = None

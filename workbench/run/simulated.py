@@ -1,0 +1,196 @@
+"""SimulatedWorld: every rank of a mesh in one process, running the real plans and executor."""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workbench.errors import PlanError
+from workbench.layout.model_layout import Layout
+from workbench.mesh import MeshSpec
+from workbench.plan.load_plan import Adapter, plan_hf_load
+from workbench.plan.policy import SavePolicy
+from workbench.plan.save_plan import HFSavePlan, plan_hf_save
+from workbench.plan.schedule import UnshardSchedule, check_schedules, schedule_unshard
+from workbench.plan.writers import assign_writers, key_nbytes
+from workbench.run.executor import GatherRequest, WaveOutput, unshard
+from workbench.run.load_ops import execute_load, reader_from_tensors
+from workbench.run.unshard_ops import split_keys
+
+__all__ = ["SavePlanSet", "SimulatedWorld", "plan_save"]
+
+
+@dataclass(frozen=True, slots=True)
+class SavePlanSet:
+    """Everything every rank needs for one save: plans, schedules and the writer of each key."""
+
+    policy: SavePolicy
+    plans: dict[int, tuple[HFSavePlan, ...]]
+    schedules: dict[int, UnshardSchedule]
+    writers: dict[str, int]
+
+    def __str__(self) -> str:
+        some = next(iter(self.schedules.values()))
+        per_rank: dict[int, int] = {}
+        for w in self.writers.values():
+            per_rank[w] = per_rank.get(w, 0) + 1
+        return (
+            f"SavePlanSet [{self.policy}]: {len(self.plans)} ranks, {len(self.writers)} HF keys written by "
+            f"{len(per_rank)} ranks\n{some}"
+        )
+
+
+def plan_save(
+    layout: Layout,
+    *,
+    ranks: Sequence[int] | None = None,
+    policy: SavePolicy | None = None,
+    budget_bytes: int | None = None,
+    dtype: torch.dtype | None = None,
+    fp32_keys_pattern: Sequence[str] | str | None = None,
+    max_writers: int | None = None,
+) -> SavePlanSet:
+    """Save plans, unshard schedules and writer assignment of a layout, for ``ranks`` (default: all)."""
+    policy = policy or SavePolicy.full()
+    ranks = tuple(layout.mesh.all_ranks() if ranks is None else ranks)
+    plans = {
+        r: tuple(
+            plan_hf_save(spec, r, policy, runtime_dtype=layout.dtype(name), dtype=dtype,
+                         fp32_keys_pattern=fp32_keys_pattern)
+            for name, spec in layout.specs.items()
+        )
+        for r in ranks
+    }
+    runtime = {name: layout.dtype(name) for name in layout}
+    schedules = {r: schedule_unshard(plans[r], runtime, budget_bytes) for r in ranks}
+    sizes: dict[str, int] = {}
+    for plan in plans[ranks[0]]:
+        sizes.update(key_nbytes(plan))
+    writers = {} if policy.mode == "gather_only" else assign_writers(plans, sizes, max_writers=max_writers)
+    return SavePlanSet(policy, plans, schedules, writers)
+
+
+class SimulatedWorld:
+    """All ranks of ``mesh`` in one process: loads and saves run the real plans, schedule and executor,
+    with the collectives done in memory. What it returns is exactly what a real run would produce.
+
+    Example::
+
+        world = SimulatedWorld(layout.mesh)
+        locals_ = world.load(layout, hf_tensors)              # {rank: {name: local tensor}}
+        written = world.save(layout, locals_, budget_bytes=1 << 20)  # {rank: {hf_key: tensor}}
+    """
+
+    def __init__(self, mesh: MeshSpec) -> None:
+        self.mesh = mesh
+
+    def __repr__(self) -> str:
+        return f"SimulatedWorld({self.mesh!r})"
+
+    def load(
+        self,
+        layout: Layout,
+        hf_tensors: Mapping[str, torch.Tensor],
+        *,
+        adapters: Mapping[str, Adapter] | None = None,
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Every rank's local tensors, read from full HF tensors through each rank's load plan."""
+        self._check(layout)
+        shapes = {k: tuple(t.shape) for k, t in hf_tensors.items()}
+        missing = [k for k in layout.hf_keys if k not in hf_tensors]
+        if missing:
+            raise PlanError(f"{len(missing)} HF key(s) of {layout.name!r} are missing, e.g. {missing[:3]}")
+        read = reader_from_tensors(hf_tensors)
+        out: dict[int, dict[str, torch.Tensor]] = {}
+        for rank in self.mesh.all_ranks():
+            out[rank] = {}
+            for name, spec in layout.specs.items():
+                own_shapes = {k: shapes[k] for k in spec.hf_keys if not adapters or k not in adapters}
+                plan = plan_hf_load(spec, rank, own_shapes)
+                local = torch.empty(plan.target_shape, dtype=layout.dtype(name))
+                out[rank][name] = execute_load(plan, read, local, adapters)
+        return out
+
+    def save(
+        self,
+        layout: Layout,
+        locals_by_rank: Mapping[int, Mapping[str, torch.Tensor]],
+        *,
+        policy: SavePolicy | None = None,
+        budget_bytes: int | None = None,
+        dtype: torch.dtype | None = None,
+        fp32_keys_pattern: Sequence[str] | str | None = None,
+        max_writers: int | None = None,
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """What each rank writes: ``{rank: {hf_key: tensor}}`` (writers only hold their own keys).
+
+        Under ``SavePolicy.gather_only`` the output stays in runtime layout and is keyed by parameter name
+        on every rank.
+        """
+        self._check(layout)
+        plan_set = plan_save(layout, policy=policy, budget_bytes=budget_bytes, dtype=dtype,
+                             fp32_keys_pattern=fp32_keys_pattern, max_writers=max_writers)
+        check_schedules(plan_set.schedules, self.mesh)
+        return self.run_save(plan_set, locals_by_rank)
+
+    def run_save(
+        self, plan_set: SavePlanSet, locals_by_rank: Mapping[int, Mapping[str, torch.Tensor]]
+    ) -> dict[int, dict[str, torch.Tensor]]:
+        """Execute a planned save for every rank in lock step, answering gathers in memory."""
+        ranks = sorted(plan_set.plans)
+        programs = {r: unshard(plan_set.schedules[r], plan_set.plans[r], locals_by_rank[r]) for r in ranks}
+        plans_by_name = {r: {p.name: p for p in plan_set.plans[r]} for r in ranks}
+        written: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
+        replies: dict[int, torch.Tensor | None] = {r: None for r in ranks}
+        while True:
+            requests = {}
+            for r in ranks:
+                try:
+                    requests[r] = programs[r].send(replies[r])
+                except StopIteration:
+                    pass
+            if not requests:
+                return written
+            if len(requests) != len(ranks):
+                raise PlanError("simulated ranks finished at different points: the schedules disagree")
+            kinds = {type(q) for q in requests.values()}
+            if kinds == {GatherRequest}:
+                replies = self._all_gather(requests)
+            elif kinds == {WaveOutput}:
+                for r, wave in requests.items():
+                    self._collect(r, wave, plans_by_name[r], plan_set, written[r])
+                replies = {r: None for r in ranks}
+            else:
+                raise PlanError("simulated ranks are at different steps: the schedules disagree")
+
+    def _all_gather(self, requests: Mapping[int, GatherRequest]) -> dict[int, torch.Tensor | None]:
+        replies: dict[int, torch.Tensor | None] = {}
+        any_rank = next(iter(requests))
+        mesh_dim = requests[any_rank].mesh_dim
+        for group in self.mesh.groups(mesh_dim):
+            sends = [requests[r].send for r in group]
+            if len({s.numel() for s in sends}) != 1:
+                raise PlanError(f"all-gather over ranks {list(group)} got send buffers of sizes "
+                                f"{[s.numel() for s in sends]}")
+            gathered = torch.cat(sends)
+            for r in group:
+                replies[r] = gathered
+        return replies
+
+    @staticmethod
+    def _collect(rank: int, wave: WaveOutput, plans: Mapping[str, HFSavePlan], plan_set: SavePlanSet,
+                 out: dict[str, torch.Tensor]) -> None:
+        for name, tensor in wave.tensors.items():
+            plan = plans[name]
+            if plan_set.policy.mode == "gather_only":
+                out[name] = tensor
+                continue
+            for key, value in split_keys(tensor, plan).items():
+                if plan_set.writers.get(key) == rank:
+                    out[key] = value
+
+    def _check(self, layout: Layout) -> None:
+        if layout.mesh != self.mesh:
+            raise PlanError(f"layout {layout.name!r} is on {layout.mesh!r}, this world is {self.mesh!r}")
