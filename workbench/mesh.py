@@ -52,6 +52,7 @@ class MeshSpec:
     dim_names: tuple[str, ...] = ()
     ranks: tuple[int, ...] | None = None
     _position: dict[int, int] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _coordinates: dict[int, tuple[int, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         shape = tuple(int(s) for s in self.shape)
@@ -133,6 +134,9 @@ class MeshSpec:
     # -- rank arithmetic ----------------------------------------------------------------------
     def coordinate(self, rank: int) -> tuple[int, ...]:
         """Mesh coordinate of a global rank."""
+        cached = self._coordinates.get(rank)
+        if cached is not None:
+            return cached
         if self.ranks is None:
             if not 0 <= rank < self.size:
                 raise LayoutError(f"rank {rank} is not in {self!r} (ranks 0..{self.size - 1})")
@@ -145,7 +149,9 @@ class MeshSpec:
         for s in reversed(self.shape):
             flat, c = divmod(flat, s)
             coord.append(c)
-        return tuple(reversed(coord))
+        result = tuple(reversed(coord))
+        self._coordinates[rank] = result
+        return result
 
     def rank_at(self, coordinate: Sequence[int]) -> int:
         """Global rank at a mesh coordinate."""

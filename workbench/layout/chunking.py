@@ -40,9 +40,13 @@ def chunk_sizes(n: int, world: int) -> tuple[int, ...]:
 def interleave_intervals(n: int, world: int, index: int, factor: int, *, what: str = "tensor") -> tuple[Interval, ...]:
     """The ``factor`` runs that group rank ``index`` holds under an even interleave.
 
+    A group of one rank holds the whole dim whatever ``factor`` is (the cut is the identity).
+
     Raises:
         LayoutError: ``n`` is not a multiple of ``world * factor`` (uneven interleave is not defined).
     """
+    if world == 1:
+        return ((0, n),)
     if n % (world * factor):
         raise LayoutError(
             f"{what}: an interleaved shard needs its dim length N={n} to be a multiple of "
@@ -55,6 +59,11 @@ def interleave_intervals(n: int, world: int, index: int, factor: int, *, what: s
 
 def local_sizes(n: int, world: int, factor: int) -> set[int]:
     """Every local length a rank can end up with when ``n`` is cut over ``world`` ranks."""
-    if factor > 1:
+    if factor > 1 and world > 1:
         return {n // world} if n % (world * factor) == 0 else set()
-    return set(chunk_sizes(n, world))
+    if n % world == 0:
+        return {n // world}
+    chunk = -(-n // world)
+    full, rest = divmod(n, chunk)
+    sizes = {chunk} | ({rest} if rest else set())
+    return sizes | {0} if full + (1 if rest else 0) < world else sizes

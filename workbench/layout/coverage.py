@@ -128,8 +128,10 @@ def _check_group(
     cuts = [sorted({0, n} | {o[d] for o, _, _ in boxes} | {o[d] + s[d] for o, s, _ in boxes}) for d, n in
             enumerate(shape)]
     if boxes:
-        lo = np.array([[np.searchsorted(cuts[d], o[d]) for d in range(ndim)] for o, _, _ in boxes])
-        hi = np.array([[np.searchsorted(cuts[d], o[d] + s[d]) for d in range(ndim)] for o, s, _ in boxes])
+        offsets = np.array([o for o, _, _ in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+        stops = offsets + np.array([s for _, s, _ in boxes], dtype=np.int64).reshape(len(boxes), ndim)
+        lo = np.stack([np.searchsorted(np.asarray(cuts[d]), offsets[:, d]) for d in range(ndim)], axis=1)
+        hi = np.stack([np.searchsorted(np.asarray(cuts[d]), stops[:, d]) for d in range(ndim)], axis=1)
     diff = np.zeros([len(c) for c in cuts], dtype=np.int64)
     for corner in itertools.product((0, 1), repeat=ndim):
         if not boxes:

@@ -98,11 +98,19 @@ def parse_layout(text: str, *, source: str = "<string>") -> Layout:
     mesh_doc = doc.get("mesh")
     if not isinstance(mesh_doc, dict) or "shape" not in mesh_doc:
         raise LayoutFileError(f"{source}: needs a [mesh] table with shape = [...] and dim_names = [...]")
+    unknown = set(mesh_doc) - {"shape", "dim_names", "ranks"}
+    if unknown:
+        raise LayoutFileError(f"{source}: [mesh]: unknown field(s) {sorted(unknown)}; known: dim_names, ranks, shape")
+    defaults = doc.get("defaults", {})
+    if not isinstance(defaults, dict) or set(defaults) - {"dtype"}:
+        raise LayoutFileError(f"{source}: [defaults] may only set dtype, got {defaults!r}")
     try:
-        mesh = MeshSpec(tuple(mesh_doc["shape"]), tuple(mesh_doc.get("dim_names", ())))
+        ranks = mesh_doc.get("ranks")
+        mesh = MeshSpec(
+            tuple(mesh_doc["shape"]), tuple(mesh_doc.get("dim_names", ())), None if ranks is None else tuple(ranks)
+        )
     except (LayoutError, TypeError) as exc:
         raise LayoutFileError(f"{source}: [mesh]: {exc}") from None
-    defaults = doc.get("defaults", {})
     params = doc.get("param", [])
     if not isinstance(params, list) or not params:
         raise LayoutFileError(f"{source}: needs at least one [[param]] table")

@@ -18,7 +18,7 @@ from workbench.layout.chunking import local_sizes
 from workbench.layout.coverage import CoverageReport, check_coverage
 from workbench.layout.descriptors import ShardDescriptor
 from workbench.layout.normalize import normalize_placements
-from workbench.layout.runs import Run, Segment, dim_segments, runs_from_segments
+from workbench.layout.runs import Run, Segment, cached_dim_segments, runs_from_segments
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 
 __all__ = ["KeyRegion", "LoadSpec"]
@@ -72,7 +72,7 @@ class LoadSpec:
     shards: tuple[ShardDescriptor, ...] = ()
     fused_dim: int | None = None
     origin_shape: tuple[int, ...] | None = None
-    _cache: dict[Any, tuple[Segment, ...]] = field(default_factory=dict, init=False, repr=False, compare=False)
+    _cache: dict[Any, Any] = field(default_factory=dict, init=False, repr=False, compare=False)
 
     def __post_init__(self) -> None:
         where = f"parameter {self.name!r}"
@@ -127,7 +127,10 @@ class LoadSpec:
                 raise LayoutError(f"{where}: shards must be ShardDescriptors, got {d!r}")
             if d.dim >= len(self.global_shape):
                 raise LayoutError(f"{where}: shard {d} cuts dim {d.dim} of a {len(self.global_shape)}-d tensor")
-            ref = self.mesh.resolve(d.mesh_dim)
+            try:
+                ref = self.mesh.resolve(d.mesh_dim)
+            except LayoutError as exc:
+                raise LayoutError(f"{where}: shard {d}: {exc}") from None
             for index in self.mesh.dim_indices(ref):
                 if index in used:
                     raise LayoutError(
@@ -141,7 +144,7 @@ class LoadSpec:
             sizes = {length}
             for d in self.shards_of_dim(dim):
                 world = self.mesh.group_size(d.mesh_dim)
-                if d.is_interleaved:
+                if d.is_interleaved and world > 1:
                     bad = sorted(n for n in sizes if n % (world * d.interleave_factor))
                     if bad:
                         raise LayoutError(
@@ -292,19 +295,37 @@ class LoadSpec:
     # -- per-rank answers --------------------------------------------------------------------
     def segments(self, rank: int) -> tuple[tuple[Segment, ...], ...]:
         """Per tensor dim, the ``(global_start, length)`` segments ``rank`` holds, in local order."""
+        coord = self.mesh.coordinate(rank)
         out = []
-        for dim, length in enumerate(self.global_shape):
-            cuts = tuple(
-                (d, self.mesh.group_size(d.mesh_dim), self.mesh.group_rank(rank, d.mesh_dim))
-                for d in self.shards_of_dim(dim)
+        for dim, cuts in enumerate(self._cuts_by_dim()):
+            index = tuple(sum(coord[i] * stride for i, stride in dims) for _, _, dims in cuts)
+            if not cuts:
+                length = self.global_shape[dim]
+                out.append(((0, length),) if length else ())
+                continue
+            out.append(
+                cached_dim_segments(self.global_shape[dim], tuple((d, w, i) for (d, w, _), i in zip(cuts, index)))
             )
-            key = (dim, tuple(index for _, _, index in cuts))
-            cached = self._cache.get(key)
-            if cached is None:
-                cached = dim_segments(length, cuts, what=f"parameter {self.name!r} dim {dim}")
-                self._cache[key] = cached
-            out.append(cached)
         return tuple(out)
+
+    def _cuts_by_dim(self) -> tuple[tuple[tuple[ShardDescriptor, int, tuple[tuple[int, int], ...]], ...], ...]:
+        """Per tensor dim: (descriptor, group size, ((mesh dim index, stride), ...)) for group-rank math."""
+        cached = self._cache.get("cuts")
+        if cached is None:
+            per_dim = []
+            for dim in range(len(self.global_shape)):
+                cuts = []
+                for d in self.shards_of_dim(dim):
+                    indices = self.mesh.dim_indices(d.mesh_dim)
+                    strides, stride = [], 1
+                    for i in reversed(indices):
+                        strides.append((i, stride))
+                        stride *= self.mesh.shape[i]
+                    cuts.append((d, stride, tuple(reversed(strides))))
+                per_dim.append(tuple(cuts))
+            cached = tuple(per_dim)
+            self._cache["cuts"] = cached
+        return cached
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of ``rank``'s local tensor (runtime, padding included)."""

@@ -67,7 +67,10 @@ def normalize_placements(
     Raises:
         LayoutError: wrong placement count, a shard dim out of range, or a Partial placement.
     """
-    refs = tuple(mesh.resolve(r) for r in (mesh_dims if mesh_dims is not None else mesh.dim_names))
+    try:
+        refs = tuple(mesh.resolve(r) for r in (mesh_dims if mesh_dims is not None else mesh.dim_names))
+    except LayoutError as exc:
+        raise LayoutError(f"parameter {name!r}: mesh_dims {list(mesh_dims or ())}: {exc}") from None
     if len(placements) != len(refs):
         raise LayoutError(
             f"parameter {name!r}: expected one placement per mesh dim, but found {len(placements)} "
@@ -110,14 +113,20 @@ def normalize_placements(
 
 
 def _explained_position(cuts: list[_Cut], split_factor: int, mesh: MeshSpec) -> int | None:
-    """Index after the leading cuts whose group sizes multiply to ``split_factor`` (None if none do)."""
-    product = 1
+    """Index after the leading cuts whose group sizes multiply to ``split_factor`` (None if none do).
+
+    Cuts over size-1 mesh dims do not change the product; the strided cut goes after them too (FSDP2
+    chunks last), so an interleave over a size-1 dim keeps the tensor length it was defined on.
+    """
+    product, found = 1, None
     for index in range(len(cuts) + 1):
         if product == split_factor:
-            return index
+            found = index
+        elif product > split_factor:
+            break
         if index < len(cuts):
             product *= mesh.group_size(cuts[index].descriptor.mesh_dim)
-    return None
+    return found
 
 
 def _merge(per_dim: dict[int, list[_Cut]]) -> tuple[ShardDescriptor, ...]:

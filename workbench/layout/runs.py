@@ -12,6 +12,7 @@ segments ``((8, 2), (12, 2))``, runs ``Run((8, 0), (2, 3), (0, 0))`` and ``Run((
 
 from __future__ import annotations
 
+import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
@@ -20,7 +21,9 @@ from typing import Any
 from workbench.layout.descriptors import ShardDescriptor
 from workbench.mesh import MeshSpec
 
-__all__ = ["Run", "Segment", "compute_runs", "cut_segments", "dim_segments", "runs_from_segments"]
+__all__ = [
+    "Run", "Segment", "cached_dim_segments", "compute_runs", "cut_segments", "dim_segments", "runs_from_segments"
+]
 
 Segment = tuple[int, int]  # (global_start, length), in local order
 
@@ -92,8 +95,15 @@ def dim_segments(
     return segments
 
 
-def runs_from_segments(segments: Sequence[Sequence[Segment]]) -> tuple[Run, ...]:
-    """The Cartesian product of per-dim segments, as runs in local row-major order."""
+@functools.lru_cache(maxsize=65536)
+def cached_dim_segments(length: int, cuts: tuple[tuple[ShardDescriptor, int, int], ...]) -> tuple[Segment, ...]:
+    """``dim_segments`` memoized on its (hashable) inputs: layers of a model share their geometry."""
+    return dim_segments(length, cuts)
+
+
+@functools.lru_cache(maxsize=65536)
+def runs_from_segments(segments: tuple[tuple[Segment, ...], ...]) -> tuple[Run, ...]:
+    """The Cartesian product of per-dim segments, as runs in local row-major order (memoized)."""
     per_dim = []
     for dim_segs in segments:
         local, cells = 0, []

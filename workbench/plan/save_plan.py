@@ -91,8 +91,9 @@ class HFSavePlan:
 
     @property
     def pending(self) -> tuple[SaveShardStep, ...]:
-        """Steps to undo, in execution order (reverse forward order, preserved skipped)."""
-        return tuple(s for s in reversed(self.steps) if not s.preserved)
+        """Steps to undo, in execution order (reverse forward order; preserved ones and cuts over a group of
+        one rank, which are the identity, skipped)."""
+        return tuple(s for s in reversed(self.steps) if not s.preserved and s.world > 1)
 
     @property
     def preserves_shards(self) -> bool:
