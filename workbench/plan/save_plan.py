@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import functools
 import math
 import re
 from collections.abc import Sequence
@@ -16,7 +17,7 @@ from workbench.layout.runs import Segment, dim_segments
 from workbench.mesh import format_mesh_dim
 from workbench.plan.policy import SavePolicy
 
-__all__ = ["HFSavePlan", "SaveShardStep", "plan_hf_save", "save_dtypes"]
+__all__ = ["HFSavePlan", "SaveShardStep", "gather_dtype", "plan_hf_save", "save_dtypes"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -125,11 +126,20 @@ def save_dtypes(
 ) -> tuple[torch.dtype, ...]:
     """Dtype each key is saved in: float32 when any pattern ``re.search``-matches it, else ``dtype``
     (default: the runtime dtype). Non-floating tensors always keep their runtime dtype."""
+    patterns = (fp32_keys_pattern,) if isinstance(fp32_keys_pattern, str) else tuple(fp32_keys_pattern or ())
+    return _save_dtypes(tuple(hf_keys), runtime_dtype, dtype, patterns)
+
+
+@functools.lru_cache(maxsize=8192)
+def _save_dtypes(
+    hf_keys: tuple[str, ...], runtime_dtype: torch.dtype, dtype: torch.dtype | None, patterns: tuple[str, ...]
+) -> tuple[torch.dtype, ...]:
     if not runtime_dtype.is_floating_point:
         return tuple(runtime_dtype for _ in hf_keys)
-    patterns = [fp32_keys_pattern] if isinstance(fp32_keys_pattern, str) else list(fp32_keys_pattern or ())
-    compiled = [re.compile(p) for p in patterns]
     default = dtype or runtime_dtype
+    if not patterns:
+        return (default,) * len(hf_keys)
+    compiled = [re.compile(p) for p in patterns]
     return tuple(torch.float32 if any(c.search(k) for c in compiled) else default for k in hf_keys)
 
 
@@ -164,14 +174,21 @@ def plan_hf_save(
     output = tuple(sum(max(0, min(g + n, v) - g) for g, n in segs) for segs, v in zip(segments, visible))
     keys = _covered_keys(spec, segments, kept, rank) if kept and policy.mode == "preserve" else spec.hf_keys
     key_dtypes = save_dtypes(keys, runtime_dtype, dtype=dtype, fp32_keys_pattern=fp32_keys_pattern)
-    gather_dtype = torch.float32 if torch.float32 in key_dtypes else (key_dtypes[0] if key_dtypes else runtime_dtype)
-    if not runtime_dtype.is_floating_point:
-        gather_dtype = runtime_dtype
     return HFSavePlan(
         name=spec.name, rank=rank, policy=policy, steps=tuple(steps), local_shape=tuple(cur),
         runtime_output_shape=runtime_out, output_shape=output, hf_keys=tuple(keys), fused_dim=spec.fused_dim,
-        gather_dtype=gather_dtype, key_dtypes=key_dtypes,
+        gather_dtype=gather_dtype(key_dtypes, runtime_dtype), key_dtypes=key_dtypes,
     )
+
+
+def gather_dtype(key_dtypes: Sequence[torch.dtype], runtime_dtype: torch.dtype) -> torch.dtype:
+    """The dtype a tensor is gathered in: float32 if any of its keys is saved in float32 (every key of a
+    fused tensor counts), else the keys' dtype; non-floating tensors keep their runtime dtype."""
+    if not runtime_dtype.is_floating_point:
+        return runtime_dtype
+    if torch.float32 in key_dtypes:
+        return torch.float32
+    return key_dtypes[0] if key_dtypes else runtime_dtype
 
 
 def _check_order(spec: LoadSpec, steps: list[SaveShardStep], policy: SavePolicy) -> None:

@@ -101,7 +101,7 @@ class UnshardSchedule:
     budget_bytes: int | None
     peak_bytes: int
     bytes_moved: int
-    _by_round: tuple[tuple[GatherCall, ...], ...] = field(default=(), repr=False, compare=False)
+    signatures: Mapping[str, tuple] = field(default_factory=dict, repr=False, compare=False)
 
     @property
     def num_calls(self) -> int:
@@ -145,6 +145,8 @@ def schedule_unshard(
     save_plans: Sequence[HFSavePlan],
     dtypes: Mapping[str, torch.dtype] | None = None,
     budget_bytes: int | None = None,
+    *,
+    reference: UnshardSchedule | None = None,
 ) -> UnshardSchedule:
     """Build the all-gather schedule of one rank's save plans (every rank passes its own, same order).
 
@@ -153,25 +155,21 @@ def schedule_unshard(
             rank).
         dtypes: runtime dtype of each tensor, to count the cast to the gather dtype (default: no cast).
         budget_bytes: bound on the modeled peak memory of a wave (None: one wave, XTuner's behaviour).
+        reference: another rank's schedule of the same save. Wave packing only uses rank-independent
+            bounds, so its waves are reused (planning a whole world packs once); the calls are rebuilt from
+            this rank's plans and must match the reference's structure.
 
     Returns:
         The schedule; see the module docstring for its memory model.
     """
     if not save_plans:
-        return UnshardSchedule(-1, (), (), budget_bytes, 0, 0)
+        return UnshardSchedule(-1, (), (), budget_bytes, 0, 0, {})
     rank = save_plans[0].rank
     if len({p.name for p in save_plans}) != len(save_plans):
         raise PlanError("schedule_unshard: save plans repeat a parameter name")
-    tensors = [_Tensor.of(p, (dtypes or {}).get(p.name, p.gather_dtype)) for p in save_plans]
-    waves: list[list[_Tensor]] = []
-    current: list[_Tensor] = []
-    for t in tensors:
-        if budget_bytes is not None and current and _simulate([*current, t])[0] > budget_bytes:
-            waves.append(current)
-            current = []
-        current.append(t)
-    if current:
-        waves.append(current)
+    memo: dict[int, tuple] = {}
+    tensors = [_Tensor.of(p, (dtypes or {}).get(p.name, p.gather_dtype), memo) for p in save_plans]
+    waves = _pack_waves(tensors, budget_bytes) if reference is None else _reuse_waves(tensors, reference)
     calls: list[GatherCall] = []
     peak = 0
     moved = 0
@@ -183,9 +181,46 @@ def schedule_unshard(
         calls.extend(wave_calls)
         peak = max(peak, wave_peak)
         moved += sum(c.bytes_out - c.bytes_in for c in wave_calls)
+    signatures = {t.name: t.signature() for t in tensors}
+    if reference is not None:
+        for name, signature in signatures.items():
+            if reference.signatures.get(name) != signature:
+                raise PlanError(
+                    f"rank {rank}'s unshard steps of {name!r} ({signature}) differ from rank {reference.rank}'s "
+                    f"({reference.signatures.get(name)}); the two ranks would issue different collectives and hang"
+                )
     return UnshardSchedule(
-        rank, tuple(calls), tuple(tuple(t.name for t in wave) for wave in waves), budget_bytes, peak, moved
+        rank, tuple(calls), tuple(tuple(t.name for t in wave) for wave in waves), budget_bytes, peak, moved,
+        signatures=signatures,
     )
+
+
+def _pack_waves(tensors: list[_Tensor], budget_bytes: int | None) -> list[list[_Tensor]]:
+    """Greedy, in plan order: a tensor joins the current wave unless the wave's modeled peak would exceed
+    the budget."""
+    waves: list[list[_Tensor]] = []
+    current: list[_Tensor] = []
+    for t in tensors:
+        if budget_bytes is not None and current and _simulate([*current, t])[0] > budget_bytes:
+            waves.append(current)
+            current = []
+        current.append(t)
+    if current:
+        waves.append(current)
+    return waves
+
+
+def _reuse_waves(tensors: list[_Tensor], reference: UnshardSchedule) -> list[list[_Tensor]]:
+    by_name = {t.name: t for t in tensors}
+    try:
+        waves = [[by_name.pop(name) for name in wave] for wave in reference.waves]
+    except KeyError as exc:
+        raise PlanError(
+            f"reference schedule of rank {reference.rank} names {exc}, which this rank does not plan"
+        ) from None
+    if by_name:
+        raise PlanError(f"reference schedule of rank {reference.rank} lacks {sorted(by_name)[:3]}")
+    return waves
 
 
 def check_schedules(schedules: Mapping[int, UnshardSchedule], mesh: MeshSpec) -> None:
@@ -229,24 +264,29 @@ class _Tensor:
     items: tuple[tuple[MeshDimRef, int, GatherItem], ...]  # (mesh dim, world, item) per pending step
 
     @classmethod
-    def of(cls, plan: HFSavePlan, runtime_dtype: torch.dtype) -> _Tensor:
-        bounds = _bound_shapes(plan)
-        items = []
-        for k, step in enumerate(plan.pending):
-            items.append(
-                (
-                    step.descriptor.mesh_dim,
-                    step.world,
-                    GatherItem(
-                        plan.name, k, step.descriptor.dim, step.descriptor.interleave_factor,
-                        step.padded_shape, step.shape_before, math.prod(bounds[id(step)]),
-                    ),
-                )
+    def of(cls, plan: HFSavePlan, runtime_dtype: torch.dtype, memo: dict[int, tuple] | None = None) -> _Tensor:
+        """The scheduler's view of a plan; ``memo`` shares step math between plans with the same steps."""
+        memo = {} if memo is None else memo
+        shared = memo.get(id(plan.steps))
+        if shared is None or shared[0] is not plan.steps:
+            bounds = _bound_shapes(plan)
+            steps = tuple(
+                (s.descriptor.mesh_dim, s.world, s.descriptor.dim, s.descriptor.interleave_factor, s.padded_shape,
+                 s.shape_before, math.prod(bounds[id(s)]))
+                for s in plan.pending
             )
-        return cls(
-            plan.name, plan.gather_dtype, runtime_dtype, math.prod(plan.local_shape),
-            math.prod(plan.runtime_output_shape), tuple(items),
+            shared = memo[id(plan.steps)] = (plan.steps, steps, math.prod(plan.local_shape),
+                                             math.prod(plan.runtime_output_shape))
+        _, steps, local_numel, output_numel = shared
+        items = tuple(
+            (ref, world, GatherItem(plan.name, k, dim, factor, padded, before, bound))
+            for k, (ref, world, dim, factor, padded, before, bound) in enumerate(steps)
         )
+        return cls(plan.name, plan.gather_dtype, runtime_dtype, local_numel, output_numel, items)
+
+    def signature(self) -> tuple:
+        """What the calls depend on: dtype and the (mesh dim, group size) of every pending step."""
+        return (self.dtype, tuple((ref, world) for ref, world, _ in self.items))
 
 
 def _bound_shapes(plan: HFSavePlan) -> dict[int, tuple[int, ...]]:

@@ -1,0 +1,100 @@
+"""Benchmark: plan a save and its unshard schedule under memory budgets, for one rank and the whole world.
+
+For each sample layout and budget it reports the calls, the predicted peak memory, and the bytes a rank
+receives, next to the baseline of the same run without a budget (one call per (group, dtype) per round
+over the whole model: XTuner's behaviour), and checks the targets:
+
+* predicted peak <= budget + largest tensor;
+* calls within 2x of the fewest the budget allows (per (mesh dim, dtype): total gathered bytes / budget);
+* planning the whole world (every rank's plans and schedule, checked against each other) in seconds.
+
+    .venv/bin/python bench/schedule.py [--layouts qwen3_30b_a3b deepseek_v3_671b] [--world-ranks N]
+"""
+
+from __future__ import annotations
+
+import argparse
+import math
+import time
+from pathlib import Path
+
+import torch
+
+from workbench import load_layout
+from workbench.plan.schedule import UnshardSchedule
+from workbench.run.simulated import SavePlanSet, plan_save
+
+ROOT = Path(__file__).resolve().parents[1]
+MiB = 1 << 20
+BUDGETS = (256 * MiB, 1024 * MiB, 4096 * MiB)
+
+
+def gib(n: float) -> str:
+    return f"{n / (1 << 30):.2f} GiB"
+
+
+def min_calls(schedule: UnshardSchedule, budget: int) -> int:
+    """Fewest calls a per-call byte budget allows: per (mesh dim, dtype), total gathered bytes / budget;
+    a step whose tensor alone exceeds the budget (an oversized call) counts as one call of its own."""
+    totals: dict[tuple, int] = {}
+    alone = 0
+    for call in schedule.calls:
+        if call.oversized:
+            alone += 1
+            continue
+        key = (call.mesh_dim, call.dtype)
+        totals[key] = totals.get(key, 0) + sum(i.bound_numel for i in call.items) * call.dtype.itemsize
+    return alone + sum(max(1, math.ceil(t / budget)) for t in totals.values())
+
+
+def largest_tensor(plan_set: SavePlanSet, rank: int) -> int:
+    return max(p.output_bytes for p in plan_set.plans[rank])
+
+
+def bench_layout(path: Path, world_ranks: int | None) -> list[str]:
+    layout = load_layout(path)
+    rank = 0
+    rows = [f"### {layout.name}: {layout.mesh!r}, {len(layout)} tensors, {len(layout.hf_keys)} HF keys", ""]
+    rows.append("| budget | waves | calls | min calls | calls / min | predicted peak | budget + largest | "
+                "peak target | receives / rank |")
+    rows.append("|---|---|---|---|---|---|---|---|---|")
+    for budget in (None, *BUDGETS):
+        t0 = time.perf_counter()
+        plan_set = plan_save(layout, ranks=[rank], budget_bytes=budget)
+        t_one = time.perf_counter() - t0
+        s = plan_set.schedules[rank]
+        big = largest_tensor(plan_set, rank)
+        if budget is None:
+            rows.append(f"| none (baseline) | {len(s.waves)} | {s.num_calls} | — | — | {gib(s.peak_bytes)} | — | — | "
+                        f"{gib(s.bytes_moved)} |")
+            continue
+        low = min_calls(s, budget)
+        ok = s.peak_bytes <= budget + big
+        rows.append(
+            f"| {budget // MiB} MiB | {len(s.waves)} | {s.num_calls} | {low} | {s.num_calls / low:.2f} | "
+            f"{gib(s.peak_bytes)} | {gib(budget + big)} | {'met' if ok else 'MISSED'} | {gib(s.bytes_moved)} |"
+        )
+    rows.append("")
+    rows.append(f"Planning one rank (plans + schedule, 1 GiB budget): {t_one * 1e3:.0f} ms (last budget row).")
+    ranks = list(layout.mesh.all_ranks())[:world_ranks]
+    t0 = time.perf_counter()
+    plan_save(layout, ranks=ranks, budget_bytes=1024 * MiB)
+    t_all = time.perf_counter() - t0
+    rows.append(f"Planning {len(ranks)} ranks (every rank's plans and schedule, each checked against rank 0's): "
+                f"{t_all:.2f} s.")
+    return rows
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--layouts", nargs="*", default=["qwen3_30b_a3b", "deepseek_v3_671b"])
+    parser.add_argument("--world-ranks", type=int, default=None, help="plan only the first N ranks as 'all'")
+    args = parser.parse_args()
+    print(f"torch {torch.__version__}")
+    for name in args.layouts:
+        print("\n".join(bench_layout(ROOT / "sample_meshes" / f"{name}.toml", args.world_ranks)))
+        print()
+
+
+if __name__ == "__main__":
+    main()
