@@ -7,17 +7,25 @@ from workbench.layout import InterleavedShard, LoadSpec, Run, ShardDescriptor, c
 from workbench.layout.layout_file import load_layout
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
+from workbench.plan import HFLoadPlan, HFSavePlan, SavePolicy, UnshardSchedule, schedule_unshard
+from workbench.run.simulated import SimulatedWorld
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "HFLoadPlan",
+    "HFSavePlan",
     "InterleavedShard",
     "Layout",
     "LoadSpec",
     "MeshSpec",
     "Run",
+    "SavePolicy",
     "ShardDescriptor",
+    "SimulatedWorld",
+    "UnshardSchedule",
     "__version__",
     "compute_runs",
     "load_layout",
+    "schedule_unshard",
 ]

@@ -221,7 +221,8 @@ def fake_process_group(rank: int, world_size: int) -> Iterator[None]:
     try:
         yield
     finally:
-        dist.destroy_process_group()
+        if dist.is_initialized():  # a nested fake_process_group may already have replaced and destroyed it
+            dist.destroy_process_group()
 
 
 def local_tensor_mode(world_size: int) -> Any:

@@ -54,7 +54,8 @@ class ShardDescriptor:
         if self.interleave_factor == 1:
             start, stop = chunk_interval(n, world, index)
             return ((start, stop),) if stop > start else ()
-        return interleave_intervals(n, world, index, self.interleave_factor, what=what)
+        runs = interleave_intervals(n, world, index, self.interleave_factor, what=what)
+        return tuple((a, b) for a, b in runs if b > a)
 
     def __str__(self) -> str:
         where = format_mesh_dim(self.mesh_dim)
