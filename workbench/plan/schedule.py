@@ -167,7 +167,7 @@ def schedule_unshard(
     rank = save_plans[0].rank
     if len({p.name for p in save_plans}) != len(save_plans):
         raise PlanError("schedule_unshard: save plans repeat a parameter name")
-    memo: dict[int, tuple] = {}
+    memo: dict[tuple, tuple] = {}
     tensors = [_Tensor.of(p, (dtypes or {}).get(p.name, p.gather_dtype), memo) for p in save_plans]
     waves = _pack_waves(tensors, budget_bytes) if reference is None else _reuse_waves(tensors, reference)
     calls: list[GatherCall] = []
@@ -264,10 +264,11 @@ class _Tensor:
     items: tuple[tuple[MeshDimRef, int, GatherItem], ...]  # (mesh dim, world, item) per pending step
 
     @classmethod
-    def of(cls, plan: HFSavePlan, runtime_dtype: torch.dtype, memo: dict[int, tuple] | None = None) -> _Tensor:
+    def of(cls, plan: HFSavePlan, runtime_dtype: torch.dtype, memo: dict[tuple, tuple] | None = None) -> _Tensor:
         """The scheduler's view of a plan; ``memo`` shares step math between plans with the same steps."""
         memo = {} if memo is None else memo
-        shared = memo.get(id(plan.steps))
+        key = (id(plan.steps), plan.local_shape, plan.runtime_output_shape)  # () is shared by unsharded plans
+        shared = memo.get(key)
         if shared is None or shared[0] is not plan.steps:
             bounds = _bound_shapes(plan)
             steps = tuple(
@@ -275,7 +276,7 @@ class _Tensor:
                  s.shape_before, math.prod(bounds[id(s)]))
                 for s in plan.pending
             )
-            shared = memo[id(plan.steps)] = (plan.steps, steps, math.prod(plan.local_shape),
+            shared = memo[key] = (plan.steps, steps, math.prod(plan.local_shape),
                                              math.prod(plan.runtime_output_shape))
         _, steps, local_numel, output_numel = shared
         items = tuple(

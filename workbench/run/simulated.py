@@ -3,12 +3,14 @@
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
 from workbench.errors import PlanError
+from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
 from workbench.plan.load_plan import Adapter, plan_hf_load
@@ -25,22 +27,46 @@ __all__ = ["SavePlanSet", "SimulatedWorld", "plan_save"]
 
 @dataclass(frozen=True, slots=True)
 class SavePlanSet:
-    """Everything every rank needs for one save: plans, schedules and the writer of each key."""
+    """Everything every rank needs for one save: plans, schedules and the writer of each key.
+
+    ``plans`` and ``schedules`` map every planned rank; a rank's plans are built when first asked for (ranks
+    of one shape class share a checked schedule, see ``plan_save``).
+    """
 
     policy: SavePolicy
-    plans: dict[int, tuple[HFSavePlan, ...]]
-    schedules: dict[int, UnshardSchedule]
+    plans: Mapping[int, tuple[HFSavePlan, ...]]
+    schedules: Mapping[int, UnshardSchedule]
     writers: dict[str, int]
+    shape_classes: int = 1
 
     def __str__(self) -> str:
-        some = next(iter(self.schedules.values()))
-        per_rank: dict[int, int] = {}
-        for w in self.writers.values():
-            per_rank[w] = per_rank.get(w, 0) + 1
+        some = self.schedules[next(iter(self.schedules))]
+        writer_ranks = len(set(self.writers.values()))
         return (
-            f"SavePlanSet [{self.policy}]: {len(self.plans)} ranks, {len(self.writers)} HF keys written by "
-            f"{len(per_rank)} ranks\n{some}"
+            f"SavePlanSet [{self.policy}]: {len(self.plans)} ranks in {self.shape_classes} shape class(es), "
+            f"{len(self.writers)} HF keys written by {writer_ranks} ranks\n{some}"
         )
+
+
+class _PerRank(Mapping[int, Any]):
+    """A read-only ``{rank: value}`` whose values are made on first access."""
+
+    def __init__(self, ranks: Sequence[int], make: Callable[[int], Any], known: dict[int, Any]) -> None:
+        self._ranks, self._make, self._values = tuple(ranks), make, dict(known)
+        self._index = set(self._ranks)
+
+    def __getitem__(self, rank: int) -> Any:
+        if rank not in self._index:
+            raise KeyError(rank)
+        if rank not in self._values:
+            self._values[rank] = self._make(rank)
+        return self._values[rank]
+
+    def __iter__(self) -> Iterator[int]:
+        return iter(self._ranks)
+
+    def __len__(self) -> int:
+        return len(self._ranks)
 
 
 def plan_save(
@@ -55,21 +81,36 @@ def plan_save(
 ) -> SavePlanSet:
     """Save plans, unshard schedules and writer assignment of a layout, for ``ranks`` (default: all).
 
-    Layers that share a geometry share their plans (only names and keys differ), and every rank's schedule
-    is built on the first rank's waves and checked against it, so a whole 1,024-rank world plans in seconds.
+    Work is shared where the math is the same: parameters of one geometry (the layers of a model) share a
+    plan, and ranks whose steps have the same shapes (a *shape class*: every rank of an evenly sharded model)
+    share one schedule. The first rank packs the waves; each shape class rebuilds its calls on them and is
+    checked against the first rank's steps, so a 1,024-rank world plans in seconds.
     """
     policy = policy or SavePolicy.full()
     ranks = tuple(layout.mesh.all_ranks() if ranks is None else ranks)
     runtime = {name: layout.dtype(name) for name in layout}
+    groups = _geometry_groups(layout, runtime) if policy.mode != "preserve" else None
+
+    def plans_of(rank: int) -> tuple[HFSavePlan, ...]:
+        return _plans_for_rank(layout, rank, policy, runtime, dtype, fp32_keys_pattern, groups)
+
     plans: dict[int, tuple[HFSavePlan, ...]] = {}
     schedules: dict[int, UnshardSchedule] = {}
+    classes: dict[tuple, UnshardSchedule] = {}
     reference: UnshardSchedule | None = None
     for r in ranks:
-        plans[r] = _plans_for_rank(layout, r, policy, runtime, dtype, fp32_keys_pattern)
+        key = _shape_class(layout, r, policy, runtime, dtype, fp32_keys_pattern, groups) if groups else None
+        if key is not None and key in classes:
+            schedules[r] = dataclasses.replace(classes[key], rank=r)
+            continue
+        plans[r] = plans_of(r)
         schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes, reference=reference)
         reference = reference or schedules[r]
+        if key is not None:
+            classes[key] = schedules[r]
+    first = plans[ranks[0]]
     sizes: dict[str, int] = {}
-    for plan in plans[ranks[0]]:
+    for plan in first:
         sizes.update(key_nbytes(plan))
     if policy.mode == "gather_only":
         writers: dict[str, int] = {}
@@ -77,8 +118,39 @@ def plan_save(
         everyone = tuple(layout.mesh.all_ranks())
         writers = assign_writers(dict.fromkeys(sizes, everyone), sizes, max_writers=max_writers, world=everyone)
     else:
-        writers = assign_writers(key_holders(plans), sizes, max_writers=max_writers, world=layout.mesh.all_ranks())
-    return SavePlanSet(policy, plans, schedules, writers)
+        every_plan = {r: plans[r] if r in plans else plans_of(r) for r in ranks}
+        writers = assign_writers(key_holders(every_plan), sizes, max_writers=max_writers, world=layout.mesh.all_ranks())
+    return SavePlanSet(policy, _PerRank(ranks, plans_of, plans), schedules, writers, max(1, len(classes)))
+
+
+def _geometry_groups(layout: Layout, runtime: Mapping[str, torch.dtype]) -> dict[tuple, str]:
+    """``{geometry: first parameter with it}``: parameters that differ only in names and keys."""
+    groups: dict[tuple, str] = {}
+    for name, spec in layout.specs.items():
+        groups.setdefault(_geometry(spec, runtime[name]), name)
+    return groups
+
+
+def _geometry(spec: LoadSpec, runtime_dtype: torch.dtype) -> tuple:
+    return (spec.global_shape, spec.shards, spec.fused_dim, spec.origin_shape, len(spec.hf_keys), runtime_dtype)
+
+
+def _shape_class(
+    layout: Layout,
+    rank: int,
+    policy: SavePolicy,
+    runtime: Mapping[str, torch.dtype],
+    dtype: torch.dtype | None,
+    fp32_keys_pattern: Sequence[str] | str | None,
+    groups: Mapping[tuple, str],
+) -> tuple:
+    """Every shape a rank's schedule depends on, one entry per geometry (ranks with equal keys share calls)."""
+    out = []
+    for name in groups.values():
+        plan = plan_hf_save(layout[name], rank, policy, runtime_dtype=runtime[name], dtype=dtype,
+                            fp32_keys_pattern=fp32_keys_pattern)
+        out.append((plan.local_shape, plan.runtime_output_shape, tuple(s.shape_before for s in plan.steps)))
+    return tuple(out)
 
 
 def _plans_for_rank(
@@ -88,16 +160,17 @@ def _plans_for_rank(
     runtime: Mapping[str, torch.dtype],
     dtype: torch.dtype | None,
     fp32_keys_pattern: Sequence[str] | str | None,
+    groups: Mapping[tuple, str] | None = None,
 ) -> tuple[HFSavePlan, ...]:
     """One rank's plans; parameters of one geometry reuse the first one's plan with their own names/keys."""
     templates: dict[tuple, HFSavePlan] = {}
     out = []
     for name, spec in layout.specs.items():
-        if policy.mode == "preserve":  # covered keys depend on the spec's keys: plan each one
+        if groups is None:  # preserve: covered keys depend on each spec's keys, plan each one
             out.append(plan_hf_save(spec, rank, policy, runtime_dtype=runtime[name], dtype=dtype,
                                     fp32_keys_pattern=fp32_keys_pattern))
             continue
-        geometry = (spec.global_shape, spec.shards, spec.fused_dim, spec.origin_shape, len(spec.hf_keys), runtime[name])
+        geometry = _geometry(spec, runtime[name])
         template = templates.get(geometry)
         if template is None:
             template = templates[geometry] = plan_hf_save(
