@@ -120,7 +120,7 @@ def test_missing_mesh_and_missing_file(tmp_path: Path) -> None:
 
 def test_duplicate_parameter_and_key() -> None:
     doubled = GOOD + GOOD[GOOD.index("[[param]]\nname = \"norm.weight\"") :]
-    with pytest.raises(LayoutFileError, match="'norm.weight' is defined twice"):
+    with pytest.raises(LayoutFileError, match=r"'norm\.weight' is defined twice"):
         parse_layout(doubled, source="tiny.toml")
 
 
@@ -131,3 +131,24 @@ def test_every_sample_loads_and_covers_exactly(path: Path) -> None:
     reports = layout.coverage()
     bad = [str(r) for r in reports.values() if not r.ok]
     assert not bad, "\n".join(bad)
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [
+        # a typo in the mesh table is an error, not silently ignored
+        ('[mesh]\nshape = [2]\ndim_nmes = ["a"]\n[[param]]\n', r"\[mesh\]: unknown field.*dim_nmes"),
+        # defaults only set dtype
+        ('[mesh]\nshape = [2]\n[defaults]\ndtyp = "bfloat16"\n[[param]]\n', r"\[defaults\] may only set dtype"),
+    ],
+)
+def test_mesh_and_defaults_reject_unknown_fields(text: str, message: str) -> None:
+    with pytest.raises(LayoutFileError, match=message):
+        parse_layout(text, source="x.toml")
+
+
+def test_custom_rank_order() -> None:
+    text = GOOD.replace('dim_names = ["ep", "tp"]', 'dim_names = ["ep", "tp"]\nranks = [3, 2, 1, 0]')
+    layout = parse_layout(text, source="tiny.toml")
+    assert layout.mesh.coordinate(3) == (0, 0)
+    assert layout["norm.weight"].local_shape(0) == (0,)  # rank 0 sits last on the flattened ep+tp group
