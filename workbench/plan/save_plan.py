@@ -22,11 +22,14 @@ __all__ = ["HFSavePlan", "SaveShardStep", "gather_dtype", "plan_hf_save", "save_
 
 @dataclass(frozen=True, slots=True)
 class SaveShardStep:
-    """One shard as the save sees it: the cut, the tensor's shape before it, and whether it stays applied.
+    """One shard as the save sees it: the cut, the tensor's shape when it is undone, and whether it stays.
 
-    ``chunk`` is the per-rank length along ``descriptor.dim`` every member of the group contributes to the
-    all-gather (``ceil(N / W)`` padded for contiguous cuts, ``N / W`` for interleaves); it is the same on
-    every rank of the group.
+    ``shape_before`` is the shape of the tensor right after this cut is undone during a save: every cut
+    applied before it in forward order, and every kept cut, still applied. ``bound_before`` is the same shape
+    on the rank with group rank 0 on every cut: the largest any rank sees, which sizes the schedule
+    identically everywhere. ``chunk`` is the per-rank length along ``descriptor.dim`` every member of the
+    group contributes to the all-gather (``ceil(N / W)`` padded for contiguous cuts, ``N / W`` for
+    interleaves); it is the same on every rank of the group.
     """
 
     descriptor: ShardDescriptor
@@ -34,6 +37,7 @@ class SaveShardStep:
     world: int
     group_rank: int
     preserved: bool
+    bound_before: tuple[int, ...] = ()
 
     @property
     def chunk(self) -> int:
@@ -160,12 +164,17 @@ def plan_hf_save(
     """
     policy = policy or SavePolicy.full()
     mesh = spec.mesh
-    cur = list(spec.global_shape)
+    cuts = [(d, mesh.group_size(d.mesh_dim), mesh.group_rank(rank, d.mesh_dim)) for d in spec.shards]
+    keep = [policy.keeps(d, spec.fused_dim) for d, _, _ in cuts]
     steps = []
-    for d in spec.shards:
-        world, index = mesh.group_size(d.mesh_dim), mesh.group_rank(rank, d.mesh_dim)
-        steps.append(SaveShardStep(d, tuple(cur), world, index, policy.keeps(d, spec.fused_dim)))
-        cur[d.dim] = sum(b - a for a, b in d.local_intervals(cur[d.dim], world, index))
+    for i, (d, world, index) in enumerate(cuts):
+        # applied when cut i is undone: every earlier cut, and (for a gathered cut) every kept one
+        applied = [j < i or (keep[j] and not keep[i]) for j in range(len(cuts))]
+        steps.append(SaveShardStep(
+            d, _shape(spec.global_shape, cuts, applied), world, index, keep[i],
+            _shape(spec.global_shape, [(c, w, 0) for c, w, _ in cuts], applied),
+        ))
+    cur = list(_shape(spec.global_shape, cuts, [True] * len(cuts)))
     _check_order(spec, steps, policy)
     kept = [s for s in steps if s.preserved]
     segments = _segments(spec, kept)
@@ -191,9 +200,21 @@ def gather_dtype(key_dtypes: Sequence[torch.dtype], runtime_dtype: torch.dtype) 
     return key_dtypes[0] if key_dtypes else runtime_dtype
 
 
+def _shape(global_shape: Sequence[int], cuts: Sequence[tuple[ShardDescriptor, int, int]],
+           applied: Sequence[bool]) -> tuple[int, ...]:
+    """Shape after the ``applied`` cuts (forward order per dim; cuts on different dims commute)."""
+    shape = list(global_shape)
+    for (d, world, index), on in zip(cuts, applied):
+        if on:
+            shape[d.dim] = sum(b - a for a, b in d.local_intervals(shape[d.dim], world, index))
+    return tuple(shape)
+
+
 def _check_order(spec: LoadSpec, steps: list[SaveShardStep], policy: SavePolicy) -> None:
     undone_dims: dict[int, SaveShardStep] = {}
     for step in steps:
+        if step.world == 1:  # a cut over one rank is the identity: keeping or undoing it changes nothing
+            continue
         d = step.descriptor
         if not step.preserved:
             undone_dims.setdefault(d.dim, step)
@@ -226,12 +247,16 @@ def _covered_keys(
         if hi <= lo:
             continue
         if lo % ks or (hi % ks and hi != visible):
+            padding = (
+                f" The tensor's {spec.global_shape[fd]} rows include tail padding past the {visible} visible ones, "
+                "which moves the cuts off the key boundaries." if spec.global_shape[fd] != visible else ""
+            )
             kept_desc = ", ".join(f"{s.descriptor}" for s in kept)
             raise PlanError(
                 f"parameter {spec.name!r}, rank {rank}: keeping {kept_desc} leaves fused-dim rows [{lo}, {hi}) "
                 f"on this rank, which do not fall on HF key boundaries (each of the {len(spec.hf_keys)} keys "
-                f"has {ks} rows on dim {fd}). Preserve a mesh dim whose size divides the key count "
-                f"({len(spec.hf_keys)}), or gather it (SavePolicy.full())."
+                f"has {ks} rows on dim {fd}).{padding} Preserve a mesh dim whose cuts fall on key boundaries "
+                f"(its size dividing the key count {len(spec.hf_keys)}), or gather it (SavePolicy.full())."
             )
         keys.extend(spec.hf_keys[lo // ks : -(-hi // ks)])
     return tuple(keys)

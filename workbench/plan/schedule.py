@@ -224,32 +224,43 @@ def _reuse_waves(tensors: list[_Tensor], reference: UnshardSchedule) -> list[lis
 
 
 def check_schedules(schedules: Mapping[int, UnshardSchedule], mesh: MeshSpec) -> None:
-    """Check the SPMD contract across ranks: same calls everywhere, same shapes within every group.
+    """Check the SPMD contract: the ranks of every group issue the same calls on it, in the same order.
+
+    For each mesh dim a schedule gathers over, and each group of that mesh dim, every member's sequence of
+    calls on it (tensors, steps, dtype and send shapes) must be equal. Ranks that share no group may batch
+    differently (e.g. one EP rank's keys saved in float32).
 
     Raises:
-        PlanError: naming the first call and ranks that disagree (a real run would hang there).
+        PlanError: naming the group, the ranks and the first call that differs (a real run would hang there).
     """
-    ranks = sorted(schedules)
-    if not ranks:
-        return
-    reference = schedules[ranks[0]].structure()
-    for rank in ranks[1:]:
-        other = schedules[rank].structure()
-        if other != reference:
-            diverging = (i for i, (a, b) in enumerate(zip(reference, other)) if a != b)
-            index = next(diverging, min(len(reference), len(other)))
-            raise PlanError(
-                f"unshard schedules differ between rank {ranks[0]} and rank {rank} at call {index}: "
-                f"{_describe(reference, index)} vs {_describe(other, index)}; collectives would hang"
-            )
-    for index, call in enumerate(schedules[ranks[0]].calls):
-        for group in mesh.groups(call.mesh_dim):
-            members = [r for r in group if r in schedules]
-            shapes = {tuple(i.padded_shape for i in schedules[r].calls[index].items) for r in members}
-            if len(shapes) > 1:
+    sequences: dict[int, dict[MeshDimRef, tuple]] = {}
+    by_calls: dict[int, dict[MeshDimRef, tuple]] = {}
+    for rank, schedule in schedules.items():
+        cached = by_calls.get(id(schedule.calls))
+        if cached is None:
+            per_dim: dict[MeshDimRef, list[tuple]] = {}
+            for call in schedule.calls:
+                per_dim.setdefault(call.mesh_dim, []).append(
+                    (str(call.dtype), tuple((i.name, i.step, i.padded_shape) for i in call.items))
+                )
+            cached = by_calls[id(schedule.calls)] = {ref: tuple(seq) for ref, seq in per_dim.items()}
+        sequences[rank] = cached
+    refs = {ref for per_dim in sequences.values() for ref in per_dim}
+    for ref in sorted(refs, key=format_mesh_dim):
+        for group in mesh.groups(ref):
+            members = [r for r in group if r in sequences]
+            if len(members) < 2:
+                continue
+            first = sequences[members[0]].get(ref, ())
+            for other in members[1:]:
+                seq = sequences[other].get(ref, ())
+                if seq is first or seq == first:
+                    continue
+                index = next((i for i, (a, b) in enumerate(zip(first, seq)) if a != b), min(len(first), len(seq)))
                 raise PlanError(
-                    f"call {index} ({call}) gathers over ranks {list(group)} whose send shapes differ: "
-                    f"{sorted(shapes)}; an all-gather needs equal shapes"
+                    f"ranks {members[0]} and {other} of the {format_mesh_dim(ref)} group {list(group)} disagree at "
+                    f"their call {index} on it: {_describe(first, index)} vs {_describe(seq, index)}; the "
+                    "all-gather would hang or mix tensors"
                 )
 
 
@@ -270,10 +281,9 @@ class _Tensor:
         key = (id(plan.steps), plan.local_shape, plan.runtime_output_shape)  # () is shared by unsharded plans
         shared = memo.get(key)
         if shared is None or shared[0] is not plan.steps:
-            bounds = _bound_shapes(plan)
             steps = tuple(
                 (s.descriptor.mesh_dim, s.world, s.descriptor.dim, s.descriptor.interleave_factor, s.padded_shape,
-                 s.shape_before, math.prod(bounds[id(s)]))
+                 s.shape_before, math.prod(_gathered(s.bound_before or s.shape_before, s)))
                 for s in plan.pending
             )
             shared = memo[key] = (plan.steps, steps, math.prod(plan.local_shape),
@@ -290,21 +300,14 @@ class _Tensor:
         return (self.dtype, tuple((ref, world) for ref, world, _ in self.items))
 
 
-def _bound_shapes(plan: HFSavePlan) -> dict[int, tuple[int, ...]]:
-    """Gathered shape of every pending step on the group-rank-0 chain (the largest on any rank)."""
-    if not plan.steps:
-        return {}
-    cur = list(plan.steps[0].shape_before)
-    before: dict[int, tuple[int, ...]] = {}
-    for step in plan.steps:
-        d = step.descriptor
-        n = cur[d.dim]
-        chunk = n // step.world if d.is_interleaved else -(-n // step.world)
-        gathered = list(cur)
-        gathered[d.dim] = chunk * step.world
-        before[id(step)] = tuple(gathered)
-        cur[d.dim] = sum(b - a for a, b in d.local_intervals(n, step.world, 0))
-    return before
+def _gathered(shape: tuple[int, ...], step: SaveShardStep) -> tuple[int, ...]:
+    """Shape of the all-gather output (collective padding included) when the merged shape is ``shape``."""
+    d = step.descriptor
+    n = shape[d.dim]
+    chunk = n // step.world if d.is_interleaved else -(-n // step.world)
+    out = list(shape)
+    out[d.dim] = chunk * step.world
+    return tuple(out)
 
 
 def _simulate(wave: list[_Tensor], wave_index: int = 0) -> tuple[int, list[GatherCall]]:

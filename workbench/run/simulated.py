@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import dataclasses
+import math
 from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -13,11 +14,11 @@ from workbench.errors import PlanError
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
-from workbench.plan.load_plan import Adapter, plan_hf_load
+from workbench.plan.load_plan import Adapter, expected_key_shape, plan_hf_load
 from workbench.plan.policy import SavePolicy
 from workbench.plan.save_plan import HFSavePlan, gather_dtype, plan_hf_save, save_dtypes
 from workbench.plan.schedule import UnshardSchedule, check_schedules, schedule_unshard
-from workbench.plan.writers import assign_writers, key_holders, key_nbytes
+from workbench.plan.writers import assign_writers, key_holders
 from workbench.run.executor import GatherRequest, WaveOutput, unshard
 from workbench.run.load_ops import execute_load, reader_from_tensors
 from workbench.run.unshard_ops import split_keys
@@ -98,20 +99,24 @@ def plan_save(
     schedules: dict[int, UnshardSchedule] = {}
     classes: dict[tuple, UnshardSchedule] = {}
     reference: UnshardSchedule | None = None
+    diverged = False
     for r in ranks:
         key = _shape_class(layout, r, policy, runtime, dtype, fp32_keys_pattern, groups) if groups else None
         if key is not None and key in classes:
             schedules[r] = dataclasses.replace(classes[key], rank=r)
             continue
         plans[r] = plans_of(r)
-        schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes, reference=reference)
+        try:
+            schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes, reference=reference)
+        except PlanError:  # its steps differ from the first rank's (another dtype, say): pack its own waves
+            schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes)
+            diverged = True
         reference = reference or schedules[r]
         if key is not None:
             classes[key] = schedules[r]
-    first = plans[ranks[0]]
-    sizes: dict[str, int] = {}
-    for plan in first:
-        sizes.update(key_nbytes(plan))
+    if diverged:  # ranks batch differently: prove every group still agrees
+        check_schedules(schedules, layout.mesh)
+    sizes = _key_sizes(layout, runtime, dtype, fp32_keys_pattern)
     if policy.mode == "gather_only":
         writers: dict[str, int] = {}
     elif policy.mode == "full":  # every rank ends up holding every key
@@ -121,6 +126,21 @@ def plan_save(
         every_plan = {r: plans[r] if r in plans else plans_of(r) for r in ranks}
         writers = assign_writers(key_holders(every_plan), sizes, max_writers=max_writers, world=layout.mesh.all_ranks())
     return SavePlanSet(policy, _PerRank(ranks, plans_of, plans), schedules, writers, max(1, len(classes)))
+
+
+def _key_sizes(
+    layout: Layout,
+    runtime: Mapping[str, torch.dtype],
+    dtype: torch.dtype | None,
+    fp32_keys_pattern: Sequence[str] | str | None,
+) -> dict[str, int]:
+    """Bytes every HF key of the layout occupies on disk, in its save dtype."""
+    sizes: dict[str, int] = {}
+    for name, spec in layout.specs.items():
+        numel = math.prod(expected_key_shape(spec))
+        key_dtypes = save_dtypes(spec.hf_keys, runtime[name], dtype=dtype, fp32_keys_pattern=fp32_keys_pattern)
+        sizes.update({k: numel * d.itemsize for k, d in zip(spec.hf_keys, key_dtypes)})
+    return sizes
 
 
 def _geometry_groups(layout: Layout, runtime: Mapping[str, torch.dtype]) -> dict[tuple, str]:
@@ -250,46 +270,55 @@ class SimulatedWorld:
     def run_save(
         self, plan_set: SavePlanSet, locals_by_rank: Mapping[int, Mapping[str, torch.Tensor]]
     ) -> dict[int, dict[str, torch.Tensor]]:
-        """Execute a planned save for every rank in lock step, answering gathers in memory."""
+        """Execute a planned save for every rank, answering gathers in memory.
+
+        Each rank's executor runs until it needs an all-gather; a gather completes once every member of its
+        group has asked for one over the same mesh dim, as on a real network. If no gather can complete while
+        ranks still wait, the schedules would deadlock, and a PlanError names the waiting ranks.
+        """
         ranks = sorted(plan_set.plans)
         programs = {r: unshard(plan_set.schedules[r], plan_set.plans[r], locals_by_rank[r]) for r in ranks}
         plans_by_name = {r: {p.name: p for p in plan_set.plans[r]} for r in ranks}
         written: dict[int, dict[str, torch.Tensor]] = {r: {} for r in ranks}
-        replies: dict[int, torch.Tensor | None] = {r: None for r in ranks}
-        while True:
-            requests = {}
-            for r in ranks:
-                try:
-                    requests[r] = programs[r].send(replies[r])
-                except StopIteration:
-                    pass
-            if not requests:
-                return written
-            if len(requests) != len(ranks):
-                raise PlanError("simulated ranks finished at different points: the schedules disagree")
-            kinds = {type(q) for q in requests.values()}
-            if kinds == {GatherRequest}:
-                replies = self._all_gather(requests)
-            elif kinds == {WaveOutput}:
-                for r, wave in requests.items():
-                    self._collect(r, wave, plans_by_name[r], plan_set, written[r])
-                replies = {r: None for r in ranks}
-            else:
-                raise PlanError("simulated ranks are at different steps: the schedules disagree")
+        waiting: dict[int, GatherRequest] = {}
 
-    def _all_gather(self, requests: Mapping[int, GatherRequest]) -> dict[int, torch.Tensor | None]:
-        replies: dict[int, torch.Tensor | None] = {}
-        any_rank = next(iter(requests))
-        mesh_dim = requests[any_rank].mesh_dim
-        for group in self.mesh.groups(mesh_dim):
-            sends = [requests[r].send for r in group]
+        def advance(rank: int, reply: torch.Tensor | None) -> None:
+            while True:
+                try:
+                    request = programs[rank].send(reply)
+                except StopIteration:
+                    return
+                if isinstance(request, GatherRequest):
+                    waiting[rank] = request
+                    return
+                self._collect(rank, request, plans_by_name[rank], plan_set, written[rank])
+                reply = None
+
+        for r in ranks:
+            advance(r, None)
+        while waiting:
+            ready = None
+            for r, request in waiting.items():
+                group = self.mesh.group_ranks(r, request.mesh_dim)
+                if all(m in waiting and waiting[m].mesh_dim == request.mesh_dim for m in group):
+                    ready = group
+                    break
+            if ready is None:
+                stuck = "; ".join(f"rank {r} on {waiting[r].call}" for r in sorted(waiting)[:4])
+                raise PlanError(
+                    f"the save would deadlock: {len(waiting)} rank(s) wait on gathers no group completes ({stuck})"
+                )
+            sends = [waiting[m].send for m in ready]
             if len({s.numel() for s in sends}) != 1:
-                raise PlanError(f"all-gather over ranks {list(group)} got send buffers of sizes "
-                                f"{[s.numel() for s in sends]}")
+                raise PlanError(
+                    f"all-gather over ranks {list(ready)} got send buffers of sizes {[s.numel() for s in sends]}"
+                )
             gathered = torch.cat(sends)
-            for r in group:
-                replies[r] = gathered
-        return replies
+            for m in ready:
+                del waiting[m]
+            for m in ready:
+                advance(m, gathered)
+        return written
 
     @staticmethod
     def _collect(rank: int, wave: WaveOutput, plans: Mapping[str, HFSavePlan], plan_set: SavePlanSet,

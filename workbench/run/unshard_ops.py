@@ -84,7 +84,12 @@ def finalize(tensor: torch.Tensor, plan: HFSavePlan) -> torch.Tensor:
 
 
 def split_keys(tensor: torch.Tensor, plan: HFSavePlan) -> dict[str, torch.Tensor]:
-    """The output tensor as ``{hf_key: tensor}`` (split along the fused dim), each in its save dtype."""
+    """The output tensor as ``{hf_key: tensor}`` (split along the fused dim), each in its save dtype.
+
+    A rank whose output covers no key (it holds only padding under a preserving policy) writes nothing.
+    """
+    if not plan.hf_keys:
+        return {}
     if plan.fused_dim is None or len(plan.hf_keys) == 1:
         return {plan.hf_keys[0]: tensor.to(plan.key_dtypes[0]).contiguous()}
     pieces = tensor.chunk(len(plan.hf_keys), dim=plan.fused_dim)

@@ -1,0 +1,357 @@
+"""The unshard scheduler: batching, dependency rounds, byte budget, SPMD agreement, predicted costs."""
+
+from __future__ import annotations
+
+import math
+from pathlib import Path
+
+import pytest
+import torch
+from hypothesis import given, settings
+from hypothesis import strategies as st
+from torch.distributed.tensor.placement_types import Replicate, Shard
+
+from tests.run.support import geometries, layout_of, layouts, spec
+from workbench import _compat, load_layout
+from workbench.errors import PlanError
+from workbench.layout import InterleavedShard
+from workbench.layout.model_layout import Layout
+from workbench.mesh import MeshSpec
+from workbench.plan.policy import SavePolicy
+from workbench.plan.save_plan import HFSavePlan
+from workbench.plan.schedule import UnshardSchedule, check_schedules, schedule_unshard
+from workbench.run.simulated import plan_save
+
+SS = _compat.make_strided_shard
+SAMPLES = Path(__file__).resolve().parents[2] / "sample_meshes"
+F32, BF16 = torch.float32, torch.bfloat16
+
+
+def plans_of(layout: Layout, rank: int, policy: SavePolicy | None = None, **kwargs) -> tuple[HFSavePlan, ...]:
+    return tuple(
+        s.plan_hf_save(rank, policy, runtime_dtype=layout.dtype(n), **kwargs) for n, s in layout.specs.items()
+    )
+
+
+def call_table(schedule: UnshardSchedule) -> list[tuple]:
+    """(wave, round, mesh dim, dtype, [(name, step)]) of every call, in order."""
+    return [(c.wave, c.round, c.mesh_dim, c.dtype, [(i.name, i.step) for i in c.items]) for c in schedule.calls]
+
+
+# -- batching and rounds ------------------------------------------------------------------------------
+def test_xtuner_style_example_batches_per_group_and_orders_dependent_steps() -> None:
+    mesh = MeshSpec((2, 2, 2), ("fsdp", "ep", "tp"))
+    layout = layout_of(
+        mesh,
+        # A: fused keys cut by EP (kept) then FSDP -> pending [fsdp]
+        spec("A", ["a.k0", "a.k1"], (8, 2), mesh, [SS(0, 2), Shard(0), Replicate()], fused_dim=0),
+        # B: one key, same cuts; preserve only keeps fused-dim cuts, so EP is gathered: pending [fsdp, ep]
+        spec("B", "b", (8, 2), mesh, [SS(0, 2), Shard(0), Replicate()]),
+        # C: FSDP only -> [fsdp]
+        spec("C", "c", (4, 2), mesh, [Shard(0), Replicate(), Replicate()]),
+        # D: TP only -> [tp]
+        spec("D", "d", (4, 2), mesh, [Replicate(), Replicate(), Shard(0)]),
+        # E: fused keys cut by EP only (kept) -> nothing to gather
+        spec("E", ["e.k0", "e.k1"], (4, 2), mesh, [Replicate(), Shard(0), Replicate()], fused_dim=0),
+    )
+    schedule = schedule_unshard(plans_of(layout, 0, SavePolicy.preserve("ep")))
+    assert call_table(schedule) == [
+        (0, 0, "fsdp", F32, [("A", 0), ("B", 0), ("C", 0)]),
+        (0, 0, "tp", F32, [("D", 0)]),
+        (0, 1, "ep", F32, [("B", 1)]),
+    ]
+    assert schedule.waves == (("A", "B", "C", "D", "E"),)
+    assert [len(r) for r in schedule.rounds] == [2, 1]
+    assert schedule.num_calls == 3
+    # hand count (fp32, no casts): round 0 fsdp gathers 3 x (4,2) -> send 48 B, receive 96 B, merged copy 96 B
+    # (several items: no in-place merge) -> peak 96 + 96 = 192 B; D's tp call and B's ep call stay below.
+    assert schedule.peak_bytes == 192
+    assert schedule.bytes_moved == (96 - 48) + (32 - 16) + (64 - 32)
+
+
+@pytest.mark.parametrize(
+    ("dtypes", "expected"),
+    [
+        # all fp32: one call with every tensor, in plan order
+        ({"x": "float32", "y": "float32", "z": "float32"}, [(F32, ["x", "y", "z"])]),
+        # a bf16 tensor in the middle gets a call of its own, after the fp32 call that opened first
+        ({"x": "float32", "y": "bfloat16", "z": "float32"}, [(F32, ["x", "z"]), (BF16, ["y"])]),
+        # first appearance decides the call order
+        ({"x": "bfloat16", "y": "float32", "z": "float32"}, [(BF16, ["x"]), (F32, ["y", "z"])]),
+        # fp64 and int64 never share a call with anything else
+        ({"x": "float64", "y": "int64", "z": "float32"}, [(torch.float64, ["x"]), (torch.int64, ["y"]), (F32, ["z"])]),
+    ],
+)
+def test_calls_batch_by_group_and_dtype(dtypes: dict[str, str], expected: list) -> None:
+    mesh = MeshSpec((4,), ("fsdp",))
+    layout = layout_of(
+        mesh, *(spec(n, n, (6, 2), mesh, [Shard(0)]) for n in ("x", "y", "z")), dtypes=dtypes
+    )
+    schedule = schedule_unshard(plans_of(layout, 0), {n: layout.dtype(n) for n in layout})
+    assert [(c.dtype, [i.name for i in c.items]) for c in schedule.calls] == expected
+    assert {c.round for c in schedule.calls} == {0}
+
+
+def test_different_groups_never_share_a_call() -> None:
+    mesh = MeshSpec((2, 3), ("a", "b"))
+    layout = layout_of(
+        mesh,
+        spec("p", "p", (6,), mesh, [Shard(0), Replicate()]),  # over a
+        spec("q", "q", (6,), mesh, [Replicate(), Shard(0)]),  # over b
+        spec("r", "r", (6,), mesh, [Shard(0)], mesh_dims=[("a", "b")]),  # over the flattened a+b
+        spec("s", "s", (6,), mesh, [Shard(0), Replicate()]),  # over a again: joins p
+    )
+    schedule = schedule_unshard(plans_of(layout, 4))
+    assert [(c.mesh_dim, c.world, [i.name for i in c.items]) for c in schedule.calls] == [
+        ("a", 2, ["p", "s"]),
+        ("b", 3, ["q"]),
+        (("a", "b"), 6, ["r"]),
+    ]
+
+
+def test_fp32_pattern_on_one_key_moves_the_tensor_to_a_float32_call() -> None:
+    mesh = MeshSpec((2,), ("fsdp",))
+    layout = layout_of(
+        mesh,
+        spec("w", "w.weight", (4, 2), mesh, [Shard(0)]),
+        spec("n", ["n.a", "n.norm"], (4, 2), mesh, [Shard(0)], fused_dim=0),
+        dtypes={"w": "bfloat16", "n": "bfloat16"},
+    )
+    plans = plans_of(layout, 0, fp32_keys_pattern=[r"\.norm$"])
+    schedule = schedule_unshard(plans, {n: layout.dtype(n) for n in layout})
+    assert [(c.dtype, [i.name for i in c.items]) for c in schedule.calls] == [(BF16, ["w"]), (F32, ["n"])]
+
+
+# -- dependency rounds and the budget, on random layouts ----------------------------------------------
+@settings(max_examples=150, deadline=None, derandomize=True)
+@given(st.data())
+def test_rounds_follow_dependencies_and_waves_respect_the_budget(data: st.DataObject) -> None:
+    geoms = data.draw(geometries(max_params=4), label="params")
+    layout = data.draw(layouts(geoms, max_ranks=27), label="layout")
+    rank = data.draw(st.sampled_from(layout.mesh.all_ranks()), label="rank")
+    budget = data.draw(st.one_of(st.none(), st.integers(0, 3000)), label="budget")
+    dtype = data.draw(st.sampled_from([None, torch.bfloat16, torch.float32]), label="save dtype")
+    plans = plans_of(layout, rank, dtype=dtype)
+    runtime = {n: layout.dtype(n) for n in layout}
+    schedule = schedule_unshard(plans, runtime, budget)
+    by_name = {p.name: p for p in plans}
+
+    # every plan appears in exactly one wave, in plan order
+    assert [n for wave in schedule.waves for n in wave] == [p.name for p in plans]
+    if budget is None:
+        assert len(schedule.waves) <= 1
+    # the k-th pending step of a tensor is in round k of its wave, once; a call is one (group, dtype)
+    seen: dict[str, list[int]] = {}
+    wave_of = {n: w for w, wave in enumerate(schedule.waves) for n in wave}
+    keys = set()
+    for call in schedule.calls:
+        assert (call.wave, call.round, call.mesh_dim, call.dtype) not in keys
+        keys.add((call.wave, call.round, call.mesh_dim, call.dtype))
+        for item in call.items:
+            plan = by_name[item.name]
+            assert item.step == call.round and wave_of[item.name] == call.wave
+            step = plan.pending[item.step]
+            assert step.descriptor.mesh_dim == call.mesh_dim and step.world == call.world
+            assert plan.gather_dtype == call.dtype
+            assert item.padded_shape == step.padded_shape and item.merged_shape == step.shape_before
+            seen.setdefault(item.name, []).append(item.step)
+    for plan in plans:
+        assert seen.get(plan.name, []) == list(range(len(plan.pending)))
+    # calls run wave by wave, round by round
+    assert [(c.wave, c.round) for c in schedule.calls] == sorted((c.wave, c.round) for c in schedule.calls)
+
+    # budget: each wave's own peak fits, unless the wave is one tensor flagged oversized; waves are greedy
+    peaks = []
+    for w, wave in enumerate(schedule.waves):
+        wave_plans = [by_name[n] for n in wave]
+        peak = schedule_unshard(wave_plans, runtime).peak_bytes
+        peaks.append(peak)
+        calls = [c for c in schedule.calls if c.wave == w]
+        if budget is not None and peak > budget:
+            # (a tensor with no gather can exceed the budget through its cast copy alone: no call to flag)
+            assert len(wave) == 1 and all(c.oversized for c in calls), (wave, peak, budget)
+        else:
+            assert not any(c.oversized for c in calls)
+        if w + 1 < len(schedule.waves):  # the next wave's first tensor would not have fit in this one
+            grown = schedule_unshard([*wave_plans, by_name[schedule.waves[w + 1][0]]], runtime).peak_bytes
+            assert budget is not None and grown > budget
+    assert schedule.peak_bytes == max(peaks, default=0)
+    assert schedule.bytes_moved == sum(c.bytes_out - c.bytes_in for c in schedule.calls)
+    for call in schedule.calls:
+        assert call.bytes_out == call.bytes_in * call.world
+        assert call.bytes_in == sum(math.prod(i.padded_shape) for i in call.items) * call.dtype.itemsize
+
+
+def test_replicated_tensors_each_count_their_own_cast_copy() -> None:
+    # regression: the scheduler's memo was keyed on id(plan.steps), and every unsharded plan's steps are the
+    # same empty tuple, so the second replicated tensor was counted with the first one's size
+    mesh = MeshSpec((2,), ("fsdp",))
+    layout = layout_of(
+        mesh,
+        spec("small", "small", (2,), mesh, [Replicate()]),
+        spec("big", "big", (100,), mesh, [Replicate()]),
+        dtypes={"small": "bfloat16", "big": "bfloat16"},
+    )
+    plans = plans_of(layout, 0, dtype=F32)  # bf16 saved as fp32: each needs an fp32 copy, nothing to gather
+    runtime = {n: BF16 for n in layout}
+    assert [p.local_shape for p in plans] == [(2,), (100,)]
+    # both fp32 copies live in one wave: 2*4 + 100*4 = 408 B (the bug gave 16 B: big counted as 2 elements)
+    assert schedule_unshard(plans, runtime).peak_bytes == 408
+    # and a 300 B budget cannot hold big's 400 B copy next to small's
+    assert schedule_unshard(plans, runtime, 300).waves == (("small",), ("big",))
+
+
+# -- collective padding and interleaves -----------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("length", "world", "factor", "padded", "merged"),
+    [
+        (5, 3, 1, 2, 5),  # 5 rows over 3 ranks (2,2,1): every rank sends ceil(5/3)=2, merge trims 6 -> 5
+        (10, 4, 1, 3, 10),  # 3,3,3,1: sends 3, 12 gathered, trimmed to 10
+        (2, 3, 1, 1, 2),  # 1,1,0: the empty rank still sends one (zero) row
+        (8, 2, 2, 4, 8),  # interleave F=2: equal locals, no padding
+        (12, 3, 2, 4, 12),  # interleave W=3 F=2: run 2, each rank sends 4, no padding
+    ],
+)
+def test_sends_are_padded_to_the_group_chunk(length, world, factor, padded, merged) -> None:
+    mesh = MeshSpec((world,), ("g",))
+    placement = InterleavedShard(0, factor) if factor > 1 else Shard(0)
+    s = spec("w", "w", (length, 3), mesh, [placement])
+    for rank in range(world):
+        (call,) = schedule_unshard([s.plan_hf_save(rank)]).calls
+        (item,) = call.items
+        assert item.padded_shape == (padded, 3) and item.merged_shape == (merged, 3)
+        assert item.interleave_factor == factor
+        assert call.bytes_in == padded * 3 * 4 and call.bytes_out == world * padded * 3 * 4
+
+
+# -- cost predictions, by hand ------------------------------------------------------------------------------
+@pytest.mark.parametrize(
+    ("case", "peak", "moved"),
+    [
+        # (8,4) fp32 over 2 ranks on dim 0: send 64 B, receive 128 B (merged in place) -> peak 64 + 128
+        ("one_dim0", 192, 64),
+        # + a (4,6) fp32 cut on dim 1 in the same call: send 112, receive 224, merged copies 224 -> 448
+        ("two_batched", 448, 112),
+        # EP then FSDP on dim 0, (8,2) fp32: round 0 receives 32 B (peak 16+32), round 1 sends 32 and
+        # receives 64 while round 0's 32 B output is freed -> 32 + 64 = 96
+        ("two_rounds", 96, 48),
+        # bf16 runtime saved as fp32: the (4,2) fp32 cast copy (32 B) plus the send buffer (32 B) = 64; the
+        # copy is dropped before the receive buffer: send 32 + receive 64 = 96
+        ("cast", 96, 32),
+    ],
+)
+def test_peak_and_bytes_moved_are_exact(case: str, peak: int, moved: int) -> None:
+    m = MeshSpec((2,), ("m",))
+    m2 = MeshSpec((2, 2), ("ep", "fsdp"))
+    if case == "one_dim0":
+        plans, runtime = [spec("x", "x", (8, 4), m, [Shard(0)]).plan_hf_save(0)], None
+    elif case == "two_batched":
+        plans = [spec("x", "x", (8, 4), m, [Shard(0)]).plan_hf_save(0),
+                 spec("y", "y", (4, 6), m, [Shard(1)]).plan_hf_save(0)]
+        runtime = None
+    elif case == "two_rounds":
+        plans = [spec("x", "x", (8, 2), m2, [SS(0, 2), Shard(0)], mesh_dims=["fsdp", "ep"]).plan_hf_save(0)]
+        runtime = None
+    else:
+        plans = [spec("x", "x", (8, 2), m, [Shard(0)]).plan_hf_save(1, runtime_dtype=BF16, dtype=F32)]
+        runtime = {"x": BF16}
+    schedule = schedule_unshard(plans, runtime)
+    assert (schedule.peak_bytes, schedule.bytes_moved) == (peak, moved)
+
+
+def test_budget_splits_waves_and_flags_a_lone_oversized_tensor() -> None:
+    mesh = MeshSpec((2,), ("m",))
+    layout = layout_of(
+        mesh,
+        spec("a", "a", (8, 4), mesh, [Shard(0)]),  # alone: peak 192 B
+        spec("b", "b", (8, 4), mesh, [Shard(0)]),  # with a: send 128 + receive 256 + merged 256 -> 512 B
+        spec("big", "big", (64, 4), mesh, [Shard(0)]),  # alone: 512 + 1024 = 1536 B
+        spec("c", "c", (2, 4), mesh, [Shard(0)]),
+    )
+    plans = plans_of(layout, 0)
+    schedule = schedule_unshard(plans, budget_bytes=600)
+    assert schedule.waves == (("a", "b"), ("big",), ("c",))
+    assert [c.oversized for c in schedule.calls] == [False, True, False]
+    assert schedule.peak_bytes == 1536
+    assert "OVERSIZED" in str(schedule.calls[1])
+    unbounded = schedule_unshard(plans)
+    assert unbounded.waves == (("a", "b", "big", "c"),) and not any(c.oversized for c in unbounded.calls)
+    assert schedule_unshard(plans, budget_bytes=0).waves == (("a",), ("b",), ("big",), ("c",))
+
+
+# -- the SPMD contract ------------------------------------------------------------------------------------
+SAMPLE_CASES = [
+    # (file, policy, budget)
+    ("toy_expert_tp", SavePolicy.full(), None),
+    ("toy_expert_tp", SavePolicy.preserve("ep"), 64),
+    ("toy_expert_tp", SavePolicy.gather_only("fsdp"), None),
+    ("llama3_8b", SavePolicy.full(), 1 << 30),
+    ("llama3_8b", SavePolicy.gather_only("fsdp"), None),
+    ("qwen3_30b_a3b", SavePolicy.full(), 1 << 28),
+    ("qwen3_30b_a3b", SavePolicy.preserve("ep"), 1 << 30),
+    ("gpt_oss_120b", SavePolicy.full(), 1 << 30),
+    ("gpt_oss_120b", SavePolicy.preserve("ep"), None),
+]
+
+
+@pytest.mark.parametrize(("name", "policy", "budget"), SAMPLE_CASES)
+def test_sample_layouts_schedule_identically_on_every_rank(name: str, policy: SavePolicy, budget) -> None:
+    layout = load_layout(SAMPLES / f"{name}.toml")
+    assert layout.mesh.size <= 64
+    plan_set = plan_save(layout, policy=policy, budget_bytes=budget)
+    check_schedules(plan_set.schedules, layout.mesh)
+    structures = {s.structure() for s in plan_set.schedules.values()}
+    assert len(structures) == 1
+    # independently of plan_save's sharing between ranks: plan and schedule a spread of ranks from scratch
+    spread = sorted({0, layout.mesh.size - 1, *range(1, layout.mesh.size, 7)})
+    for rank in spread:
+        fresh = schedule_unshard(
+            plans_of(layout, rank, policy), {n: layout.dtype(n) for n in layout}, budget
+        )
+        assert fresh.structure() == plan_set.schedules[rank].structure(), rank
+        assert [[i.padded_shape for i in c.items] for c in fresh.calls] == [
+            [i.padded_shape for i in c.items] for c in plan_set.schedules[rank].calls
+        ], rank
+    some = plan_set.schedules[0]
+    assert some.num_calls > 0
+    if budget is not None and not any(c.oversized for c in some.calls):
+        assert some.peak_bytes <= budget
+
+
+def _small_layout(dtype_y: str = "float32", rows: int = 6) -> Layout:
+    mesh = MeshSpec((2, 2), ("fsdp", "tp"))
+    return layout_of(
+        mesh,
+        spec("x", "x", (rows, 4), mesh, [SS(0, 2), Shard(0)]),
+        spec("y", "y", (4, 4), mesh, [Shard(0), Shard(1)]),
+        dtypes={"y": dtype_y},
+    )
+
+
+def test_check_schedules_names_the_call_where_one_rank_diverges() -> None:
+    layout = _small_layout()
+    schedules = plan_save(layout).schedules
+    check_schedules(schedules, layout.mesh)
+    odd = _small_layout(dtype_y="bfloat16")  # rank 3 believes y is bf16: its calls differ
+    schedules[3] = plan_save(odd, ranks=[3]).schedules[3]
+    message = r"ranks \d+ and 3 of the fsdp group \[\d+, 3\] disagree at their call \d+ on it: .*would hang"
+    with pytest.raises(PlanError, match=message):
+        check_schedules(schedules, layout.mesh)
+
+
+def test_check_schedules_catches_unequal_send_shapes_inside_a_group() -> None:
+    layout = _small_layout(rows=6)
+    schedules = plan_save(layout).schedules
+    schedules[1] = plan_save(_small_layout(rows=10), ranks=[1]).schedules[1]  # same calls, other shapes
+    message = r"ranks 1 and 3 of the fsdp group \[1, 3\] disagree at their call 0 on it: .*\(3, 4\).* vs .*\(2, 4\)"
+    with pytest.raises(PlanError, match=message):
+        check_schedules(schedules, layout.mesh)
+
+
+def test_schedule_rejects_repeated_names_and_handles_nothing() -> None:
+    mesh = MeshSpec((2,), ("m",))
+    plan = spec("x", "x", (4,), mesh, [Shard(0)]).plan_hf_save(0)
+    with pytest.raises(PlanError, match="repeat a parameter name"):
+        schedule_unshard([plan, plan])
+    empty = schedule_unshard([])
+    assert (empty.num_calls, empty.waves, empty.peak_bytes, empty.bytes_moved) == (0, (), 0, 0)
