@@ -1,0 +1,250 @@
+"""Launch SPMD functions on local ranks from a notebook or a script, on torch's elastic launcher.
+
+``wb.launch(fn, nprocs=4)`` starts ``nprocs`` processes (spawn, never fork: safe after CUDA or threads),
+initializes the default process group in each, runs ``fn(*args)`` and returns ``{rank: result}``.
+
+* Functions defined in a notebook cell work: ``fn`` travels by value (cloudpickle), not by import path.
+* Output comes back prefixed with the rank (``[rank3]: ...``), in the notebook cell too.
+* A rank that raises stops the others at once (no collective hang); ``LaunchError`` names the rank and
+  carries its traceback.
+* ``timeout``: a watchdog in every rank prints all of that rank's Python stacks and stops it; the error names
+  each rank with the frame it was stuck in, so a rank blocked in user code stands out from ranks waiting for it
+  in a collective.
+* Multi-node: pass ``nnodes``, ``node_rank`` and ``rdzv_endpoint`` like torchrun.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import os
+import signal
+import socket
+import sys
+import tempfile
+import threading
+import time
+import traceback
+import uuid
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+__all__ = ["LaunchError", "RankFailure", "launch"]
+
+_TIMEOUT_EXIT = 124
+_RECORDS_ENV = "WORKBENCH_LAUNCH_DIR"
+# errors a rank gets because a peer died: reported after the root cause
+_PEER_FAILURE = (
+    "Connection closed by peer", "Connection reset by peer", "Broken pipe", "NCCL communicator was aborted",
+    "ProcessGroupNCCL is aborted", "Socket Timeout",
+)
+
+
+@dataclass(frozen=True, slots=True)
+class RankFailure:
+    """How one rank ended badly: its exit code and the error or stacks it reported."""
+
+    rank: int
+    exitcode: int
+    message: str
+    timed_out: bool
+
+    def __str__(self) -> str:
+        what = "timed out" if self.timed_out else f"failed (exit code {self.exitcode})"
+        return f"rank {self.rank} {what}:\n{self.message.rstrip()}"
+
+
+class LaunchError(RuntimeError):
+    """One or more ranks failed or timed out; ``failures`` holds each rank's story (first failure first)."""
+
+    def __init__(self, failures: Sequence[RankFailure], log_dir: str) -> None:
+        self.failures = tuple(failures)
+        self.log_dir = log_dir
+        first = self.failures[0] if self.failures else None
+        head = (
+            f"{len(self.failures)} rank(s) did not finish: "
+            + ", ".join(f"rank {f.rank} ({'timed out' if f.timed_out else 'error'})" for f in self.failures)
+        )
+        super().__init__(head + (f"\n\n{first}" if first else "") + f"\n(logs: {log_dir})")
+
+
+def launch(
+    fn: Callable[..., Any],
+    *,
+    nprocs: int,
+    backend: str = "gloo",
+    args: Sequence[Any] = (),
+    timeout: float | None = None,
+    nnodes: int = 1,
+    node_rank: int = 0,
+    rdzv_endpoint: str | None = None,
+    env: dict[str, str] | None = None,
+) -> dict[int, Any]:
+    """Run ``fn(*args)`` on ``nprocs`` local ranks (times ``nnodes``) and return ``{global rank: result}``.
+
+    Every rank has the default process group initialized with ``backend`` ("gloo" on CPU, "nccl" on GPU,
+    each rank on ``cuda:local_rank``) before ``fn`` runs, and destroyed after.
+
+    Raises:
+        LaunchError: a rank raised or hung; names the rank(s), with the traceback or stacks.
+    """
+    import cloudpickle
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+    from torch.distributed.launcher.api import LaunchConfig, elastic_launch
+
+    if nprocs < 1:
+        raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}")
+    payload = cloudpickle.dumps((fn, tuple(args)))
+    log_dir = tempfile.mkdtemp(prefix="workbench-launch-")
+    endpoint = rdzv_endpoint or f"127.0.0.1:{_free_port()}"
+    config = LaunchConfig(
+        min_nodes=nnodes,
+        max_nodes=nnodes,
+        nproc_per_node=nprocs,
+        run_id=f"workbench-{uuid.uuid4().hex[:8]}",
+        rdzv_backend="c10d",
+        rdzv_endpoint=endpoint,
+        rdzv_configs={"rank": node_rank} if nnodes > 1 else {},
+        max_restarts=0,
+        monitor_interval=0.1,
+        start_method="spawn",
+        log_line_prefix_template="[rank${rank}]: ",
+        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL),
+    )
+    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    extra = {**(env or {}), _RECORDS_ENV: log_dir}
+    old_env = {k: os.environ.get(k) for k in extra}
+    os.environ.update(extra)
+    try:
+        results = elastic_launch(config, _worker)(payload, backend, timeout)
+    except ChildFailedError as exc:
+        raise LaunchError(_failures(exc, log_dir), log_dir) from None
+    finally:
+        for s, handler in saved.items():  # the elastic agent installs its own handlers; give ours back
+            with contextlib.suppress(ValueError, TypeError):
+                signal.signal(s, handler)
+        for k, v in old_env.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+        _flush()
+    return dict(sorted(results.items()))
+
+
+def _worker(payload: bytes, backend: str, timeout: float | None) -> Any:
+    """Entry point of every rank (module level, so spawn can import it)."""
+    from torch.distributed.elastic.multiprocessing.errors import record
+
+    return record(_run)(payload, backend, timeout)
+
+
+def _run(payload: bytes, backend: str, timeout: float | None) -> Any:
+    import cloudpickle
+    import torch
+    import torch.distributed as dist
+
+    fn, args = cloudpickle.loads(payload)
+    rank = int(os.environ.get("RANK", "0"))
+    stop = threading.Event()
+    if backend == "nccl":
+        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
+    dist.init_process_group(backend)
+    if timeout is not None:  # started after the rendezvous, so every rank's clock starts together
+        threading.Thread(target=_watchdog, args=(rank, timeout, stop), daemon=True).start()
+    try:
+        return fn(*args)
+    except BaseException as exc:
+        _write_record(rank, {"kind": "error", "message": f"{type(exc).__name__}: {exc}",
+                             "traceback": traceback.format_exc()})
+        raise
+    finally:
+        stop.set()
+        _flush()
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group()
+
+
+def _watchdog(rank: int, timeout: float, stop: threading.Event) -> None:
+    if stop.wait(timeout):
+        return
+    frames = sys._current_frames()
+    main = threading.main_thread().ident
+    lines = [f"[watchdog] rank {rank}: no result after {timeout:g} s; Python stacks (main thread first):"]
+    for ident in sorted(frames, key=lambda i: i != main):
+        name = next((t.name for t in threading.enumerate() if t.ident == ident), str(ident))
+        lines.append(f"--- thread {name}")
+        lines.extend(line.rstrip() for line in traceback.format_stack(frames[ident]))
+    report = "\n".join(lines)
+    print(report, file=sys.stderr, flush=True)
+    stack = traceback.format_stack(frames[main]) if main in frames else []
+    waiting = bool(stack) and "/torch/distributed/" in stack[-1]  # innermost Python frame inside a collective
+    _write_record(rank, {"kind": "timeout", "waiting_in_collective": waiting, "where": _innermost_user_frame(stack),
+                         "traceback": report})
+    _flush()
+    time.sleep(1.0)  # let every rank's watchdog record its stack before the launcher tears the group down
+    os._exit(_TIMEOUT_EXIT)
+
+
+def _write_record(rank: int, record: dict[str, Any]) -> None:
+    directory = os.environ.get(_RECORDS_ENV)
+    if not directory:
+        return
+    import json
+
+    with contextlib.suppress(OSError):
+        path = Path(directory) / f"failure-rank{rank}.json"
+        path.write_text(json.dumps({"rank": rank, "time": time.time(), **record}))
+
+
+def _innermost_user_frame(stack: Sequence[str]) -> str:
+    skip = ("/torch/", "/workbench/run/launcher.py", "/threading.py")
+    for entry in reversed(stack):
+        if not any(s in entry for s in skip):
+            return entry.strip().splitlines()[0]
+    return stack[-1].strip().splitlines()[0] if stack else "an unknown place"
+
+
+def _failures(exc: Any, log_dir: str) -> list[RankFailure]:
+    """Every rank's story, root cause first: the earliest error, or the ranks that hung outside a collective."""
+    import json
+
+    records = {}
+    for path in Path(log_dir).glob("failure-rank*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(path.read_text())
+            records[int(record["rank"])] = record
+    exit_codes = {int(rank): int(f.exitcode) for rank, f in exc.failures.items()}
+    out = []
+    for rank, record in records.items():
+        if record["kind"] == "timeout":
+            where = record["where"]
+            state = f"waiting in a collective, called at {where}" if record["waiting_in_collective"] else (
+                f"stuck outside any collective at {where}")
+            message = f"TimeoutError: rank {rank} timed out, {state}\n{record['traceback']}"
+            out.append((0 if not record["waiting_in_collective"] else 1, record["time"],
+                        RankFailure(rank, exit_codes.get(rank, _TIMEOUT_EXIT), message, True)))
+        else:
+            message = f"{record['message']}\n{record['traceback']}"
+            secondary = any(s in record["message"] for s in _PEER_FAILURE)  # a symptom of another rank's death
+            out.append((2 if secondary else 0, record["time"], RankFailure(rank, exit_codes.get(rank, 1), message,
+                                                                          False)))
+    for rank, failure in exc.failures.items():  # crashes that left no record (a signal, os._exit)
+        if int(rank) not in records:
+            out.append((3, failure.timestamp, RankFailure(int(rank), int(failure.exitcode),
+                        f"exit code {failure.exitcode} (signal or crash; see the rank's log)", False)))
+    return [f for _, _, f in sorted(out, key=lambda item: (item[0], item[1]))]
+
+
+def _free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def _flush() -> None:
+    for stream in (sys.stdout, sys.stderr):
+        with contextlib.suppress(Exception):
+            stream.flush()
