@@ -3,29 +3,39 @@
 The public API (DESIGN.md section 4); everything else is reachable through its subpackage.
 """
 
+from workbench.io.hf_load import LoadReport, load_hf
+from workbench.io.hf_save import AsyncSave, SaveResult, save_hf
 from workbench.layout import InterleavedShard, LoadSpec, Run, ShardDescriptor, compute_runs
 from workbench.layout.layout_file import load_layout
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
 from workbench.plan import HFLoadPlan, HFSavePlan, SavePolicy, UnshardSchedule, schedule_unshard
+from workbench.run.launcher import LaunchError, launch
 from workbench.run.simulated import SimulatedWorld
 
 __version__ = "0.1.0"
 
 __all__ = [
+    "AsyncSave",
     "HFLoadPlan",
     "HFSavePlan",
     "InterleavedShard",
+    "LaunchError",
     "Layout",
+    "LoadReport",
     "LoadSpec",
     "MeshSpec",
     "Run",
     "SavePolicy",
+    "SaveResult",
     "ShardDescriptor",
     "SimulatedWorld",
     "UnshardSchedule",
     "__version__",
     "compute_runs",
+    "launch",
+    "load_hf",
     "load_layout",
+    "save_hf",
     "schedule_unshard",
 ]

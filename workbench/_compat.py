@@ -30,6 +30,7 @@ __all__ = [
     "is_strided_shard",
     "local_tensor_mode",
     "make_strided_shard",
+    "root_mesh",
     "strided_split_factor",
     "torch_explicit_order",
     "torch_local_shape_and_offset",
@@ -190,6 +191,20 @@ def dtensor_local(value: Any) -> torch.Tensor:
     """The rank-local tensor of a DTensor, without autograd or communication."""
     local = getattr(value, "_local_tensor", None)
     return local if local is not None else value.to_local()
+
+
+def root_mesh(device_mesh: Any) -> Any:
+    """The root DeviceMesh a (sub-)mesh was sliced from (``_get_root_mesh``; ``_mesh_resources`` before)."""
+    getter = getattr(device_mesh, "_get_root_mesh", None)
+    if getter is not None:
+        with contextlib.suppress(Exception):
+            return getter()
+    try:
+        from torch.distributed.device_mesh import _mesh_resources
+
+        return _mesh_resources.get_root_mesh(device_mesh)
+    except (ImportError, AttributeError):
+        return device_mesh
 
 
 # -- FSDP2, fake process groups, local tensor mode ------------------------------------------------

@@ -23,7 +23,7 @@ from workbench.run.executor import GatherRequest, WaveOutput, unshard
 from workbench.run.load_ops import execute_load, reader_from_tensors
 from workbench.run.unshard_ops import split_keys
 
-__all__ = ["SavePlanSet", "SimulatedWorld", "plan_save"]
+__all__ = ["SavePlanSet", "SimulatedWorld", "key_sizes", "plan_save"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -116,7 +116,7 @@ def plan_save(
             classes[key] = schedules[r]
     if diverged:  # ranks batch differently: prove every group still agrees
         check_schedules(schedules, layout.mesh)
-    sizes = _key_sizes(layout, runtime, dtype, fp32_keys_pattern)
+    sizes = key_sizes(layout, runtime, dtype, fp32_keys_pattern)
     if policy.mode == "gather_only":
         writers: dict[str, int] = {}
     elif policy.mode == "full":  # every rank ends up holding every key
@@ -128,7 +128,7 @@ def plan_save(
     return SavePlanSet(policy, _PerRank(ranks, plans_of, plans), schedules, writers, max(1, len(classes)))
 
 
-def _key_sizes(
+def key_sizes(
     layout: Layout,
     runtime: Mapping[str, torch.dtype],
     dtype: torch.dtype | None,

@@ -1,0 +1,1 @@
+"""Tests of workbench.io: file plans, safetensors writing and reading, the index, atomic publish."""

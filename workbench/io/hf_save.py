@@ -1,0 +1,342 @@
+"""``save_hf``: write a sharded model as a HuggingFace checkpoint, from every rank at once, atomically.
+
+Every rank runs the same plan: its save plans and unshard schedule (the all-gathers, batched under a memory
+budget), the writer of each key (byte-balanced over the ranks holding it) and the file each key goes to. A
+writer writes its own files (``model-0000k-of-0000N.safetensors``) in background threads while the next
+gathers run. Files land in a hidden sibling ``.NAME.incomplete``; once every rank reports success, rank 0
+writes the index and config files and publishes the directory with one atomic rename. A checkpoint already at
+``path`` survives any failure.
+"""
+
+from __future__ import annotations
+
+import concurrent.futures as futures
+import shutil
+import time
+import traceback
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workbench import _compat
+from workbench.errors import CheckpointError, WorkbenchError
+from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES, FilePlan, plan_files
+from workbench.io.index import write_index
+from workbench.io.publish import AtomicRenamePublisher
+from workbench.io.write import write_safetensors
+from workbench.layout.key_map import KeyMap, clean_name
+from workbench.layout.model_layout import Layout
+from workbench.plan.policy import SavePolicy
+from workbench.run.communicator import Communicator, drive
+from workbench.run.executor import WaveOutput, unshard
+from workbench.run.simulated import SavePlanSet, key_sizes, plan_save
+from workbench.run.unshard_ops import split_keys
+
+__all__ = ["AsyncSave", "SaveResult", "local_communicator", "save_hf"]
+
+_DEFAULT_BUDGET = 2 << 30
+
+
+@dataclass(frozen=True, slots=True)
+class SaveResult:
+    """What one rank did for a save: the published path, its files and bytes, and the time it took."""
+
+    path: Path
+    rank: int
+    files: tuple[str, ...]
+    bytes_written: int
+    seconds: float
+    calls: int
+    predicted_peak_bytes: int
+
+    def __str__(self) -> str:
+        return (
+            f"saved {self.path} (rank {self.rank}: {len(self.files)} file(s), {self.bytes_written} bytes, "
+            f"{self.calls} gather calls, {self.seconds:.2f} s)"
+        )
+
+
+@dataclass
+class AsyncSave:
+    """A save whose gathers are done and whose files are being written; ``wait()`` publishes it.
+
+    .. note:: SPMD: every rank must call ``wait()`` (it exchanges every rank's status before publishing).
+    """
+
+    _session: _SaveSession
+    _result: SaveResult | None = field(default=None, init=False)
+
+    def done(self) -> bool:
+        """True when this rank's files are written (publishing still needs ``wait()``)."""
+        return all(f.done() for f in self._session.pending)
+
+    def wait(self) -> SaveResult:
+        """Finish writing, check every rank, publish atomically; returns this rank's result."""
+        if self._result is None:
+            self._result = self._session.finish()
+        return self._result
+
+
+def save_hf(
+    model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+    path: str | Path,
+    *,
+    layout: Layout | None = None,
+    key_map: KeyMap | None = None,
+    policy: SavePolicy | None = None,
+    budget_bytes: int | None = _DEFAULT_BUDGET,
+    max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
+    fp32_keys_pattern: Sequence[str] | str | None = None,
+    dtype: torch.dtype | None = None,
+    config_files: Sequence[str | Path] = (),
+    max_writers: int | None = None,
+    write_threads: int = 4,
+    async_save: bool = False,
+    comm: Communicator | None = None,
+) -> SaveResult | AsyncSave:
+    """Save a (sharded) model as a HuggingFace checkpoint at ``path``.
+
+    Args:
+        model_or_state_dict: a module whose parameters are DTensors (FSDP2, EP, ETP...) or plain tensors, or
+            a state dict of them.
+        path: the checkpoint directory to create or replace.
+        layout: the model's Layout (default: ``Layout.from_model(model, key_map)``).
+        key_map: runtime name -> HF key(s) (callable or regex table); None keeps the names.
+        policy: ``SavePolicy.full()`` (default) or ``preserve(...)``.
+        budget_bytes: memory budget of the all-gather schedule (None: no bound).
+        max_shard_bytes: the largest file a writer makes (a bigger key gets a file alone).
+        fp32_keys_pattern: regexes of HF keys saved in float32.
+        dtype: save dtype of the other floating keys (default: their runtime dtype).
+        config_files: files copied next to the weights (config.json, tokenizer files...).
+        max_writers: cap on the number of writer ranks (default: every rank may write).
+        write_threads: file writers per rank.
+        async_save: return after the gathers, with files still being written; ``.wait()`` publishes.
+        comm: the communicator (default: torch.distributed's default world, or one process).
+
+    Returns:
+        This rank's SaveResult, or an AsyncSave.
+
+    Raises:
+        CheckpointError / PlanError / LayoutError: on every rank, naming the rank and what failed; nothing is
+            published at ``path`` and a checkpoint already there is left intact.
+
+    .. note:: SPMD: every rank of the model's mesh calls it with the same arguments.
+    """
+    start = time.perf_counter()
+    layout = layout or Layout.from_model(model_or_state_dict, key_map)
+    tensors = _local_tensors(model_or_state_dict, layout)
+    comm = comm or default_communicator(layout)
+    rank = comm.rank
+    session = _SaveSession(layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files)
+    problem = None
+    try:
+        session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors)
+    except WorkbenchError as exc:
+        problem = f"rank {rank}: {exc}"
+    session.agree(problem, "planning the save")  # before any collective: a bad rank must not leave others hanging
+    session.gather(tensors)
+    handle = AsyncSave(session)
+    return handle if async_save else handle.wait()
+
+
+class _SaveSession:
+    """One rank's part of a save: plan, gather and write, then agree and publish."""
+
+    def __init__(
+        self,
+        layout: Layout,
+        path: Path,
+        comm: Communicator,
+        start: float,
+        threads: int,
+        max_shard_bytes: int,
+        config_files: Sequence[str | Path],
+    ) -> None:
+        self.layout, self.path, self.comm, self.start = layout, path, comm, start
+        self.rank = comm.rank
+        self.max_shard_bytes = max_shard_bytes
+        self.config_files = [Path(c) for c in config_files]
+        self.pool = futures.ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="workbench-write")
+        self.pending: list[futures.Future[int]] = []
+        self.publisher = AtomicRenamePublisher(path)
+        self.plan_set: SavePlanSet | None = None
+        self.file_plan: FilePlan | None = None
+        self.metadata = {"format": "pt", "workbench_version": _version(), "layout": layout.fingerprint()}
+        self.error: str | None = None
+
+    def plan(
+        self,
+        policy: SavePolicy | None,
+        budget: int | None,
+        dtype: torch.dtype | None,
+        fp32_keys_pattern: Sequence[str] | str | None,
+        max_writers: int | None,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> None:
+        policy = policy or SavePolicy.full()
+        if policy.mode == "gather_only":
+            raise CheckpointError("save_hf writes HF checkpoints; SavePolicy.gather_only keeps runtime layout")
+        missing = [c for c in self.config_files if not c.is_file()]
+        if missing:
+            raise CheckpointError(f"config file(s) to copy do not exist: {[str(m) for m in missing]}")
+        self.plan_set = plan_save(
+            self.layout,
+            ranks=[self.rank],
+            policy=policy,
+            budget_bytes=budget,
+            dtype=dtype,
+            fp32_keys_pattern=fp32_keys_pattern,
+            max_writers=max_writers,
+        )
+        for plan in self.plan_set.plans[self.rank]:
+            local = tensors[plan.name]
+            if tuple(local.shape) != plan.local_shape:
+                raise CheckpointError(
+                    f"parameter {plan.name!r}: local tensor has shape {tuple(local.shape)}, the layout says "
+                    f"{plan.local_shape}"
+                )
+        runtime = {name: self.layout.dtype(name) for name in self.layout}
+        sizes = key_sizes(self.layout, runtime, dtype, fp32_keys_pattern)
+        self.file_plan = plan_files(
+            self.plan_set.writers, sizes, list(self.layout.hf_keys), max_shard_bytes=self.max_shard_bytes
+        )
+        if self.rank == 0:
+            self.publisher.prepare()
+
+    def agree(self, problem: str | None, stage: str) -> None:
+        """Exchange every rank's problem (or None); raise the same error everywhere if any rank has one."""
+        problems = [p for p in self.comm.all_gather_object(problem) if p]
+        if problems:
+            if self.rank == 0:
+                self.publisher.abort()
+            self.pool.shutdown(wait=False, cancel_futures=True)
+            raise CheckpointError(
+                f"save to {self.path} failed while {stage}; nothing was published:\n" + "\n".join(problems)
+            )
+
+    def gather(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        assert self.plan_set is not None and self.file_plan is not None
+        plans = {p.name: p for p in self.plan_set.plans[self.rank]}
+        writers = self.plan_set.writers
+        files = {f.name: f for f in self.file_plan.files_of(self.rank)}
+        file_of = {k: f.name for f in files.values() for k in f.keys}
+        waiting: dict[str, dict[str, torch.Tensor]] = {name: {} for name in files}
+
+        def on_wave(wave: WaveOutput) -> None:
+            for name, tensor in wave.tensors.items():
+                for key, value in split_keys(tensor, plans[name]).items():
+                    if writers.get(key) != self.rank:
+                        continue
+                    file = file_of[key]
+                    waiting[file][key] = value.detach().to("cpu")
+                    if len(waiting[file]) == len(files[file].keys):
+                        self.pending.append(self.pool.submit(self._write, file, waiting.pop(file)))
+
+        try:
+            program = unshard(self.plan_set.schedules[self.rank], self.plan_set.plans[self.rank], tensors)
+            drive(program, self.comm, on_wave)
+            if any(waiting.values()):
+                raise CheckpointError(f"rank {self.rank}: files {sorted(waiting)} never got all their keys")
+        except Exception as exc:  # a local failure after collectives started: report it at the status exchange
+            self.error = f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+
+    def _write(self, file: str, tensors: dict[str, torch.Tensor]) -> int:
+        return write_safetensors(self.publisher.temporary / file, tensors, self.metadata)
+
+    def finish(self) -> SaveResult:
+        written = 0
+        for future in futures.as_completed(self.pending):
+            try:
+                written += future.result()
+            except Exception as exc:
+                self.error = self.error or f"rank {self.rank}: writing failed: {type(exc).__name__}: {exc}"
+        self.pool.shutdown(wait=True)
+        self.agree(self.error, "gathering and writing")
+        assert self.file_plan is not None and self.plan_set is not None
+        problem = None
+        if self.rank == 0:
+            try:
+                write_index(
+                    self.publisher.temporary,
+                    self.file_plan,
+                    {"workbench_version": self.metadata["workbench_version"], "layout": self.metadata["layout"]},
+                )
+                for config in self.config_files:
+                    shutil.copy2(config, self.publisher.temporary / config.name)
+                self.publisher.finalize(verify=True)
+            except Exception as exc:
+                problem = f"rank 0: publishing failed: {type(exc).__name__}: {exc}"
+                self.publisher.abort()
+        problems = [p for p in self.comm.all_gather_object(problem) if p]
+        if problems:
+            raise CheckpointError(f"save to {self.path} failed; nothing was published:\n" + "\n".join(problems))
+        schedule = self.plan_set.schedules[self.rank]
+        return SaveResult(
+            self.path,
+            self.rank,
+            tuple(f.name for f in self.file_plan.files_of(self.rank)),
+            written,
+            time.perf_counter() - self.start,
+            schedule.num_calls,
+            schedule.peak_bytes,
+        )
+
+
+def _local_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    named = dict(model.state_dict(keep_vars=True)) if isinstance(model, torch.nn.Module) else dict(model)
+    out = {}
+    for raw, tensor in named.items():
+        name = clean_name(raw)
+        if name in layout.specs:
+            local = _compat.dtensor_local(tensor) if _compat.is_dtensor(tensor) else tensor
+            out[name] = local.detach()
+    missing = [n for n in layout.specs if n not in out]
+    if missing:
+        raise CheckpointError(f"the layout names {len(missing)} parameter(s) the model does not have: {missing[:5]}")
+    return out
+
+
+class _OneProcess:
+    """The communicator of a job of one process with no process group."""
+
+    rank = 0
+
+    def all_gather(self, send: torch.Tensor, mesh_dim: Any) -> torch.Tensor:
+        return send
+
+    def barrier(self) -> None:
+        return None
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        return [obj]
+
+
+def local_communicator() -> Communicator:
+    """A communicator for a single process (a model on one device, no torch.distributed)."""
+    return _OneProcess()
+
+
+def default_communicator(layout: Layout) -> Communicator:
+    """torch.distributed's default world bound to the layout's mesh dims, or one process."""
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        if layout.mesh.size != 1:
+            raise CheckpointError(
+                f"{layout.mesh!r} has {layout.mesh.size} ranks but torch.distributed is not "
+                "initialized; run under wb.launch or torchrun"
+            )
+        return local_communicator()
+    from workbench.run.torch_comm import TorchCommunicator
+
+    refs = {d.mesh_dim for spec in layout.specs.values() for d in spec.shards}
+    return TorchCommunicator(layout.mesh, refs)
+
+
+def _version() -> str:
+    from workbench import __version__
+
+    return __version__

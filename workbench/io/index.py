@@ -1,0 +1,420 @@
+"""The HF index (``model.safetensors.index.json``) and safetensors headers, read without loading tensors.
+
+A safetensors file is ``[u64 little-endian header length n][n bytes of JSON header][data]``; the header
+maps every key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the data
+start) plus an optional ``"__metadata__"`` of str -> str. ``read_checkpoint`` parses the index and every
+header directly, checks them against each other and the file sizes, and names the file and the problem
+when something is off (missing, truncated, corrupt).
+"""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import struct
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from pathlib import Path
+
+import torch
+
+from workbench.errors import CheckpointError
+from workbench.io.file_plan import FilePlan
+from workbench.io.write import fsync_dir, fsync_file
+
+__all__ = [
+    "INDEX_NAME",
+    "SINGLE_FILE_NAME",
+    "CheckpointIndex",
+    "KeyInfo",
+    "read_checkpoint",
+    "read_header",
+    "safetensors_dtype",
+    "scan_checkpoint",
+    "torch_dtype",
+    "write_index",
+]
+
+INDEX_NAME = "model.safetensors.index.json"
+SINGLE_FILE_NAME = "model.safetensors"
+_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
+_MAX_LISTED = 20  # problems shown in one error message
+
+# safetensors dtype string -> bits per element (sizes), and -> torch dtype where torch has one.
+_DTYPE_BITS = {
+    "BOOL": 8, "U8": 8, "I8": 8, "F8_E5M2": 8, "F8_E4M3": 8, "F8_E4M3FNUZ": 8, "F8_E5M2FNUZ": 8, "F8_E8M0": 8,
+    "U16": 16, "I16": 16, "F16": 16, "BF16": 16, "U32": 32, "I32": 32, "F32": 32,
+    "U64": 64, "I64": 64, "F64": 64, "C64": 64, "F4": 4, "F6_E2M3": 6, "F6_E3M2": 6,
+}  # fmt: skip
+_TORCH_NAMES = {
+    "BOOL": "bool", "U8": "uint8", "I8": "int8", "U16": "uint16", "I16": "int16", "U32": "uint32",
+    "I32": "int32", "U64": "uint64", "I64": "int64", "F16": "float16", "BF16": "bfloat16", "F32": "float32",
+    "F64": "float64", "C64": "complex64", "F8_E5M2": "float8_e5m2", "F8_E4M3": "float8_e4m3fn",
+    "F8_E4M3FNUZ": "float8_e4m3fnuz", "F8_E5M2FNUZ": "float8_e5m2fnuz", "F8_E8M0": "float8_e8m0fnu",
+}  # fmt: skip
+_TO_TORCH: dict[str, torch.dtype] = {
+    s: getattr(torch, name) for s, name in _TORCH_NAMES.items() if isinstance(getattr(torch, name, None), torch.dtype)
+}
+_FROM_TORCH: dict[torch.dtype, str] = {d: s for s, d in _TO_TORCH.items()}
+
+
+def torch_dtype(dtype: str) -> torch.dtype:
+    """The torch dtype of a safetensors dtype string: ``torch_dtype("BF16") is torch.bfloat16``."""
+    try:
+        return _TO_TORCH[dtype]
+    except KeyError:
+        raise CheckpointError(
+            f"safetensors dtype {dtype!r} has no torch dtype here; known: {sorted(_TO_TORCH)}"
+        ) from None
+
+
+def safetensors_dtype(dtype: torch.dtype) -> str:
+    """The safetensors dtype string of a torch dtype: ``safetensors_dtype(torch.bfloat16) == "BF16"``."""
+    try:
+        return _FROM_TORCH[dtype]
+    except KeyError:
+        raise CheckpointError(f"torch dtype {dtype} cannot be stored in safetensors") from None
+
+
+@dataclass(frozen=True, slots=True)
+class KeyInfo:
+    """Where one HF key lives: its file, safetensors dtype string, shape, and data byte range in the file.
+
+    ``data_offsets`` are relative to the start of the data section, as in the header.
+    """
+
+    hf_key: str
+    file: str
+    dtype: str
+    shape: tuple[int, ...]
+    data_offsets: tuple[int, int]
+
+    @property
+    def numel(self) -> int:
+        """Number of elements."""
+        return math.prod(self.shape)
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of tensor data."""
+        return self.data_offsets[1] - self.data_offsets[0]
+
+    def __str__(self) -> str:
+        return f"{self.hf_key}: {self.dtype}{list(self.shape)} in {self.file}"
+
+
+@dataclass(frozen=True, slots=True)
+class CheckpointIndex:
+    """A checkpoint's index and headers, parsed and cross-checked; no tensor data is loaded.
+
+    Attributes:
+        directory: the folder holding the files.
+        weight_map: ``{hf_key: file name}`` (from the index, or every key of a lone file).
+        total_size: ``metadata.total_size`` of the index (None without an index or without the field).
+        files: the file names the weight map refers to, sorted.
+        keys: ``{hf_key: KeyInfo}`` for every key of the weight map, in weight-map order.
+        file_metadata: ``{file name: __metadata__ of its header}`` ({} where a header has none).
+        index_file: the index json, or None for a single-file checkpoint.
+        unlisted_keys: ``{file name: keys in its header that the weight map does not list}`` (HF loaders
+            ignore them; usually a sign of a stale index).
+    """
+
+    directory: Path
+    weight_map: dict[str, str]
+    total_size: int | None
+    files: tuple[str, ...]
+    keys: dict[str, KeyInfo]
+    file_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
+    index_file: Path | None = None
+    unlisted_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
+
+    def path_of(self, file: str) -> Path:
+        """The full path of one of ``files``."""
+        return self.directory / file
+
+    @property
+    def data_bytes(self) -> int:
+        """Sum of the tensor bytes of every key in the weight map (what ``total_size`` should say)."""
+        return sum(info.nbytes for info in self.keys.values())
+
+    def __str__(self) -> str:
+        total = "no total_size" if self.total_size is None else f"total_size {self.total_size}"
+        source = self.index_file.name if self.index_file is not None else "no index"
+        return (
+            f"Checkpoint {self.directory}: {len(self.keys)} key(s) in {len(self.files)} file(s), "
+            f"{self.data_bytes} data bytes ({source}, {total})"
+        )
+
+    def __repr__(self) -> str:
+        return f"CheckpointIndex(directory={str(self.directory)!r}, keys={len(self.keys)}, files={len(self.files)})"
+
+
+def write_index(
+    directory: Path | str,
+    file_plan: FilePlan,
+    metadata_extra: Mapping[str, str] | None = None,
+) -> Path:
+    """Write ``model.safetensors.index.json`` for ``file_plan`` into ``directory``, fsynced; return its path.
+
+    The json is ``{"metadata": {"total_size": ..., **metadata_extra}, "weight_map": {...}}`` (indent 2,
+    weight-map keys sorted). It is written to a hidden sibling and renamed, so a reader never sees half
+    an index.
+
+    Raises:
+        CheckpointError: ``metadata_extra`` redefines ``total_size``, or the directory is missing.
+    """
+    directory = Path(directory)
+    extra = dict(metadata_extra or {})
+    if "total_size" in extra:
+        raise CheckpointError("metadata_extra must not set 'total_size'; it is computed from the file plan")
+    if not directory.is_dir():
+        raise CheckpointError(f"cannot write the index: directory {directory} does not exist")
+    body = {
+        "metadata": {"total_size": int(file_plan.total_size), **extra},
+        "weight_map": {k: file_plan.weight_map[k] for k in sorted(file_plan.weight_map)},
+    }
+    path = directory / INDEX_NAME
+    scratch = directory / f".{INDEX_NAME}.tmp"
+    scratch.write_text(json.dumps(body, indent=2, ensure_ascii=False) + "\n", encoding="utf-8")
+    fsync_file(scratch)
+    os.replace(scratch, path)
+    fsync_dir(directory)
+    return path
+
+
+def read_header(path: Path | str) -> tuple[dict[str, KeyInfo], dict[str, str], list[str]]:
+    """Parse one safetensors header: ``(keys, __metadata__, problems)``; tensor data is not read.
+
+    ``problems`` lists what is wrong, each naming the file (truncated, corrupt header, bad offsets). With
+    a problem in the header itself, ``keys`` is empty.
+    """
+    path = Path(path)
+    name = path.name
+    problems: list[str] = []
+    try:
+        size = path.stat().st_size
+        with open(path, "rb") as f:
+            prefix = f.read(8)
+            if len(prefix) < 8:
+                return {}, {}, [f"{path}: truncated file: {size} bytes, too short for the 8-byte header length"]
+            (n,) = struct.unpack("<Q", prefix)
+            if n > _MAX_HEADER_BYTES:
+                problem = (
+                    f"{path}: corrupt header: header length {n} bytes is beyond safetensors' "
+                    f"{_MAX_HEADER_BYTES}-byte limit (not a safetensors file, or garbled)"
+                )
+                return {}, {}, [problem]
+            if 8 + n > size:
+                problem = (
+                    f"{path}: truncated file: header length {n} bytes runs past the end of the {size}-byte "
+                    "file; the write was interrupted, re-save the checkpoint"
+                )
+                return {}, {}, [problem]
+            raw = f.read(n)
+    except OSError as exc:
+        return {}, {}, [f"{path}: cannot read: {exc}"]
+    try:
+        header = json.loads(raw.decode("utf-8"))
+    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
+        return {}, {}, [f"{path}: corrupt header: the {n}-byte JSON header does not parse ({exc})"]
+    if not isinstance(header, dict):
+        return {}, {}, [f"{path}: corrupt header: expected a JSON object, got {type(header).__name__}"]
+
+    metadata = header.pop("__metadata__", None) or {}
+    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+        problems.append(f"{path}: corrupt header: __metadata__ must map str to str, got {metadata!r:.200}")
+        metadata = {}
+    data_len = size - 8 - n
+    keys: dict[str, KeyInfo] = {}
+    spans: list[tuple[int, int, str]] = []
+    for key, entry in header.items():
+        info = _parse_entry(path, name, key, entry, problems)
+        if info is None:
+            continue
+        keys[key] = info
+        spans.append((info.data_offsets[0], info.data_offsets[1], key))
+    spans.sort()
+    end = 0
+    for begin, stop, key in spans:
+        if begin != end:
+            what = "overlaps the previous tensor" if begin < end else f"leaves a {begin - end}-byte gap before it"
+            problems.append(f"{path}: corrupt header: key {key!r} at data_offsets [{begin}, {stop}] {what}")
+        end = max(end, stop)
+    if end > data_len:
+        problems.append(
+            f"{path}: truncated file: tensors end at data byte {end} but the file holds only {data_len} data "
+            f"bytes ({size} bytes in all); the write was interrupted, re-save the checkpoint"
+        )
+    elif end < data_len:
+        problems.append(f"{path}: corrupt file: {data_len - end} unexpected bytes after the last tensor")
+    return keys, {str(k): v for k, v in metadata.items()}, problems
+
+
+def _parse_entry(path: Path, name: str, key: str, entry: object, problems: list[str]) -> KeyInfo | None:
+    if not isinstance(entry, dict):
+        problems.append(f"{path}: corrupt header: key {key!r} has entry {entry!r:.120}, expected an object")
+        return None
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if dtype not in _DTYPE_BITS:
+        problems.append(f"{path}: corrupt header: key {key!r} has unknown dtype {dtype!r}")
+        return None
+    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
+        problems.append(f"{path}: corrupt header: key {key!r} has shape {shape!r}, expected a list of sizes >= 0")
+        return None
+    if (
+        not isinstance(offsets, list)
+        or len(offsets) != 2
+        or not all(isinstance(o, int) for o in offsets)
+        or not 0 <= offsets[0] <= offsets[1]
+    ):
+        problems.append(f"{path}: corrupt header: key {key!r} has data_offsets {offsets!r}, expected [begin, end]")
+        return None
+    expected = (math.prod(shape) * _DTYPE_BITS[dtype] + 7) // 8
+    if offsets[1] - offsets[0] != expected:
+        problems.append(
+            f"{path}: corrupt header: key {key!r} ({dtype}{shape}) needs {expected} bytes but its data_offsets "
+            f"{offsets} span {offsets[1] - offsets[0]}"
+        )
+        return None
+    return KeyInfo(hf_key=key, file=name, dtype=dtype, shape=tuple(shape), data_offsets=(offsets[0], offsets[1]))
+
+
+def _locate(path: Path) -> tuple[Path, Path | None, Path | None, list[str]]:
+    """``(directory, index file, lone safetensors file, problems)`` for a checkpoint path."""
+    if path.is_file():
+        if path.name == INDEX_NAME:
+            return path.parent, path, None, []
+        if path.suffix == ".safetensors":
+            return path.parent, None, path, []
+        return path.parent, None, None, [f"{path}: not a checkpoint: expected a directory or a .safetensors file"]
+    if not path.exists():
+        hint = ""
+        temporary = path.parent / f".{path.name}.incomplete"
+        if temporary.exists():
+            hint = f"; an unfinished save was found at {temporary} (it was never published)"
+        return path, None, None, [f"{path}: checkpoint does not exist{hint}"]
+    if (path / INDEX_NAME).is_file():
+        return path, path / INDEX_NAME, None, []
+    if (path / SINGLE_FILE_NAME).is_file():
+        return path, None, path / SINGLE_FILE_NAME, []
+    shards = sorted(p.name for p in path.glob("*.safetensors"))
+    found = f"; found {len(shards)} .safetensors file(s) without an index, e.g. {shards[:3]}" if shards else ""
+    return path, None, None, [f"{path}: no {INDEX_NAME} and no {SINGLE_FILE_NAME}{found}"]
+
+
+def _read_index(index_file: Path, problems: list[str]) -> tuple[dict[str, str], int | None]:
+    try:
+        body = json.loads(index_file.read_text(encoding="utf-8"))
+    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
+        problems.append(f"{index_file}: corrupt index: {exc}")
+        return {}, None
+    weight_map = body.get("weight_map") if isinstance(body, dict) else None
+    if not isinstance(weight_map, dict) or not all(
+        isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
+    ):
+        problems.append(f"{index_file}: corrupt index: 'weight_map' must be an object of key -> file name")
+        return {}, None
+    metadata = body.get("metadata") or {}
+    total = metadata.get("total_size") if isinstance(metadata, dict) else None
+    if total is not None:
+        try:
+            total = int(total)
+        except (TypeError, ValueError):
+            problems.append(f"{index_file}: corrupt index: metadata.total_size {total!r} is not an integer")
+            total = None
+    return weight_map, total
+
+
+def scan_checkpoint(path: Path | str) -> tuple[CheckpointIndex | None, tuple[str, ...]]:
+    """Parse a checkpoint like ``read_checkpoint`` but collect every problem instead of raising.
+
+    Returns ``(index, problems)``: ``index`` is None when no index or file could be found at all; with
+    problems it holds what could be parsed (keys of broken files are missing from ``keys``).
+    """
+    path = Path(path)
+    directory, index_file, lone_file, problems = _locate(path)
+    if index_file is None and lone_file is None:
+        return None, tuple(problems)
+    total_size: int | None = None
+    if index_file is not None:
+        weight_map, total_size = _read_index(index_file, problems)
+        files = tuple(sorted(set(weight_map.values())))
+    else:
+        files = (lone_file.name,) if lone_file is not None else ()
+        weight_map = {}
+
+    keys: dict[str, KeyInfo] = {}
+    file_metadata: dict[str, dict[str, str]] = {}
+    unlisted: dict[str, tuple[str, ...]] = {}
+    headers: dict[str, dict[str, KeyInfo]] = {}
+    keys_of_file: dict[str, list[str]] = {}
+    for key, file in weight_map.items():
+        keys_of_file.setdefault(file, []).append(key)
+    for file in files:
+        file_path = directory / file
+        if not file_path.is_file():
+            named = keys_of_file.get(file, [])
+            problems.append(
+                f"{file_path}: missing file: the weight_map of {index_file} names it for {len(named)} key(s), "
+                f"e.g. {named[:3]}"
+            )
+            continue
+        header, metadata, header_problems = read_header(file_path)
+        problems.extend(header_problems)
+        file_metadata[file] = metadata
+        if header or not header_problems:  # an unreadable header is reported once, not once per key
+            headers[file] = header
+    if index_file is None and files:
+        weight_map = dict.fromkeys(headers.get(files[0], {}), files[0])
+    for key, file in weight_map.items():
+        header = headers.get(file)
+        if header is None:
+            continue
+        info = header.get(key)
+        if info is None:
+            problems.append(
+                f"{directory / file}: key {key!r} is listed in the weight_map of {index_file} but is not in "
+                "this file's header; the index and the files come from different saves"
+            )
+            continue
+        keys[key] = info
+    for file, header in headers.items():
+        extra = tuple(k for k in header if weight_map.get(k) != file)
+        if extra:
+            unlisted[file] = extra
+    index = CheckpointIndex(
+        directory=directory,
+        weight_map=dict(weight_map),
+        total_size=total_size,
+        files=files,
+        keys=keys,
+        file_metadata=file_metadata,
+        index_file=index_file,
+        unlisted_keys=unlisted,
+    )
+    return index, tuple(problems)
+
+
+def read_checkpoint(path: Path | str) -> CheckpointIndex:
+    """Parse a checkpoint's index and every safetensors header; raise if anything is damaged.
+
+    ``path`` is a directory with ``model.safetensors.index.json``, a directory with a single
+    ``model.safetensors`` (no index), or one ``.safetensors`` file.
+
+    Raises:
+        CheckpointError: listing every problem found, each naming the file and what is wrong: a missing
+            index or file, a weight_map naming a missing file, a key absent from its file's header, a
+            truncated file (header or data past the end), a corrupt (unparsable) header.
+    """
+    index, problems = scan_checkpoint(path)
+    if problems:
+        if len(problems) == 1:
+            raise CheckpointError(problems[0])
+        shown = problems[:_MAX_LISTED]
+        more = f"\n  ... and {len(problems) - len(shown)} more" if len(problems) > len(shown) else ""
+        listed = "\n  - ".join(shown)
+        raise CheckpointError(f"checkpoint {path} has {len(problems)} problems:\n  - {listed}{more}")
+    if index is None:  # unreachable: no index comes with a problem
+        raise CheckpointError(f"{path}: not a checkpoint")
+    return index

@@ -1,0 +1,293 @@
+"""AtomicRenamePublisher: publish a checkpoint directory by one atomic rename (see ``publish_types``).
+
+Mechanism, on one POSIX filesystem:
+
+* ``final`` does not exist: ``rename(temporary, final)``, atomic by POSIX.
+* ``final`` exists: Linux ``renameat2(temporary, final, RENAME_EXCHANGE)`` swaps the two directories in one
+  step (readers see the old checkpoint or the new one, never neither), then the old one, now at the
+  temporary path, is deleted.
+* Without ``renameat2`` (not Linux, kernel < 3.15, a filesystem that refuses the flag): ``final`` is renamed
+  aside to ``.NAME.old``, the temporary renamed to ``final``, then the old one deleted. **Window:** between
+  the two renames ``final`` does not exist; a crash there leaves the old checkpoint complete at
+  ``.NAME.old``, and the next ``prepare`` renames it back.
+
+NOTE: ``prepare``, ``finalize`` and ``abort`` are called by one rank only; the caller puts barriers
+around them (after ``prepare``, before ``finalize``), as the ``publish_types`` docstring explains.
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import functools
+import os
+import shutil
+import warnings
+from pathlib import Path
+from typing import Any
+
+from workbench.errors import CheckpointError
+from workbench.io.index import INDEX_NAME, scan_checkpoint
+from workbench.io.publish_types import INCOMPLETE_SUFFIX, is_temporary_path, temporary_path
+from workbench.io.write import fsync_dir, fsync_file
+
+__all__ = ["OLD_SUFFIX", "AtomicRenamePublisher", "exchange_paths", "is_complete", "validate_final"]
+
+OLD_SUFFIX = ".old"
+_AT_FDCWD = -100
+_RENAME_EXCHANGE = 1 << 1
+_UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+@functools.cache
+def _renameat2() -> Any:
+    """libc's ``renameat2`` (glibc >= 2.28), or None."""
+    for name in (None, ctypes.util.find_library("c")):
+        try:
+            fn = getattr(ctypes.CDLL(name, use_errno=True), "renameat2", None)
+        except OSError:
+            continue
+        if fn is not None:
+            fn.argtypes = (ctypes.c_int, ctypes.c_char_p, ctypes.c_int, ctypes.c_char_p, ctypes.c_uint)
+            fn.restype = ctypes.c_int
+            return fn
+    return None
+
+
+def exchange_paths(a: Path | str, b: Path | str) -> bool:
+    """Swap two existing paths atomically (``renameat2(RENAME_EXCHANGE)``); False where unsupported.
+
+    Raises:
+        OSError: the exchange is supported but failed (missing path, different filesystems, permissions).
+    """
+    fn = _renameat2()
+    if fn is None:
+        return False
+    if fn(_AT_FDCWD, os.fsencode(a), _AT_FDCWD, os.fsencode(b), _RENAME_EXCHANGE) == 0:
+        return True
+    err = ctypes.get_errno()
+    if err in _UNSUPPORTED:
+        return False
+    raise OSError(err, os.strerror(err), str(a), None, str(b))
+
+
+def _fsync_tree(root: Path) -> int:
+    """fsync every regular file under ``root`` and every directory (deepest first); return the file count."""
+    count = 0
+    for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
+        for name in filenames:
+            path = os.path.join(dirpath, name)
+            if os.path.isfile(path) and not os.path.islink(path):
+                fsync_file(path)
+                count += 1
+        fsync_dir(dirpath)
+    return count
+
+
+def _remove(path: Path) -> None:
+    if path.is_dir() and not path.is_symlink():
+        shutil.rmtree(path)
+    elif os.path.lexists(path):
+        path.unlink()
+
+
+class AtomicRenamePublisher:
+    """Publish the directory ``.NAME.incomplete`` as ``NAME`` by an atomic rename (or exchange).
+
+    Args:
+        final: the checkpoint directory to (re)place, e.g. ``exp/hf-100``.
+        use_exchange: try ``renameat2(RENAME_EXCHANGE)`` when ``final`` exists (False forces the
+            rename-aside fallback; for tests and filesystems known to refuse the flag).
+
+    Example (rank 0 only; ``barrier`` is the caller's)::
+
+        publisher = AtomicRenamePublisher(Path("exp/hf-100"))
+        if rank == 0:
+            publisher.prepare()
+        barrier()
+        write_safetensors(publisher.temporary / name, tensors)   # every writer rank
+        barrier()                                               # after every rank reported success
+        if rank == 0:
+            publisher.finalize()   # or publisher.abort() if any rank failed
+    """
+
+    def __init__(self, final: Path | str, *, use_exchange: bool = True) -> None:
+        self._final = Path(final)
+        if not self._final.name or self._final.name in (".", ".."):
+            raise CheckpointError(f"cannot publish to {final!r}: the final path needs a directory name")
+        self.use_exchange = use_exchange
+
+    @property
+    def final(self) -> Path:
+        """Where the checkpoint is published."""
+        return self._final
+
+    @property
+    def temporary(self) -> Path:
+        """The hidden sibling written before publishing: ``.NAME.incomplete``."""
+        return temporary_path(self._final)
+
+    @property
+    def aside(self) -> Path:
+        """Where the fallback moves the old checkpoint during its window: ``.NAME.old``."""
+        return self._final.with_name(f".{self._final.name}{OLD_SUFFIX}")
+
+    def prepare(self) -> Path:
+        """Create a fresh, empty ``temporary`` (a stale one from a crashed save is removed) and return it.
+
+        Also repairs an interrupted fallback publish: an old checkpoint left at ``.NAME.old`` goes back
+        to ``NAME`` when ``NAME`` is missing, and is deleted when ``NAME`` exists.
+
+        Raises:
+            CheckpointError: ``final`` exists and is not a directory, or its parent is missing or not
+                writable (the path is named).
+        """
+        final, parent = self._final, self._final.parent
+        if not parent.is_dir():
+            raise CheckpointError(f"cannot save to {final}: parent directory {parent} does not exist; create it first")
+        if not os.access(parent, os.W_OK | os.X_OK):
+            raise CheckpointError(f"cannot save to {final}: parent directory {parent} is not writable by this process")
+        if os.path.lexists(final) and not final.is_dir():
+            raise CheckpointError(
+                f"cannot save to {final}: it exists and is a file, not a checkpoint directory; "
+                "move it away or choose another path"
+            )
+        self._repair_aside()
+        try:
+            _remove(self.temporary)
+            self.temporary.mkdir()
+            fsync_dir(parent)
+        except OSError as exc:
+            raise CheckpointError(f"cannot create the temporary directory {self.temporary}: {exc}") from exc
+        return self.temporary
+
+    def _repair_aside(self) -> None:
+        aside = self.aside
+        if not os.path.lexists(aside):
+            return
+        try:
+            if os.path.lexists(self._final):
+                _remove(aside)
+            else:
+                os.rename(aside, self._final)
+                fsync_dir(self._final.parent)
+        except OSError as exc:
+            raise CheckpointError(
+                f"an interrupted publish left the old checkpoint at {aside}, and restoring it failed: {exc}"
+            ) from exc
+
+    def finalize(self, *, verify: bool = True) -> Path:
+        """fsync everything under ``temporary``, then publish it at ``final`` atomically; return ``final``.
+
+        Args:
+            verify: first check the content as ``validate_final`` would (index, files, headers, sizes),
+                and refuse to publish a damaged checkpoint. Pass False for directories that are not HF
+                checkpoints.
+
+        Raises:
+            CheckpointError: nothing to publish (``prepare`` not called, or aborted), verification failed
+                (the temporary is kept for inspection and ``final`` is untouched), ``final`` became a file,
+                or a rename failed.
+        """
+        temporary, final = self.temporary, self._final
+        if not temporary.is_dir() or temporary.is_symlink():
+            raise CheckpointError(
+                f"nothing to publish at {final}: {temporary} does not exist; call prepare() first (or it was aborted)"
+            )
+        if verify:
+            problems = _content_problems(temporary)
+            if problems:
+                listed = "\n  - ".join(problems)
+                raise CheckpointError(
+                    f"refusing to publish {temporary} as {final} ({final} is untouched):\n  - {listed}"
+                )
+        try:
+            _fsync_tree(temporary)
+            if not os.path.lexists(final):
+                os.rename(temporary, final)
+            elif not final.is_dir():
+                raise CheckpointError(f"cannot publish at {final}: it exists and is a file, not a directory")
+            elif self.use_exchange and exchange_paths(temporary, final):
+                fsync_dir(final.parent)
+                self._discard(temporary)  # the old checkpoint, swapped to the temporary name
+            else:
+                self._publish_by_rename_aside()
+            fsync_dir(final.parent)
+        except OSError as exc:
+            raise CheckpointError(f"publishing {temporary} as {final} failed: {exc}") from exc
+        return final
+
+    def _publish_by_rename_aside(self) -> None:
+        final, aside = self._final, self.aside
+        _remove(aside)
+        os.rename(final, aside)
+        # window: `final` is missing until the next rename; a crash here is repaired by prepare()
+        os.rename(self.temporary, final)
+        fsync_dir(final.parent)
+        self._discard(aside)
+
+    @staticmethod
+    def _discard(old: Path) -> None:
+        """Delete the replaced checkpoint; the publish already happened, so a failure only warns."""
+        try:
+            _remove(old)
+        except OSError as exc:
+            warnings.warn(f"published, but the replaced checkpoint at {old} could not be deleted: {exc}", stacklevel=3)
+
+    def abort(self) -> None:
+        """Remove ``temporary``; ``final`` is left untouched. Safe to call twice."""
+        try:
+            _remove(self.temporary)
+        except OSError as exc:
+            raise CheckpointError(f"cannot remove the temporary directory {self.temporary}: {exc}") from exc
+
+    def __repr__(self) -> str:
+        return f"AtomicRenamePublisher(final={str(self._final)!r})"
+
+
+def _content_problems(path: Path) -> list[str]:
+    if not (path / INDEX_NAME).is_file():
+        return [f"{path}: no {INDEX_NAME}: every workbench checkpoint has one, so this save never completed"]
+    index, problems = scan_checkpoint(path)
+    found = list(problems)
+    if index is None:
+        return found
+    if index.total_size is None:
+        found.append(f"{index.index_file}: no metadata.total_size (not written by workbench, or edited)")
+    elif not found and index.data_bytes != index.total_size:
+        found.append(
+            f"{index.index_file}: size mismatch: metadata.total_size is {index.total_size} bytes but the "
+            f"{len(index.keys)} keys of the weight_map hold {index.data_bytes} bytes"
+        )
+    return found
+
+
+def validate_final(path: Path | str) -> list[str]:
+    """Every problem that keeps ``path`` from being a complete, published checkpoint ([] when complete).
+
+    Checks: the path is not a temporary (``.NAME.incomplete``) and exists; it has an index; every file of
+    the weight map exists and has a readable, untruncated header listing its keys; the tensor bytes
+    match ``metadata.total_size``.
+    """
+    path = Path(path)
+    if is_temporary_path(path):
+        return [f"{path}: an unpublished save (a '{INCOMPLETE_SUFFIX}' directory): finalize() never ran on it"]
+    if not path.exists():
+        hints = [
+            f"an unfinished save is at {temporary_path(path)}" if temporary_path(path).exists() else "",
+            f"a previous checkpoint was moved aside to {path.with_name(f'.{path.name}{OLD_SUFFIX}')} by an "
+            "interrupted publish"
+            if path.with_name(f".{path.name}{OLD_SUFFIX}").exists()
+            else "",
+        ]
+        hint = "; ".join(h for h in hints if h)
+        return [f"{path}: does not exist" + (f" ({hint})" if hint else "")]
+    if not path.is_dir():
+        return [f"{path}: not a directory; a published checkpoint is a directory with {INDEX_NAME}"]
+    return _content_problems(path)
+
+
+def is_complete(path: Path | str) -> bool:
+    """True when ``path`` is a published checkpoint with nothing wrong (``validate_final`` finds nothing)."""
+    return not validate_final(path)
