@@ -16,6 +16,7 @@ demo: $(STAMP)
 	$(VENV)/bin/workbench layout sample_meshes/toy_expert_tp.toml
 	$(VENV)/bin/workbench plan sample_meshes/toy_expert_tp.toml --rank 5 --budget 200B --param '*fused_w1w3'
 	$(VENV)/bin/workbench simulate sample_meshes/toy_expert_tp.toml --budget 200B
+	$(VENV)/bin/workbench demo
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check workbench tests bench

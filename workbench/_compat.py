@@ -19,6 +19,7 @@ import torch
 __all__ = [
     "HAS_TORCH_STRIDED_SHARD",
     "StridedShardBase",
+    "all_gather_flat",
     "chunk_size_and_offset",
     "dtensor_local",
     "fake_process_group",
@@ -205,6 +206,18 @@ def root_mesh(device_mesh: Any) -> Any:
         return _mesh_resources.get_root_mesh(device_mesh)
     except (ImportError, AttributeError):
         return device_mesh
+
+
+def all_gather_flat(output: torch.Tensor, send: torch.Tensor, group: Any = None) -> None:
+    """Gather every rank's ``send`` into ``output`` (rank-major) with one collective.
+
+    ``all_gather_single`` where this torch has it (2.13 deprecates ``all_gather_into_tensor`` for it), else
+    ``all_gather_into_tensor``.
+    """
+    import torch.distributed as dist
+
+    gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+    gather(output, send, group=group)
 
 
 # -- FSDP2, fake process groups, local tensor mode ------------------------------------------------

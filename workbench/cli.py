@@ -55,6 +55,11 @@ def _build_parser() -> argparse.ArgumentParser:
     simulate.add_argument("path", help="layout file (small: it holds every rank's tensors in memory)")
     simulate.add_argument("--budget", type=_bytes, default=None, help="memory budget of the save schedule")
     simulate.add_argument("--policy", type=_policy, default=None, help="full (default) or preserve:ep")
+    demo = sub.add_parser(
+        "demo",
+        help="save a sharded model from 4 local gloo ranks, reload it into another topology, check bit for bit",
+    )
+    demo.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
     return parser
 
 
@@ -138,6 +143,10 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _run_plan(args)
         if args.command == "simulate":
             return _run_simulate(args)
+        if args.command == "demo":
+            from workbench.demo import run_demo
+
+            return 0 if run_demo(4, args.dir) else 1
     except WorkbenchError as exc:
         print(f"workbench: error: {exc}", file=sys.stderr)
         return 2

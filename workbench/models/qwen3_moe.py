@@ -24,7 +24,7 @@ from torch import nn
 
 from workbench.layout.key_map import HFKeys
 
-__all__ = ["Qwen3MoeShape", "build_qwen3_moe", "qwen3_moe_key_map"]
+__all__ = ["Qwen3MoeShape", "build_qwen3_moe", "qwen3_moe_hf_shapes", "qwen3_moe_key_map"]
 
 _LAYER = re.compile(r"layers\.(\d+)\.(.+)")
 
@@ -65,6 +65,34 @@ def qwen3_moe_key_map(num_experts: int) -> Callable[[str], HFKeys | str]:
         return f"model.{name}"
 
     return key_map
+
+
+def qwen3_moe_hf_shapes(shape: Qwen3MoeShape) -> dict[str, tuple[int, ...]]:
+    """Every HF key of a Qwen3-MoE checkpoint with its shape (per-expert keys, untied lm_head)."""
+    h, i, hd = shape.hidden_size, shape.moe_intermediate_size, shape.head_dim
+    out: dict[str, tuple[int, ...]] = {"model.embed_tokens.weight": (shape.vocab_size, h)}
+    for n in range(shape.num_hidden_layers):
+        p = f"model.layers.{n}"
+        out.update({
+            f"{p}.self_attn.q_proj.weight": (shape.num_attention_heads * hd, h),
+            f"{p}.self_attn.k_proj.weight": (shape.num_key_value_heads * hd, h),
+            f"{p}.self_attn.v_proj.weight": (shape.num_key_value_heads * hd, h),
+            f"{p}.self_attn.o_proj.weight": (h, shape.num_attention_heads * hd),
+            f"{p}.self_attn.q_norm.weight": (hd,),
+            f"{p}.self_attn.k_norm.weight": (hd,),
+            f"{p}.input_layernorm.weight": (h,),
+            f"{p}.post_attention_layernorm.weight": (h,),
+            f"{p}.mlp.gate.weight": (shape.num_experts, h),
+        })
+        for e in range(shape.num_experts):
+            out.update({
+                f"{p}.mlp.experts.{e}.gate_proj.weight": (i, h),
+                f"{p}.mlp.experts.{e}.up_proj.weight": (i, h),
+                f"{p}.mlp.experts.{e}.down_proj.weight": (h, i),
+            })
+    out["model.norm.weight"] = (h,)
+    out["lm_head.weight"] = (shape.vocab_size, h)
+    return out
 
 
 class _Experts(nn.Module):

@@ -8,6 +8,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from workbench import _compat
 from workbench.errors import PlanError
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 
@@ -49,7 +50,7 @@ class TorchCommunicator:
         return f"TorchCommunicator(rank={self.rank}, backend={dist.get_backend()}, groups=[{refs}])"
 
     def all_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef) -> torch.Tensor:
-        """``W x send`` in group-rank order, through one ``all_gather_into_tensor`` over the group."""
+        """``W x send`` in group-rank order, through one flat all-gather over the group."""
         ref = self.mesh.resolve(mesh_dim)
         if ref not in self._sizes:
             raise PlanError(f"rank {self.rank}: no process group was made for mesh dim {format_mesh_dim(ref)!r}")
@@ -58,7 +59,7 @@ class TorchCommunicator:
             return send
         send = send.contiguous()
         out = send.new_empty(world * send.numel())
-        dist.all_gather_into_tensor(out, send, group=self._groups[ref])
+        _compat.all_gather_flat(out, send, self._groups[ref])
         return out
 
     def barrier(self) -> None:
