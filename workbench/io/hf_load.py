@@ -9,11 +9,10 @@ from pathlib import Path
 
 import torch
 
-from workbench import _compat
 from workbench.errors import CheckpointError
 from workbench.io.read import CheckpointReader
-from workbench.layout.key_map import KeyMap, clean_name
-from workbench.layout.model_layout import Layout
+from workbench.layout.key_map import KeyMap
+from workbench.layout.model_layout import Layout, local_tensors
 from workbench.plan.load_plan import Adapter, expected_key_shape, plan_hf_load
 from workbench.run.load_ops import execute_load
 
@@ -81,7 +80,7 @@ def load_hf(
         import torch.distributed as dist
 
         rank = dist.get_rank() if dist.is_initialized() else 0
-    targets = _targets(model_or_state_dict, layout)
+    targets = local_tensors(model_or_state_dict, layout)
     with CheckpointReader(path) as reader:
         present = set(reader.keys())
         expected = layout.hf_keys
@@ -110,20 +109,6 @@ def load_hf(
     return LoadReport(
         Path(path), rank, loaded, read, owned, time.perf_counter() - start, missing, unexpected, tuple(mismatched)
     )
-
-
-def _targets(model: torch.nn.Module | Mapping[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
-    named = dict(model.state_dict(keep_vars=True)) if isinstance(model, torch.nn.Module) else dict(model)
-    out = {}
-    for raw, tensor in named.items():
-        name = clean_name(raw)
-        if name in layout.specs:
-            local = _compat.dtensor_local(tensor) if _compat.is_dtensor(tensor) else tensor
-            out[name] = local.data if isinstance(local, torch.nn.Parameter) else local
-    missing = [n for n in layout.specs if n not in out]
-    if missing:
-        raise CheckpointError(f"the layout names {len(missing)} parameter(s) the model does not have: {missing[:5]}")
-    return out
 
 
 def _problem(path: str | Path, missing: tuple[str, ...], unexpected: tuple[str, ...], mismatched: list[str]) -> str:

@@ -21,14 +21,13 @@ from typing import Any
 
 import torch
 
-from workbench import _compat
 from workbench.errors import CheckpointError, WorkbenchError
 from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES, FilePlan, plan_files
 from workbench.io.index import write_index
 from workbench.io.publish import AtomicRenamePublisher
 from workbench.io.write import write_safetensors
-from workbench.layout.key_map import KeyMap, clean_name
-from workbench.layout.model_layout import Layout
+from workbench.layout.key_map import KeyMap
+from workbench.layout.model_layout import Layout, local_tensors
 from workbench.plan.policy import SavePolicy
 from workbench.run.communicator import Communicator, drive
 from workbench.run.executor import WaveOutput, unshard
@@ -127,7 +126,7 @@ def save_hf(
     """
     start = time.perf_counter()
     layout = layout or Layout.from_model(model_or_state_dict, key_map)
-    tensors = _local_tensors(model_or_state_dict, layout)
+    tensors = local_tensors(model_or_state_dict, layout)
     comm = comm or default_communicator(layout)
     rank = comm.rank
     session = _SaveSession(layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files)
@@ -283,20 +282,6 @@ class _SaveSession:
             schedule.num_calls,
             schedule.peak_bytes,
         )
-
-
-def _local_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
-    named = dict(model.state_dict(keep_vars=True)) if isinstance(model, torch.nn.Module) else dict(model)
-    out = {}
-    for raw, tensor in named.items():
-        name = clean_name(raw)
-        if name in layout.specs:
-            local = _compat.dtensor_local(tensor) if _compat.is_dtensor(tensor) else tensor
-            out[name] = local.detach()
-    missing = [n for n in layout.specs if n not in out]
-    if missing:
-        raise CheckpointError(f"the layout names {len(missing)} parameter(s) the model does not have: {missing[:5]}")
-    return out
 
 
 class _OneProcess:

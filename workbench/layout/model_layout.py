@@ -13,7 +13,7 @@ from workbench.layout.key_map import KeyMap, clean_name, resolve_key_map
 from workbench.layout.load_spec import LoadSpec
 from workbench.mesh import MeshSpec
 
-__all__ = ["Layout"]
+__all__ = ["Layout", "local_tensors"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +152,27 @@ def _named_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[
     if isinstance(model, torch.nn.Module):
         return dict(model.state_dict(keep_vars=True))
     return dict(model)
+
+
+def local_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
+    """``{parameter name: this rank's local tensor}`` for every parameter of ``layout`` (views: writing into one
+    writes into the model).
+
+    Raises:
+        LayoutError: the layout names a parameter the model does not have.
+    """
+    from workbench import _compat
+
+    out = {}
+    for raw, tensor in _named_tensors(model).items():
+        name = clean_name(raw)
+        if name in layout.specs:
+            local = _compat.dtensor_local(tensor) if _compat.is_dtensor(tensor) else tensor
+            out[name] = local.detach()
+    missing = [n for n in layout.specs if n not in out]
+    if missing:
+        raise LayoutError(f"the layout names {len(missing)} parameter(s) the model does not have: {missing[:5]}")
+    return out
 
 
 def _root_mesh(tensors: Iterable[torch.Tensor]) -> MeshSpec:

@@ -92,8 +92,15 @@ def plan_save(
     runtime = {name: layout.dtype(name) for name in layout}
     groups = _geometry_groups(layout, runtime) if policy.mode != "preserve" else None
 
-    def plans_of(rank: int) -> tuple[HFSavePlan, ...]:
-        return _plans_for_rank(layout, rank, policy, runtime, dtype, fp32_keys_pattern, groups)
+    def templates_of(rank: int) -> dict[tuple, HFSavePlan]:
+        return _templates(layout, rank, policy, runtime, dtype, fp32_keys_pattern, groups or {})
+
+    def plans_of(rank: int, templates: dict[tuple, HFSavePlan] | None = None) -> tuple[HFSavePlan, ...]:
+        if groups is None:  # preserve: covered keys depend on each spec's keys, plan each one
+            return tuple(plan_hf_save(spec, rank, policy, runtime_dtype=runtime[name], dtype=dtype,
+                                      fp32_keys_pattern=fp32_keys_pattern) for name, spec in layout.specs.items())
+        return _expand(layout, templates if templates is not None else templates_of(rank), runtime, dtype,
+                       fp32_keys_pattern)
 
     plans: dict[int, tuple[HFSavePlan, ...]] = {}
     schedules: dict[int, UnshardSchedule] = {}
@@ -101,11 +108,12 @@ def plan_save(
     reference: UnshardSchedule | None = None
     diverged = False
     for r in ranks:
-        key = _shape_class(layout, r, policy, runtime, dtype, fp32_keys_pattern, groups) if groups else None
+        templates = templates_of(r) if groups is not None else None
+        key = _shape_class(templates) if templates is not None else None
         if key is not None and key in classes:
             schedules[r] = dataclasses.replace(classes[key], rank=r)
             continue
-        plans[r] = plans_of(r)
+        plans[r] = plans_of(r, templates)
         try:
             schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes, reference=reference)
         except PlanError:  # its steps differ from the first rank's (another dtype, say): pack its own waves
@@ -155,7 +163,7 @@ def _geometry(spec: LoadSpec, runtime_dtype: torch.dtype) -> tuple:
     return (spec.global_shape, spec.shards, spec.fused_dim, spec.origin_shape, len(spec.hf_keys), runtime_dtype)
 
 
-def _shape_class(
+def _templates(
     layout: Layout,
     rank: int,
     policy: SavePolicy,
@@ -163,39 +171,34 @@ def _shape_class(
     dtype: torch.dtype | None,
     fp32_keys_pattern: Sequence[str] | str | None,
     groups: Mapping[tuple, str],
-) -> tuple:
+) -> dict[tuple, HFSavePlan]:
+    """One rank's save plan of the first parameter of every geometry."""
+    return {
+        geometry: plan_hf_save(layout[name], rank, policy, runtime_dtype=runtime[name], dtype=dtype,
+                               fp32_keys_pattern=fp32_keys_pattern)
+        for geometry, name in groups.items()
+    }
+
+
+def _shape_class(templates: Mapping[tuple, HFSavePlan]) -> tuple:
     """Every shape a rank's schedule depends on, one entry per geometry (ranks with equal keys share calls)."""
-    out = []
-    for name in groups.values():
-        plan = plan_hf_save(layout[name], rank, policy, runtime_dtype=runtime[name], dtype=dtype,
-                            fp32_keys_pattern=fp32_keys_pattern)
-        out.append((plan.local_shape, plan.runtime_output_shape, tuple(s.shape_before for s in plan.steps)))
-    return tuple(out)
+    return tuple(
+        (p.local_shape, p.runtime_output_shape, tuple(s.shape_before for s in p.steps)) for p in templates.values()
+    )
 
 
-def _plans_for_rank(
+def _expand(
     layout: Layout,
-    rank: int,
-    policy: SavePolicy,
+    templates: Mapping[tuple, HFSavePlan],
     runtime: Mapping[str, torch.dtype],
     dtype: torch.dtype | None,
     fp32_keys_pattern: Sequence[str] | str | None,
-    groups: Mapping[tuple, str] | None = None,
 ) -> tuple[HFSavePlan, ...]:
-    """One rank's plans; parameters of one geometry reuse the first one's plan with their own names/keys."""
-    templates: dict[tuple, HFSavePlan] = {}
+    """Every parameter's plan from its geometry's template, with its own name, keys and key dtypes."""
     out = []
     for name, spec in layout.specs.items():
-        if groups is None:  # preserve: covered keys depend on each spec's keys, plan each one
-            out.append(plan_hf_save(spec, rank, policy, runtime_dtype=runtime[name], dtype=dtype,
-                                    fp32_keys_pattern=fp32_keys_pattern))
-            continue
-        geometry = _geometry(spec, runtime[name])
-        template = templates.get(geometry)
-        if template is None:
-            template = templates[geometry] = plan_hf_save(
-                spec, rank, policy, runtime_dtype=runtime[name], dtype=dtype, fp32_keys_pattern=fp32_keys_pattern
-            )
+        template = templates[_geometry(spec, runtime[name])]
+        if template.name == name:
             out.append(template)
             continue
         key_dtypes = save_dtypes(spec.hf_keys, runtime[name], dtype=dtype, fp32_keys_pattern=fp32_keys_pattern)
