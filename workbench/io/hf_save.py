@@ -37,6 +37,7 @@ from workbench.run.unshard_ops import split_keys
 __all__ = ["AsyncSave", "SaveResult", "local_communicator", "save_hf"]
 
 _DEFAULT_BUDGET = 2 << 30
+_IN_FLIGHT: set[Path] = set()  # targets of this process's saves that are not published or failed yet
 
 
 @dataclass(frozen=True, slots=True)
@@ -129,6 +130,12 @@ def save_hf(
     tensors = local_tensors(model_or_state_dict, layout)
     comm = comm or default_communicator(layout)
     rank = comm.rank
+    target = Path(path).resolve()
+    if target in _IN_FLIGHT:
+        raise CheckpointError(
+            f"a save to {target} is still in progress in this process (async_save pending); call its wait() "
+            "before saving to the same path again"
+        )
     session = _SaveSession(layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files)
     problem = None
     try:
@@ -165,6 +172,8 @@ class _SaveSession:
         self.file_plan: FilePlan | None = None
         self.metadata = {"format": "pt", "workbench_version": _version(), "layout": layout.fingerprint()}
         self.error: str | None = None
+        self.target = path.resolve()
+        _IN_FLIGHT.add(self.target)
 
     def plan(
         self,
@@ -212,6 +221,7 @@ class _SaveSession:
             if self.rank == 0:
                 self.publisher.abort()
             self.pool.shutdown(wait=False, cancel_futures=True)
+            _IN_FLIGHT.discard(self.target)
             raise CheckpointError(
                 f"save to {self.path} failed while {stage}; nothing was published:\n" + "\n".join(problems)
             )
@@ -230,7 +240,7 @@ class _SaveSession:
                     if writers.get(key) != self.rank:
                         continue
                     file = file_of[key]
-                    waiting[file][key] = value.detach().to("cpu")
+                    waiting[file][key] = _HostCopy.of(value.detach())
                     if len(waiting[file]) == len(files[file].keys):
                         self.pending.append(self.pool.submit(self._write, file, waiting.pop(file)))
 
@@ -242,8 +252,9 @@ class _SaveSession:
         except Exception as exc:  # a local failure after collectives started: report it at the status exchange
             self.error = f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
 
-    def _write(self, file: str, tensors: dict[str, torch.Tensor]) -> int:
-        return write_safetensors(self.publisher.temporary / file, tensors, self.metadata)
+    def _write(self, file: str, copies: dict[str, _HostCopy]) -> int:
+        return write_safetensors(self.publisher.temporary / file, {k: c.wait() for k, c in copies.items()},
+                                 self.metadata)
 
     def finish(self) -> SaveResult:
         written = 0
@@ -270,6 +281,7 @@ class _SaveSession:
                 problem = f"rank 0: publishing failed: {type(exc).__name__}: {exc}"
                 self.publisher.abort()
         problems = [p for p in self.comm.all_gather_object(problem) if p]
+        _IN_FLIGHT.discard(self.target)
         if problems:
             raise CheckpointError(f"save to {self.path} failed; nothing was published:\n" + "\n".join(problems))
         schedule = self.plan_set.schedules[self.rank]
@@ -302,6 +314,32 @@ class _OneProcess:
 def local_communicator() -> Communicator:
     """A communicator for a single process (a model on one device, no torch.distributed)."""
     return _OneProcess()
+
+
+@dataclass
+class _HostCopy:
+    """A tensor on its way to host memory: on GPU, a non-blocking copy into pinned memory that overlaps the next
+    gathers; the writer thread waits for it. The device tensor is held until then."""
+
+    host: torch.Tensor
+    source: torch.Tensor | None = None
+    event: Any = None
+
+    @classmethod
+    def of(cls, tensor: torch.Tensor) -> _HostCopy:
+        if tensor.device.type == "cpu":
+            return cls(tensor)
+        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
+        host.copy_(tensor, non_blocking=True)
+        event = torch.cuda.Event()
+        event.record()
+        return cls(host, tensor, event)
+
+    def wait(self) -> torch.Tensor:
+        if self.event is not None:
+            self.event.synchronize()
+            self.source = self.event = None
+        return self.host
 
 
 def default_communicator(layout: Layout) -> Communicator:
