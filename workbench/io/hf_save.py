@@ -11,6 +11,7 @@ writes the index and config files and publishes the directory with one atomic re
 from __future__ import annotations
 
 import concurrent.futures as futures
+import math
 import shutil
 import time
 import traceback
@@ -25,13 +26,13 @@ from workbench.errors import CheckpointError, WorkbenchError
 from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES, FilePlan, plan_files
 from workbench.io.index import write_index
 from workbench.io.publish import AtomicRenamePublisher
-from workbench.io.write import write_safetensors
+from workbench.io.stream_write import StreamWriter
 from workbench.layout.key_map import KeyMap
 from workbench.layout.model_layout import Layout, local_tensors
 from workbench.plan.policy import SavePolicy
 from workbench.run.communicator import Communicator, drive
 from workbench.run.executor import WaveOutput, unshard
-from workbench.run.simulated import SavePlanSet, key_sizes, plan_save
+from workbench.run.simulated import SavePlanSet, key_meta, plan_save
 from workbench.run.unshard_ops import split_keys
 
 __all__ = ["AsyncSave", "SaveResult", "local_communicator", "save_hf"]
@@ -71,7 +72,7 @@ class AsyncSave:
 
     def done(self) -> bool:
         """True when this rank's files are written (publishing still needs ``wait()``)."""
-        return all(f.done() for f in self._session.pending)
+        return all(f.done() for f, _ in self._session.pending)
 
     def wait(self) -> SaveResult:
         """Finish writing, check every rank, publish atomically; returns this rank's result."""
@@ -112,7 +113,8 @@ def save_hf(
         dtype: save dtype of the other floating keys (default: their runtime dtype).
         config_files: files copied next to the weights (config.json, tokenizer files...).
         max_writers: cap on the number of writer ranks (default: every rank may write).
-        write_threads: file writers per rank.
+        write_threads: file writers per rank (tensors are written to their files as soon as they are whole; at
+            most ``budget_bytes`` of them wait for a writer).
         async_save: return after the gathers, with files still being written; ``.wait()`` publishes.
         comm: the communicator (default: torch.distributed's default world, or one process).
 
@@ -136,7 +138,8 @@ def save_hf(
             f"a save to {target} is still in progress in this process (async_save pending); call its wait() "
             "before saving to the same path again"
         )
-    session = _SaveSession(layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files)
+    in_flight = budget_bytes if budget_bytes is not None else _DEFAULT_BUDGET  # host bytes queued for writing
+    session = _SaveSession(layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files, in_flight)
     problem = None
     try:
         session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors)
@@ -160,13 +163,18 @@ class _SaveSession:
         threads: int,
         max_shard_bytes: int,
         config_files: Sequence[str | Path],
+        in_flight_bytes: int,
     ) -> None:
         self.layout, self.path, self.comm, self.start = layout, path, comm, start
         self.rank = comm.rank
         self.max_shard_bytes = max_shard_bytes
         self.config_files = [Path(c) for c in config_files]
         self.pool = futures.ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="workbench-write")
-        self.pending: list[futures.Future[int]] = []
+        self.pending: list[tuple[futures.Future[int], int]] = []
+        self.queued_bytes = 0
+        self.in_flight_bytes = in_flight_bytes
+        self.files: dict[str, StreamWriter] = {}
+        self.key_meta: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self.publisher = AtomicRenamePublisher(path)
         self.plan_set: SavePlanSet | None = None
         self.file_plan: FilePlan | None = None
@@ -207,7 +215,8 @@ class _SaveSession:
                     f"{plan.local_shape}"
                 )
         runtime = {name: self.layout.dtype(name) for name in self.layout}
-        sizes = key_sizes(self.layout, runtime, dtype, fp32_keys_pattern)
+        self.key_meta = key_meta(self.layout, runtime, dtype, fp32_keys_pattern)
+        sizes = {k: math.prod(shape) * d.itemsize for k, (d, shape) in self.key_meta.items()}
         self.file_plan = plan_files(
             self.plan_set.writers, sizes, list(self.layout.hf_keys), max_shard_bytes=self.max_shard_bytes
         )
@@ -227,43 +236,51 @@ class _SaveSession:
             )
 
     def gather(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Run the unshard schedule; each key this rank writes goes to its file the moment its wave ends."""
         assert self.plan_set is not None and self.file_plan is not None
         plans = {p.name: p for p in self.plan_set.plans[self.rank]}
         writers = self.plan_set.writers
-        files = {f.name: f for f in self.file_plan.files_of(self.rank)}
-        file_of = {k: f.name for f in files.values() for k in f.keys}
-        waiting: dict[str, dict[str, torch.Tensor]] = {name: {} for name in files}
-
-        def on_wave(wave: WaveOutput) -> None:
-            for name, tensor in wave.tensors.items():
-                for key, value in split_keys(tensor, plans[name]).items():
-                    if writers.get(key) != self.rank:
-                        continue
-                    file = file_of[key]
-                    waiting[file][key] = _HostCopy.of(value.detach())
-                    if len(waiting[file]) == len(files[file].keys):
-                        self.pending.append(self.pool.submit(self._write, file, waiting.pop(file)))
-
         try:
+            for spec in self.file_plan.files_of(self.rank):
+                entries = [(k, *self.key_meta[k]) for k in spec.keys]
+                self.files[spec.name] = StreamWriter(self.publisher.temporary / spec.name, entries, self.metadata)
+            file_of = {k: f.name for f in self.file_plan.files_of(self.rank) for k in f.keys}
+
+            def on_wave(wave: WaveOutput) -> None:
+                for name, tensor in wave.tensors.items():
+                    for key, value in split_keys(tensor, plans[name]).items():
+                        if writers.get(key) == self.rank:
+                            self._submit(self.files[file_of[key]], key, _HostCopy.of(value.detach()))
+
             program = unshard(self.plan_set.schedules[self.rank], self.plan_set.plans[self.rank], tensors)
             drive(program, self.comm, on_wave)
-            if any(waiting.values()):
-                raise CheckpointError(f"rank {self.rank}: files {sorted(waiting)} never got all their keys")
         except Exception as exc:  # a local failure after collectives started: report it at the status exchange
             self.error = f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
 
-    def _write(self, file: str, copies: dict[str, _HostCopy]) -> int:
-        return write_safetensors(self.publisher.temporary / file, {k: c.wait() for k, c in copies.items()},
-                                 self.metadata)
+    def _submit(self, writer: StreamWriter, key: str, copy: _HostCopy) -> None:
+        """Queue one tensor's write; past ``in_flight_bytes`` queued, wait for the oldest writes first."""
+        nbytes = copy.host.numel() * copy.host.element_size()
+        while self.pending and self.queued_bytes + nbytes > self.in_flight_bytes:
+            future, size = self.pending.pop(0)
+            future.result()
+            self.queued_bytes -= size
+        self.queued_bytes += nbytes
+        self.pending.append((self.pool.submit(lambda: writer.write(key, copy.wait())), nbytes))
 
     def finish(self) -> SaveResult:
-        written = 0
-        for future in futures.as_completed(self.pending):
+        for future, _ in self.pending:
             try:
-                written += future.result()
+                future.result()
             except Exception as exc:
                 self.error = self.error or f"rank {self.rank}: writing failed: {type(exc).__name__}: {exc}"
+        self.pending.clear()
         self.pool.shutdown(wait=True)
+        written = 0
+        for writer in self.files.values():
+            try:
+                written += writer.close()
+            except Exception as exc:
+                self.error = self.error or f"rank {self.rank}: {type(exc).__name__}: {exc}"
         self.agree(self.error, "gathering and writing")
         assert self.file_plan is not None and self.plan_set is not None
         problem = None

@@ -23,7 +23,7 @@ from workbench.run.executor import GatherRequest, WaveOutput, unshard
 from workbench.run.load_ops import execute_load, reader_from_tensors
 from workbench.run.unshard_ops import split_keys
 
-__all__ = ["SavePlanSet", "SimulatedWorld", "key_sizes", "plan_save"]
+__all__ = ["SavePlanSet", "SimulatedWorld", "key_meta", "key_sizes", "plan_save"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -143,12 +143,23 @@ def key_sizes(
     fp32_keys_pattern: Sequence[str] | str | None,
 ) -> dict[str, int]:
     """Bytes every HF key of the layout occupies on disk, in its save dtype."""
-    sizes: dict[str, int] = {}
+    return {k: math.prod(shape) * d.itemsize for k, (d, shape) in key_meta(layout, runtime, dtype,
+                                                                           fp32_keys_pattern).items()}
+
+
+def key_meta(
+    layout: Layout,
+    runtime: Mapping[str, torch.dtype],
+    dtype: torch.dtype | None,
+    fp32_keys_pattern: Sequence[str] | str | None,
+) -> dict[str, tuple[torch.dtype, tuple[int, ...]]]:
+    """``{hf_key: (save dtype, shape)}`` of every key of the layout, as it will be on disk."""
+    out: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
     for name, spec in layout.specs.items():
-        numel = math.prod(expected_key_shape(spec))
+        shape = expected_key_shape(spec)
         key_dtypes = save_dtypes(spec.hf_keys, runtime[name], dtype=dtype, fp32_keys_pattern=fp32_keys_pattern)
-        sizes.update({k: numel * d.itemsize for k, d in zip(spec.hf_keys, key_dtypes)})
-    return sizes
+        out.update({k: (d, shape) for k, d in zip(spec.hf_keys, key_dtypes)})
+    return out
 
 
 def _geometry_groups(layout: Layout, runtime: Mapping[str, torch.dtype]) -> dict[tuple, str]:
