@@ -106,7 +106,8 @@ def save_hf(
         path: the checkpoint directory to create or replace.
         layout: the model's Layout (default: ``Layout.from_model(model, key_map)``).
         key_map: runtime name -> HF key(s) (callable or regex table); None keeps the names.
-        policy: ``SavePolicy.full()`` (default) or ``preserve(...)``.
+        policy: ``SavePolicy.minimal()`` (default: the full checkpoint, gathering only what whole keys need),
+            ``full()`` (gather everything everywhere) or ``preserve(...)`` (each EP rank writes its experts).
         budget_bytes: memory budget of the all-gather schedule (None: no bound).
         max_shard_bytes: the largest file a writer makes (a bigger key gets a file alone).
         fp32_keys_pattern: regexes of HF keys saved in float32.
@@ -192,7 +193,7 @@ class _SaveSession:
         max_writers: int | None,
         tensors: Mapping[str, torch.Tensor],
     ) -> None:
-        policy = policy or SavePolicy.full()
+        policy = policy or SavePolicy.minimal()
         if policy.mode == "gather_only":
             raise CheckpointError("save_hf writes HF checkpoints; SavePolicy.gather_only keeps runtime layout")
         missing = [c for c in self.config_files if not c.is_file()]

@@ -25,9 +25,12 @@ class SavePolicy:
       The kept range must fall on HF key boundaries.
     * ``SavePolicy.gather_only("fsdp")``: undo only cuts over these mesh dims; keep all others (the output
       stays in runtime layout, e.g. layer-wise weight transfer).
+    * ``SavePolicy.minimal()``: the same HF checkpoint as ``full``, gathering only what whole keys need: a
+      tensor's outermost cuts of its fused dim stay applied wherever every rank's range falls on key boundaries
+      (EP over whole experts), and the ranks holding a key write it. Far less traffic for MoE models.
     """
 
-    mode: Literal["full", "preserve", "gather_only"] = "full"
+    mode: Literal["full", "preserve", "gather_only", "minimal"] = "full"
     mesh_dims: tuple[str, ...] = ()
 
     @classmethod
@@ -41,12 +44,18 @@ class SavePolicy:
         return cls("preserve", tuple(mesh_dims))
 
     @classmethod
+    def minimal(cls) -> SavePolicy:
+        """A full checkpoint that leaves key-aligned fused-dim cuts in place (each holder writes its keys)."""
+        return cls("minimal")
+
+    @classmethod
     def gather_only(cls, *mesh_dims: str) -> SavePolicy:
         """Undo only cuts over ``mesh_dims``; keep every other cut."""
         return cls("gather_only", tuple(mesh_dims))
 
     def keeps(self, descriptor: ShardDescriptor, fused_dim: int | None) -> bool:
-        """True when a save under this policy leaves ``descriptor`` applied."""
+        """True when a save under this policy leaves ``descriptor`` applied (``minimal`` decides per tensor, in
+        ``plan_hf_save``, since it depends on every rank's range)."""
         names = set(_names(descriptor.mesh_dim))
         if self.mode == "preserve":
             return fused_dim is not None and descriptor.dim == fused_dim and bool(names & set(self.mesh_dims))
@@ -55,4 +64,4 @@ class SavePolicy:
         return False
 
     def __str__(self) -> str:
-        return self.mode if self.mode == "full" else f"{self.mode}({', '.join(self.mesh_dims)})"
+        return self.mode if self.mode in ("full", "minimal") else f"{self.mode}({', '.join(self.mesh_dims)})"

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import functools
+import itertools
 import math
 import re
 from collections.abc import Sequence
@@ -165,7 +166,10 @@ def plan_hf_save(
     policy = policy or SavePolicy.full()
     mesh = spec.mesh
     cuts = [(d, mesh.group_size(d.mesh_dim), mesh.group_rank(rank, d.mesh_dim)) for d in spec.shards]
-    keep = [policy.keeps(d, spec.fused_dim) for d, _, _ in cuts]
+    if policy.mode == "minimal":
+        keep = list(_key_aligned_prefix(spec))
+    else:
+        keep = [policy.keeps(d, spec.fused_dim) for d, _, _ in cuts]
     steps = []
     for i, (d, world, index) in enumerate(cuts):
         # applied when cut i is undone: every earlier cut, and (for a gathered cut) every kept one
@@ -181,7 +185,8 @@ def plan_hf_save(
     runtime_out = tuple(sum(n for _, n in segs) for segs in segments)
     visible = spec.visible_shape
     output = tuple(sum(max(0, min(g + n, v) - g) for g, n in segs) for segs, v in zip(segments, visible))
-    keys = _covered_keys(spec, segments, kept, rank) if kept and policy.mode == "preserve" else spec.hf_keys
+    by_key = kept and policy.mode in ("preserve", "minimal")
+    keys = _covered_keys(spec, segments, kept, rank) if by_key else spec.hf_keys
     key_dtypes = save_dtypes(keys, runtime_dtype, dtype=dtype, fp32_keys_pattern=fp32_keys_pattern)
     return HFSavePlan(
         name=spec.name, rank=rank, policy=policy, steps=tuple(steps), local_shape=tuple(cur),
@@ -208,6 +213,35 @@ def _shape(global_shape: Sequence[int], cuts: Sequence[tuple[ShardDescriptor, in
         if on:
             shape[d.dim] = sum(b - a for a, b in d.local_intervals(shape[d.dim], world, index))
     return tuple(shape)
+
+
+def _key_aligned_prefix(spec: LoadSpec) -> tuple[bool, ...]:
+    """Which cuts ``SavePolicy.minimal`` keeps: the longest forward prefix of the fused dim's cuts (over groups of
+    more than one rank) after which every rank holds whole HF keys."""
+    fd = spec.fused_dim
+    if fd is None or not spec.key_size:
+        return (False,) * len(spec.shards)
+    mesh = spec.mesh
+    chain = [(i, d, mesh.group_size(d.mesh_dim)) for i, d in enumerate(spec.shards) if d.dim == fd]
+    while chain and chain[-1][2] == 1:
+        chain.pop()
+    for k in range(len(chain), 0, -1):
+        prefix = tuple((d, world) for _, d, world in chain[:k])
+        if _aligned(spec.global_shape[fd], spec.visible_shape[fd], spec.key_size, prefix):
+            kept = {i for i, _, _ in chain[:k]}
+            return tuple(i in kept for i in range(len(spec.shards)))
+    return (False,) * len(spec.shards)
+
+
+@functools.lru_cache(maxsize=4096)
+def _aligned(length: int, visible: int, key_size: int, prefix: tuple[tuple[ShardDescriptor, int], ...]) -> bool:
+    """True when, for every combination of group ranks, the cuts leave only whole keys (padding aside)."""
+    for index in itertools.product(*(range(world) for _, world in prefix)):
+        for g, n in dim_segments(length, [(d, world, i) for (d, world), i in zip(prefix, index)]):
+            lo, hi = g, min(g + n, visible)
+            if hi > lo and (lo % key_size or (hi % key_size and hi != visible)):
+                return False
+    return True
 
 
 def _check_order(spec: LoadSpec, steps: list[SaveShardStep], policy: SavePolicy) -> None:

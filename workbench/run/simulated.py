@@ -90,13 +90,13 @@ def plan_save(
     policy = policy or SavePolicy.full()
     ranks = tuple(layout.mesh.all_ranks() if ranks is None else ranks)
     runtime = {name: layout.dtype(name) for name in layout}
-    groups = _geometry_groups(layout, runtime) if policy.mode != "preserve" else None
+    groups = _geometry_groups(layout, runtime) if policy.mode not in ("preserve", "minimal") else None
 
     def templates_of(rank: int) -> dict[tuple, HFSavePlan]:
         return _templates(layout, rank, policy, runtime, dtype, fp32_keys_pattern, groups or {})
 
     def plans_of(rank: int, templates: dict[tuple, HFSavePlan] | None = None) -> tuple[HFSavePlan, ...]:
-        if groups is None:  # preserve: covered keys depend on each spec's keys, plan each one
+        if groups is None:  # preserve, minimal: covered keys depend on each spec's keys, plan each one
             return tuple(plan_hf_save(spec, rank, policy, runtime_dtype=runtime[name], dtype=dtype,
                                       fp32_keys_pattern=fp32_keys_pattern) for name, spec in layout.specs.items())
         return _expand(layout, templates if templates is not None else templates_of(rank), runtime, dtype,
