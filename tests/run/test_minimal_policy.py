@@ -46,3 +46,12 @@ def test_minimal_keeps_ep_over_whole_experts_and_gathers_the_rest() -> None:
     )
     dense = plans["model.embed_tokens.weight"]
     assert not dense.preserves_shards and dense.hf_keys == ("model.embed_tokens.weight",)
+
+
+def test_one_rank_plan_knows_every_keys_writer() -> None:
+    # save_hf plans only its own rank; the writers it sees must still cover every key of the checkpoint
+    layout = load_layout(Path(__file__).resolve().parents[2] / "sample_meshes" / "toy_expert_tp.toml")
+    for rank in (0, 5):
+        writers = plan_save(layout, ranks=[rank], policy=SavePolicy.minimal()).writers
+        assert set(writers) == set(layout.hf_keys)
+        assert writers == plan_save(layout, policy=SavePolicy.minimal()).writers

@@ -131,7 +131,8 @@ def plan_save(
         everyone = tuple(layout.mesh.all_ranks())
         writers = assign_writers(dict.fromkeys(sizes, everyone), sizes, max_writers=max_writers, world=everyone)
     else:
-        every_plan = {r: plans[r] if r in plans else plans_of(r) for r in ranks}
+        # a key's writer must hold it, on whichever rank that is: holders come from every rank's plans
+        every_plan = {r: plans[r] if r in plans else plans_of(r) for r in layout.mesh.all_ranks()}
         writers = assign_writers(key_holders(every_plan), sizes, max_writers=max_writers, world=layout.mesh.all_ranks())
     return SavePlanSet(policy, _PerRank(ranks, plans_of, plans), schedules, writers, max(1, len(classes)))
 
