@@ -77,7 +77,10 @@ class AsyncSave:
     def wait(self) -> SaveResult:
         """Finish writing, check every rank, publish atomically; returns this rank's result."""
         if self._result is None:
-            self._result = self._session.finish()
+            try:
+                self._result = self._session.finish()
+            finally:
+                self._session.close()
         return self._result
 
 
@@ -129,10 +132,15 @@ def save_hf(
     .. note:: SPMD: every rank of the model's mesh calls it with the same arguments.
     """
     start = time.perf_counter()
-    layout = layout or Layout.from_model(model_or_state_dict, key_map)
-    tensors = local_tensors(model_or_state_dict, layout)
+    mine: WorkbenchError | None = None
+    tensors: dict[str, torch.Tensor] = {}
+    try:  # local checks first, agreed on over the whole world before any group is built: no rank may hang
+        layout = layout or Layout.from_model(model_or_state_dict, key_map)
+        tensors = local_tensors(model_or_state_dict, layout)
+    except WorkbenchError as exc:
+        mine = exc
+    _agree_on_world(mine, path)
     comm = comm or default_communicator(layout)
-    rank = comm.rank
     target = Path(path).resolve()
     if target in _IN_FLIGHT:
         raise CheckpointError(
@@ -141,15 +149,42 @@ def save_hf(
         )
     in_flight = budget_bytes if budget_bytes is not None else _DEFAULT_BUDGET  # host bytes queued for writing
     session = _SaveSession(layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files, in_flight)
-    problem = None
     try:
-        session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors)
-    except WorkbenchError as exc:
-        problem = f"rank {rank}: {exc}"
-    session.agree(problem, "planning the save")  # before any collective: a bad rank must not leave others hanging
-    session.gather(tensors)
-    handle = AsyncSave(session)
-    return handle if async_save else handle.wait()
+        problem = None
+        try:
+            session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors)
+        except WorkbenchError as exc:
+            problem = f"rank {comm.rank}: {exc}"
+        session.agree(problem, "planning the save")  # before any gather: a bad rank must not leave others hanging
+        session.gather(tensors)
+        handle = AsyncSave(session)
+        return handle if async_save else handle.wait()
+    except BaseException:
+        session.close()
+        raise
+
+
+def _world_rank() -> int:
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _agree_on_world(mine: WorkbenchError | None, path: str | Path) -> None:
+    """Every rank of the default world shares its problem (or None); all raise if any rank has one: the rank
+    with the problem its own error, the others a CheckpointError naming it."""
+    import torch.distributed as dist
+
+    problem = f"rank {_world_rank()}: {mine}" if mine is not None else None
+    problems = [problem]
+    if dist.is_initialized():
+        problems = [None] * dist.get_world_size()
+        dist.all_gather_object(problems, problem)
+    if mine is not None:
+        raise mine
+    found = [p for p in problems if p]
+    if found:
+        raise CheckpointError(f"save to {path} refused; nothing was written:\n" + "\n".join(found))
 
 
 class _SaveSession:
@@ -223,6 +258,11 @@ class _SaveSession:
         )
         if self.rank == 0:
             self.publisher.prepare()
+
+    def close(self) -> None:
+        """Forget this save (a later save to the same path may start) and stop its writer threads."""
+        _IN_FLIGHT.discard(self.target)
+        self.pool.shutdown(wait=False, cancel_futures=True)
 
     def agree(self, problem: str | None, stage: str) -> None:
         """Exchange every rank's problem (or None); raise the same error everywhere if any rank has one."""

@@ -144,7 +144,12 @@ def _save_dtypes(
     default = dtype or runtime_dtype
     if not patterns:
         return (default,) * len(hf_keys)
-    compiled = [re.compile(p) for p in patterns]
+    compiled = []
+    for pattern in patterns:
+        try:
+            compiled.append(re.compile(pattern))
+        except re.error as exc:
+            raise PlanError(f"fp32_keys_pattern {pattern!r} is not a valid regular expression: {exc}") from None
     return tuple(torch.float32 if any(c.search(k) for c in compiled) else default for k in hf_keys)
 
 

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import shutil
 import signal
 import socket
 import sys
@@ -117,11 +118,21 @@ def launch(
     extra = {**(env or {}), _RECORDS_ENV: log_dir}
     old_env = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
+    import logging
+
+    # torch's elastic agent logs the first process it sees die, often a peer of the real culprit; our
+    # LaunchError names the right rank, so keep its logs to ERROR+ tracebacks out of the way
+    quiet = [logging.getLogger(n) for n in ("torch.distributed.elastic", "torch.multiprocessing")]
+    levels = [q.level for q in quiet]
+    for q in quiet:
+        q.setLevel(logging.CRITICAL)
     try:
         results = elastic_launch(config, _worker)(payload, backend, timeout)
     except ChildFailedError as exc:
         raise LaunchError(_failures(exc, log_dir), log_dir) from None
     finally:
+        for q, level in zip(quiet, levels):
+            q.setLevel(level)
         for s, handler in saved.items():  # the elastic agent installs its own handlers; give ours back
             with contextlib.suppress(ValueError, TypeError):
                 signal.signal(s, handler)
@@ -131,6 +142,7 @@ def launch(
             else:
                 os.environ[k] = v
         _flush()
+    shutil.rmtree(log_dir, ignore_errors=True)  # kept only when a rank failed (LaunchError points at it)
     return dict(sorted(results.items()))
 
 

@@ -1,0 +1,155 @@
+"""wb.launch on 4 local gloo ranks: results in rank order, rank-prefixed output, the failing rank named with its own
+traceback, a hung rank told apart from the ranks waiting for it, and the caller's signal handlers given back.
+
+Each launch costs seconds (4 spawned interpreters), so every test checks as much as it can from one launch.
+"""
+
+from __future__ import annotations
+
+import inspect
+import os
+import signal
+import time
+
+import pytest
+
+from workbench import LaunchError, launch
+from workbench.run import RankFailure
+
+
+def _hello(delays: list[float]) -> dict:
+    import os
+    import sys
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    time.sleep(delays[rank])  # ranks finish out of order; the result must still come back in rank order
+    print(f"hello from {rank} of {dist.get_world_size()}", flush=True)
+    print(f"a warning from {rank}", file=sys.stderr, flush=True)
+    total = torch.tensor([rank + 1])
+    dist.all_reduce(total)
+    return {"rank": rank, "pid": os.getpid(), "sum": int(total.item()), "env_rank": int(os.environ["RANK"])}
+
+
+def _raise_on_rank_2() -> None:
+    import time
+
+    import torch
+    import torch.distributed as dist
+
+    dist.barrier()
+    rank = dist.get_rank()
+    if rank == 2:
+        raise ValueError("rank 2 found a bad batch: 17 tokens where 16 fit")
+    if rank == 3:
+        time.sleep(120)  # busy outside any collective: only the launcher can stop it
+    dist.all_reduce(torch.ones(1))  # ranks 0 and 1 wait for rank 2 here, and lose their peer
+
+
+def _hang_on_rank_1() -> None:
+    import time
+
+    import torch.distributed as dist
+
+    dist.barrier()
+    if dist.get_rank() == 1:
+        time.sleep(120)  # the hang: rank 1 never reaches the barrier
+    dist.barrier()
+
+
+def _line_of(fn, text: str, occurrence: int = 1) -> int:
+    """The file line number of the ``occurrence``-th source line of ``fn`` that contains ``text``."""
+    lines, first = inspect.getsourcelines(fn)
+    hits = [first + i for i, line in enumerate(lines) if text in line]
+    return hits[occurrence - 1]
+
+
+def _handlers() -> dict:
+    return {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+
+
+@pytest.mark.slow
+def test_results_in_rank_order_with_rank_prefixed_output(capfd: pytest.CaptureFixture[str]) -> None:
+    def on_term(signum: int, frame: object) -> None:  # a handler of the caller's own, to be given back
+        raise AssertionError("SIGTERM reached the caller")
+
+    previous = signal.signal(signal.SIGTERM, on_term)
+    try:
+        before = _handlers()
+        results = launch(_hello, nprocs=4, args=([0.6, 0.4, 0.2, 0.0],), timeout=60)
+        after = _handlers()
+    finally:
+        signal.signal(signal.SIGTERM, previous)
+
+    assert list(results) == [0, 1, 2, 3]
+    assert [r["rank"] for r in results.values()] == [0, 1, 2, 3]
+    assert [r["env_rank"] for r in results.values()] == [0, 1, 2, 3]
+    assert all(r["sum"] == 1 + 2 + 3 + 4 for r in results.values())  # a real process group of 4
+    pids = {r["pid"] for r in results.values()}
+    assert len(pids) == 4 and os.getpid() not in pids  # four processes, none of them this one
+    assert after == before and after[signal.SIGTERM] is on_term
+
+    out, err = capfd.readouterr()
+    for rank in range(4):
+        assert f"[rank{rank}]: hello from {rank} of 4" in out.splitlines(), out
+        assert f"[rank{rank}]: a warning from {rank}" in err.splitlines(), err
+
+
+@pytest.mark.slow
+def test_a_rank_that_raises_is_named_first_with_its_own_traceback() -> None:
+    before = _handlers()
+    start = time.perf_counter()
+    with pytest.raises(LaunchError) as info:
+        launch(_raise_on_rank_2, nprocs=4, timeout=60)
+    elapsed = time.perf_counter() - start
+
+    # rank 3 sleeps 120 s outside any collective: the launcher must stop it, not wait for it
+    assert elapsed < 60, f"the launch took {elapsed:.1f} s to report a rank that raised at once"
+    error = info.value
+    first = error.failures[0]
+    assert isinstance(first, RankFailure)
+    assert first.rank == 2 and not first.timed_out and first.exitcode != 0
+    assert "ValueError: rank 2 found a bad batch: 17 tokens where 16 fit" in first.message
+    assert "Traceback" in first.message and "_raise_on_rank_2" in first.message
+    assert "Connection closed" not in first.message  # the root cause, not a peer's symptom
+    assert [f.rank for f in error.failures].count(2) == 1
+    text = str(error)
+    assert "rank 2 (error)" in text and "rank 2 failed" in text and "17 tokens where 16 fit" in text
+    assert error.log_dir in text
+    assert _handlers() == before  # given back after a failed launch too
+
+
+@pytest.mark.slow
+def test_a_hung_rank_is_named_stuck_outside_any_collective() -> None:
+    before = _handlers()
+    start = time.perf_counter()
+    with pytest.raises(LaunchError) as info:
+        launch(_hang_on_rank_1, nprocs=4, timeout=5)
+    elapsed = time.perf_counter() - start
+
+    # about 11 s on an idle 2-core machine (start-up, the 5 s timeout, the stacks); room for a loaded CI box,
+    # still far from the 120 s the rank would sleep
+    assert elapsed < 45, f"a 5 s timeout took {elapsed:.1f} s to report"
+    error = info.value
+    by_rank = {f.rank: f for f in error.failures}
+    assert error.failures[0].rank == 1, str(error)
+    sleep_line, barrier_line = _line_of(_hang_on_rank_1, "time.sleep(120)"), _line_of(_hang_on_rank_1, "barrier()", 2)
+    hung = by_rank[1]
+    assert hung.timed_out and hung.exitcode == 124
+    # the innermost frame of user code: this file, this function, the very line that sleeps
+    assert hung.message.splitlines()[0] == (
+        f'TimeoutError: rank 1 timed out, stuck outside any collective at File "{__file__}", line {sleep_line}, '
+        "in _hang_on_rank_1"
+    ), hung.message
+    for rank in (0, 2, 3):
+        waiting = by_rank[rank]
+        assert waiting.timed_out, waiting
+        assert waiting.message.splitlines()[0] == (
+            f"TimeoutError: rank {rank} timed out, waiting in a collective, called at "
+            f'File "{__file__}", line {barrier_line}, in _hang_on_rank_1'
+        ), waiting.message
+    assert "rank 1 timed out" in str(error)
+    assert _handlers() == before

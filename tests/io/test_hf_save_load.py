@@ -1,0 +1,226 @@
+"""save_hf and load_hf in one process (plain tensors, a mesh of one rank): file names, index and metadata, per-key
+save dtypes, config files, async save, replacing a checkpoint, and bit-exact round trips."""
+
+from __future__ import annotations
+
+import json
+import re
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors import safe_open
+from safetensors.torch import load_file
+
+import workbench as wb
+from tests.io.support import bits, nbytes, random_tensor, small_model
+from workbench.errors import CheckpointError
+from workbench.io.index import INDEX_NAME
+
+FILE_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
+
+
+def _index(path: Path) -> dict:
+    return json.loads((path / INDEX_NAME).read_text())
+
+
+def _shards(path: Path) -> list[Path]:
+    return sorted(path.glob("*.safetensors"))
+
+
+def _everything(path: Path) -> dict[str, torch.Tensor]:
+    """Every tensor of a checkpoint, read file by file with safetensors itself."""
+    out: dict[str, torch.Tensor] = {}
+    for file in _shards(path):
+        tensors = load_file(file)
+        assert not out.keys() & tensors.keys(), file
+        out.update(tensors)
+    return out
+
+
+def _mixed_model() -> dict[str, torch.Tensor]:
+    """Nine keys of 128 or 64 bytes each (fp32 and bf16), a norm, an int64 counter and a bool mask."""
+    gen = torch.Generator().manual_seed(0)
+    out = {}
+    for layer in range(3):
+        out[f"model.layers.{layer}.mlp.weight"] = torch.randn(8, 4, generator=gen)  # 128 B
+        out[f"model.layers.{layer}.attn.weight"] = torch.randn(8, 4, generator=gen).to(torch.bfloat16)  # 64 B
+        out[f"model.layers.{layer}.input_layernorm.weight"] = torch.randn(16, generator=gen).to(torch.bfloat16)
+    out["model.step"] = torch.tensor(7, dtype=torch.int64)
+    out["model.mask"] = torch.rand(3, 5, generator=gen) > 0.5
+    return out
+
+
+def test_files_index_and_metadata(tmp_path: Path) -> None:
+    state = _mixed_model()
+    path = tmp_path / "ckpt"
+    result = wb.save_hf(state, path, max_shard_bytes=200)
+
+    assert isinstance(result, wb.SaveResult)
+    files = _shards(path)
+    total = len(files)
+    assert total > 2
+    assert [f.name for f in files] == [f"model-{k:05d}-of-{total:05d}.safetensors" for k in range(1, total + 1)]
+    assert all(FILE_NAME.fullmatch(f.name) for f in files)
+    assert result.path == path and result.rank == 0 and result.files == tuple(f.name for f in files)
+    assert result.bytes_written == sum(f.stat().st_size for f in files)
+    assert sorted(p.name for p in path.iterdir()) == sorted([INDEX_NAME, *(f.name for f in files)])
+
+    index = _index(path)
+    assert index["metadata"]["total_size"] == sum(nbytes(t) for t in state.values())
+    assert set(index["weight_map"]) == set(state)
+    fingerprint = wb.Layout.from_model(state).fingerprint()
+    assert index["metadata"]["workbench_version"] == wb.__version__
+    assert index["metadata"]["layout"] == fingerprint
+    for file in files:
+        with safe_open(file, "pt") as handle:
+            keys = list(handle.keys())
+            metadata = handle.metadata()
+        assert metadata["workbench_version"] == wb.__version__ and metadata["layout"] == fingerprint, file
+        assert all(index["weight_map"][k] == file.name for k in keys)
+        file_bytes = sum(nbytes(state[k]) for k in keys)
+        assert file_bytes <= 200 or len(keys) == 1, (file, keys)  # the cap, unless one key is bigger alone
+
+    # safetensors reads every file back, and they hold exactly the state dict
+    read = _everything(path)
+    assert read.keys() == state.keys()
+    assert all(read[k].dtype == state[k].dtype and torch.equal(read[k], state[k]) for k in state)
+
+
+def test_a_different_layout_gives_a_different_fingerprint(tmp_path: Path) -> None:
+    state = _mixed_model()
+    wb.save_hf(state, tmp_path / "a")
+    wb.save_hf({**state, "model.step": torch.zeros(2, dtype=torch.int64)}, tmp_path / "b")
+    assert _index(tmp_path / "a")["metadata"]["layout"] != _index(tmp_path / "b")["metadata"]["layout"]
+
+
+def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
+    # random bit patterns: NaNs with payloads, infs, denormals, in every dtype of the helper
+    state = {**small_model(), "model.layers.1.w": random_tensor((5, 3), torch.float32, 9)}
+    path = tmp_path / "ckpt"
+    wb.save_hf(state, path, max_shard_bytes=64)
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    report = wb.load_hf(target, path)
+
+    assert isinstance(report, wb.LoadReport)
+    assert report.ok and report.parameters == len(state) and report.rank == 0
+    assert report.bytes_read == report.bytes_owned == _index(path)["metadata"]["total_size"]
+    assert report.read_ratio == 1.0
+    for key, tensor in state.items():
+        assert target[key].dtype == tensor.dtype and torch.equal(bits(target[key]), bits(tensor)), key
+
+
+def test_round_trip_of_a_module_through_a_key_map(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6))
+
+    def key_map(name: str) -> str:
+        return f"model.{name}"
+
+    path = tmp_path / "ckpt"
+    wb.save_hf(model, path, key_map=key_map)
+    assert set(_index(path)["weight_map"]) == {f"model.{n}" for n, _ in model.named_parameters()}
+
+    copy = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6))
+    with torch.no_grad():
+        for p in copy.parameters():
+            p.zero_()
+    assert wb.load_hf(copy, path, key_map=key_map).ok
+    for (name, want), got in zip(model.state_dict().items(), copy.state_dict().values()):
+        assert torch.equal(want, got), name
+
+
+@pytest.mark.parametrize("patterns", [r".*layernorm\.weight", [r"nothing\.matches", r".*_layernorm\.weight$"]])
+def test_fp32_keys_stay_float32_and_dtype_casts_the_other_floats(tmp_path: Path, patterns: object) -> None:
+    state = _mixed_model()
+    path = tmp_path / "ckpt"
+    wb.save_hf(state, path, fp32_keys_pattern=patterns, dtype=torch.bfloat16)
+
+    read = _everything(path)
+    for key, tensor in state.items():
+        if "layernorm" in key:
+            want = torch.float32  # matched: float32, even where the runtime tensor is bf16
+        elif tensor.is_floating_point():
+            want = torch.bfloat16
+        else:
+            want = tensor.dtype  # int64 and bool are never cast
+        assert read[key].dtype == want, key
+        assert torch.equal(read[key], tensor.to(want)), key
+    assert _index(path)["metadata"]["total_size"] == sum(nbytes(t) for t in read.values())
+
+    # loading casts back to the runtime dtype: bf16-exact values for the cast keys, exact for the rest
+    target = {k: torch.zeros_like(v) for k, v in state.items()}
+    assert wb.load_hf(target, path).ok
+    for key, tensor in state.items():
+        assert target[key].dtype == tensor.dtype
+        assert torch.equal(target[key], read[key].to(tensor.dtype)), key
+
+
+def test_config_files_are_copied(tmp_path: Path) -> None:
+    source = tmp_path / "source"
+    source.mkdir()
+    config = source / "config.json"
+    config.write_text(json.dumps({"model_type": "qwen3_moe", "hidden_size": 16}))
+    tokenizer = source / "tokenizer_config.json"
+    tokenizer.write_text("{}")
+    path = tmp_path / "ckpt"
+    wb.save_hf(_mixed_model(), path, config_files=[config, str(tokenizer)])
+    assert (path / "config.json").read_bytes() == config.read_bytes()
+    assert (path / "tokenizer_config.json").read_bytes() == tokenizer.read_bytes()
+    assert config.is_file() and tokenizer.is_file()  # copied, not moved
+
+
+def test_async_save_publishes_on_wait(tmp_path: Path) -> None:
+    state = _mixed_model()
+    path = tmp_path / "ckpt"
+    handle = wb.save_hf(state, path, async_save=True, max_shard_bytes=200)
+
+    assert isinstance(handle, wb.AsyncSave)
+    assert not path.exists()  # nothing published before wait(), however far the writes got
+    result = handle.wait()
+    assert isinstance(result, wb.SaveResult) and handle.done()
+    assert handle.wait() is result  # a second wait is harmless
+    assert result.files == tuple(f.name for f in _shards(path))
+    assert (path / INDEX_NAME).is_file()
+    read = _everything(path)
+    assert all(torch.equal(read[k], state[k]) for k in state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no hidden temporary left
+
+
+def test_saving_over_a_checkpoint_replaces_it_atomically(tmp_path: Path) -> None:
+    path = tmp_path / "ckpt"
+    old_state = {f"old.{i}": torch.full((4,), float(i)) for i in range(5)}
+    wb.save_hf(old_state, path, max_shard_bytes=16)
+    (path / "stale.txt").write_text("from an older run")
+    old_files = sorted(p.name for p in path.iterdir())
+    old_inode = path.stat().st_ino
+
+    new_state = _mixed_model()
+    handle = wb.save_hf(new_state, path, async_save=True)
+    # until wait(), readers still see the old checkpoint, complete
+    assert sorted(p.name for p in path.iterdir()) == old_files
+    assert set(_index(path)["weight_map"]) == set(old_state)
+    handle.wait()
+
+    # then the new one, and only it: a new directory swapped in, not files written over the old ones
+    assert path.stat().st_ino != old_inode
+    assert sorted(p.name for p in path.iterdir()) == sorted([INDEX_NAME, "model-00001-of-00001.safetensors"])
+    assert set(_index(path)["weight_map"]) == set(new_state)
+    read = _everything(path)
+    assert read.keys() == new_state.keys() and all(torch.equal(read[k], new_state[k]) for k in new_state)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no .ckpt.incomplete or .ckpt.old left
+
+
+def test_a_second_save_to_a_path_with_a_pending_async_save_is_refused(tmp_path: Path) -> None:
+    # both saves share the hidden temporary .ckpt.incomplete: a second one must not start while the first is pending
+    path = tmp_path / "ckpt"
+    first_state, second_state = {"a": torch.ones(4)}, {"b": torch.zeros(4)}
+    first = wb.save_hf(first_state, path, async_save=True)
+    with pytest.raises(CheckpointError, match=r"still in progress.*wait\(\)"):
+        wb.save_hf(second_state, tmp_path / "." / "ckpt", async_save=True)  # the same path, spelled differently
+    first.wait()  # the first save is not disturbed
+    read = _everything(path)
+    assert read.keys() == first_state.keys() and torch.equal(read["a"], first_state["a"])
+
+    wb.save_hf(second_state, path)  # once published, the path is free again
+    assert _everything(path).keys() == second_state.keys()
