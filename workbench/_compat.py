@@ -23,6 +23,7 @@ __all__ = [
     "chunk_size_and_offset",
     "dtensor_local",
     "fake_process_group",
+    "fsdp_shard_mesh_dims",
     "fully_shard",
     "is_dtensor",
     "is_partial",
@@ -206,6 +207,27 @@ def root_mesh(device_mesh: Any) -> Any:
         return _mesh_resources.get_root_mesh(device_mesh)
     except (ImportError, AttributeError):
         return device_mesh
+
+
+def fsdp_shard_mesh_dims(module: torch.nn.Module) -> set[str]:
+    """Names of the mesh dims FSDP2 shards parameters over anywhere in ``module`` (empty when none).
+
+    Reads FSDP2's private state (``_get_fsdp_state()._fsdp_param_group.mesh_info``); falls back to an empty set
+    when that moves, and layouts then rely on the strided shard's split factor alone.
+    """
+    names: set[str] = set()
+    for sub in module.modules():
+        getter = getattr(sub, "_get_fsdp_state", None)
+        if getter is None:
+            continue
+        try:
+            info = getter()._fsdp_param_group.mesh_info
+            dims = info.mesh.mesh_dim_names
+            if dims:
+                names.add(dims[getattr(info, "shard_mesh_dim", 0) or 0])
+        except (AttributeError, IndexError, TypeError):
+            continue
+    return names
 
 
 def all_gather_flat(output: torch.Tensor, send: torch.Tensor, group: Any = None) -> None:

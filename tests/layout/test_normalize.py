@@ -139,3 +139,18 @@ def test_errors_name_the_parameter(placements, kwargs, needles) -> None:
         normalize_placements(placements, MESH, ndim=2, name="experts.w13", **kwargs)
     for needle in needles:
         assert needle in str(err.value)
+
+
+@pytest.mark.parametrize(
+    ("fsdp_placement", "why"),
+    [
+        (_compat.make_strided_shard(0, 4), "torch 2.13: split factor counts EP and the interleaved ETP"),
+        (_compat.make_strided_shard(0, 2), "torch 2.11: split factor leaves the interleaved cut out"),
+        (Shard(0), "torch 2.11 when it counts no inner cut at all"),
+    ],
+)
+def test_fsdp_mesh_dims_are_applied_last_whatever_torch_wrote(fsdp_placement: object, why: str) -> None:
+    mesh = MeshSpec((2, 2, 2), ("fsdp", "ep", "tp"))
+    placements = [fsdp_placement, Shard(0), InterleavedShard(0, 2)]
+    descriptors = normalize_placements(placements, mesh, ndim=2, name="w13", last_mesh_dims={"fsdp"})
+    assert [str(d) for d in descriptors] == ["S(0)@ep", "IS(0,2)@tp", "S(0)@fsdp"], why

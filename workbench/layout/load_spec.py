@@ -168,14 +168,17 @@ class LoadSpec:
         fused_dim: int | None = None,
         origin_shape: Sequence[int] | None = None,
         mesh_dims: Sequence[MeshDimRef] | None = None,
+        fsdp_mesh_dims: Sequence[str] = (),
     ) -> LoadSpec:
         """Spec of a tensor of ``global_shape`` laid out with DTensor ``placements`` on ``mesh``.
 
         ``mesh_dims`` names the mesh dim (or flattened group) of each placement when the tensor lives
-        on a sub-mesh; unlisted mesh dims replicate it.
+        on a sub-mesh; unlisted mesh dims replicate it. ``fsdp_mesh_dims``: mesh dims FSDP2 shards over, whose
+        strided shards are applied last (see ``normalize_placements``).
         """
         shape = _shape(global_shape, f"parameter {name!r}", "global_shape")
-        shards = normalize_placements(placements, mesh, ndim=len(shape), mesh_dims=mesh_dims, name=name)
+        shards = normalize_placements(placements, mesh, ndim=len(shape), mesh_dims=mesh_dims, name=name,
+                                      last_mesh_dims=fsdp_mesh_dims)
         return cls(
             name=name,
             hf_keys=tuple([hf_keys] if isinstance(hf_keys, str) else hf_keys),
@@ -197,6 +200,7 @@ class LoadSpec:
         origin_shape: Sequence[int] | None = None,
         mesh: MeshSpec | None = None,
         rank: int | None = None,
+        fsdp_mesh_dims: Sequence[str] = (),
     ) -> LoadSpec:
         """Spec of a runtime tensor, read from its metadata only (works on a fake process group).
 
@@ -234,6 +238,7 @@ class LoadSpec:
             fused_dim=fused_dim,
             origin_shape=origin_shape,
             mesh_dims=mesh_dims,
+            fsdp_mesh_dims=fsdp_mesh_dims,
         )
         me = device_mesh.get_rank() if rank is None else rank
         local = tuple(_compat.dtensor_local(tensor).shape)

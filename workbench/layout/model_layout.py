@@ -73,9 +73,12 @@ class Layout:
         Raises:
             LayoutError: the key map misses a parameter, or a tensor's layout is not what its data says.
         """
+        from workbench import _compat
+
         tensors = _named_tensors(model)
         lookup = resolve_key_map(key_map)
         mesh = mesh or _root_mesh(tensors.values())
+        fsdp_dims = tuple(sorted(_compat.fsdp_shard_mesh_dims(model))) if isinstance(model, torch.nn.Module) else ()
         specs: dict[str, LoadSpec] = {}
         dtypes: dict[str, str] = {}
         unmapped = []
@@ -88,7 +91,7 @@ class Layout:
                 continue
             specs[param] = LoadSpec.from_tensor(
                 param, keys.keys, tensor, fused_dim=keys.fused_dim, mesh=mesh,
-                origin_shape=(origin_shapes or {}).get(param),
+                origin_shape=(origin_shapes or {}).get(param), fsdp_mesh_dims=fsdp_dims,
             )
             dtypes[param] = str(tensor.dtype).removeprefix("torch.")
         if unmapped:

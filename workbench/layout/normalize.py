@@ -22,7 +22,7 @@ Worked example, FSDP2 on top of expert TP, mesh (fsdp=2, ep=2, tp=2) and placeme
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -49,6 +49,7 @@ def normalize_placements(
     ndim: int,
     mesh_dims: Sequence[MeshDimRef] | None = None,
     name: str = "<tensor>",
+    last_mesh_dims: Collection[str] = (),
 ) -> tuple[ShardDescriptor, ...]:
     """Ordered shard descriptors that reproduce what every rank of ``mesh`` physically holds.
 
@@ -59,6 +60,10 @@ def normalize_placements(
         mesh_dims: the mesh dim (or flattened group) each placement applies to; defaults to every mesh
             dim in order. Mesh dims that are not listed replicate the tensor.
         name: the parameter name, for error messages.
+        last_mesh_dims: mesh dims known to be FSDP's (``Layout.from_model`` finds them): a Shard or strided shard
+            over one of them is applied after every other cut of its dim, whatever its split factor says. torch
+            2.11's FSDP2 leaves interleaved cuts out of the split factor (2.13 counts them), and prepends a plain
+            Shard when it counts none; FSDP2 physically chunks the local tensor last in both.
 
     Returns:
         Descriptors in forward order: per tensor dim in the order the cuts apply; across dims,
@@ -97,7 +102,9 @@ def normalize_placements(
                 f"but the tensor has {ndim} dims"
             )
         cuts = per_dim.setdefault(dim, [])
-        if isinstance(p, InterleavedShard):
+        if isinstance(ref, str) and ref in last_mesh_dims and not isinstance(p, InterleavedShard):
+            cuts.append(_Cut(ShardDescriptor(dim, ref), position, bool(cuts)))  # FSDP2 chunks what is left
+        elif isinstance(p, InterleavedShard):
             factor = p.num_local_stripes
             cuts.insert(0, _Cut(ShardDescriptor(dim, ref, factor), position, False))
         elif _compat.is_shard(p):
