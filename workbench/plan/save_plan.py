@@ -15,7 +15,6 @@ from workbench.errors import PlanError
 from workbench.layout.descriptors import ShardDescriptor
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.runs import Segment, dim_segments
-from workbench.mesh import format_mesh_dim
 from workbench.plan.policy import SavePolicy
 
 __all__ = ["HFSavePlan", "SaveShardStep", "gather_dtype", "plan_hf_save", "save_dtypes"]
@@ -299,8 +298,3 @@ def _covered_keys(
             )
         keys.extend(spec.hf_keys[lo // ks : -(-hi // ks)])
     return tuple(keys)
-
-
-def describe_group(step: SaveShardStep) -> str:
-    """``fsdp`` / ``dp+ep``: the group a step gathers over."""
-    return format_mesh_dim(step.descriptor.mesh_dim)

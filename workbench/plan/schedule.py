@@ -354,8 +354,3 @@ def _fmt_bytes(n: int) -> str:
             return f"{n:.0f} {unit}" if unit == "B" else f"{n:.1f} {unit}"
         n /= 1024
     return f"{n} B"
-
-
-def step_group(step: SaveShardStep) -> MeshDimRef:
-    """The mesh dim (group) a step gathers over."""
-    return step.descriptor.mesh_dim
