@@ -260,7 +260,8 @@ class _SaveSession:
             self.publisher.prepare()
 
     def close(self) -> None:
-        """Forget this save (a later save to the same path may start) and stop its writer threads."""
+        """Forget this save (a later save to the same path may start) and stop its writer threads. Called on every
+        way out: by ``save_hf`` when it raises, by ``AsyncSave.wait`` when it returns or raises."""
         _IN_FLIGHT.discard(self.target)
         self.pool.shutdown(wait=False, cancel_futures=True)
 
@@ -270,8 +271,6 @@ class _SaveSession:
         if problems:
             if self.rank == 0:
                 self.publisher.abort()
-            self.pool.shutdown(wait=False, cancel_futures=True)
-            _IN_FLIGHT.discard(self.target)
             raise CheckpointError(
                 f"save to {self.path} failed while {stage}; nothing was published:\n" + "\n".join(problems)
             )
@@ -339,7 +338,6 @@ class _SaveSession:
                 problem = f"rank 0: publishing failed: {type(exc).__name__}: {exc}"
                 self.publisher.abort()
         problems = [p for p in self.comm.all_gather_object(problem) if p]
-        _IN_FLIGHT.discard(self.target)
         if problems:
             raise CheckpointError(f"save to {self.path} failed; nothing was published:\n" + "\n".join(problems))
         schedule = self.plan_set.schedules[self.rank]
