@@ -5,11 +5,13 @@ The public API (DESIGN.md section 4); everything else is reachable through its s
 
 from workbench.io.hf_load import LoadReport, load_hf
 from workbench.io.hf_save import AsyncSave, SaveResult, save_hf
+from workbench.io.ownership import clean_incomplete, latest_checkpoint
 from workbench.layout import InterleavedShard, LoadSpec, Run, ShardDescriptor, compute_runs
 from workbench.layout.layout_file import load_layout
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
 from workbench.plan import HFLoadPlan, HFSavePlan, SavePolicy, UnshardSchedule, schedule_unshard
+from workbench.run.guard import LoadFailed, SaveFailed
 from workbench.run.launcher import LaunchError, launch
 from workbench.run.simulated import SimulatedWorld
 
@@ -22,17 +24,21 @@ __all__ = [
     "InterleavedShard",
     "LaunchError",
     "Layout",
+    "LoadFailed",
     "LoadReport",
     "LoadSpec",
     "MeshSpec",
     "Run",
+    "SaveFailed",
     "SavePolicy",
     "SaveResult",
     "ShardDescriptor",
     "SimulatedWorld",
     "UnshardSchedule",
     "__version__",
+    "clean_incomplete",
     "compute_runs",
+    "latest_checkpoint",
     "launch",
     "load_hf",
     "load_layout",

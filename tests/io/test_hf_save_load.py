@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import json
 import re
+import time
 from pathlib import Path
 
 import pytest
@@ -14,7 +15,6 @@ from safetensors.torch import load_file
 
 import workbench as wb
 from tests.io.support import bits, nbytes, random_tensor, small_model
-from workbench.errors import CheckpointError
 from workbench.io.index import INDEX_NAME
 
 FILE_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
@@ -211,16 +211,59 @@ def test_saving_over_a_checkpoint_replaces_it_atomically(tmp_path: Path) -> None
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no .ckpt.incomplete or .ckpt.old left
 
 
-def test_a_second_save_to_a_path_with_a_pending_async_save_is_refused(tmp_path: Path) -> None:
-    # both saves share the hidden temporary .ckpt.incomplete: a second one must not start while the first is pending
+def test_a_new_save_first_finishes_the_pending_async_one(tmp_path: Path) -> None:
+    # both saves share the hidden temporary .ckpt.incomplete: the second must not start while the first is pending,
+    # so save_hf publishes the first one before it begins (as DCP's async save does)
     path = tmp_path / "ckpt"
     first_state, second_state = {"a": torch.ones(4)}, {"b": torch.zeros(4)}
     first = wb.save_hf(first_state, path, async_save=True)
-    with pytest.raises(CheckpointError, match=r"still in progress.*wait\(\)"):
-        wb.save_hf(second_state, tmp_path / "." / "ckpt", async_save=True)  # the same path, spelled differently
-    first.wait()  # the first save is not disturbed
+    other = wb.save_hf({"c": torch.full((2,), 3.0)}, tmp_path / "other", async_save=True)
+    assert not (tmp_path / "other").exists()  # not published until waited on
+    second = wb.save_hf(second_state, tmp_path / "." / "ckpt", async_save=True)  # the same path, spelled differently
+    assert first.wait().path == path and other.wait().path == tmp_path / "other"  # done by the second call
+    assert _everything(tmp_path / "other")["c"].tolist() == [3.0, 3.0]
+    second.wait()
     read = _everything(path)
-    assert read.keys() == first_state.keys() and torch.equal(read["a"], first_state["a"])
+    assert read.keys() == second_state.keys() and torch.equal(read["b"], second_state["b"])
 
-    wb.save_hf(second_state, path)  # once published, the path is free again
-    assert _everything(path).keys() == second_state.keys()
+
+def test_an_async_save_is_a_snapshot_of_the_call_time_values(tmp_path: Path) -> None:
+    # tensors that need no gather (every one here: one process) are the model's own storage: the save must copy them
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16), "n": torch.arange(3)}
+    expected = {k: v.clone() for k, v in state.items()}
+    handle = wb.save_hf(state, tmp_path / "ckpt", async_save=True, write_threads=1)
+    for tensor in state.values():
+        tensor.add_(41)  # the optimizer step, right after save_hf returned
+    result = handle.wait()
+    read = _everything(tmp_path / "ckpt")
+    assert all(torch.equal(read[k], expected[k]) for k in expected), "the file holds values from after the call"
+    assert result.snapshot_bytes == sum(t.numel() * t.element_size() for t in state.values())
+
+
+def test_a_failed_background_write_surfaces_at_wait_and_publishes_nothing(tmp_path: Path, monkeypatch) -> None:
+    from workbench.faults import FAULT_ENV
+
+    wb.save_hf({"old": torch.zeros(2)}, tmp_path / "ckpt")
+    monkeypatch.setenv(FAULT_ENV, "write@0:enospc")
+    handle = wb.save_hf({"new": torch.ones(2)}, tmp_path / "ckpt", async_save=True)
+    with pytest.raises(wb.SaveFailed, match=r"rank 0 failed while writing 'new'.*No space left"):
+        handle.wait()
+    with pytest.raises(wb.SaveFailed, match="No space left"):
+        handle.result()  # the same error again, not a second attempt
+    assert list(_everything(tmp_path / "ckpt")) == ["old"]
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_failed_async_save_not_waited_on_surfaces_at_the_next_save(tmp_path: Path, monkeypatch) -> None:
+    from workbench.faults import FAULT_ENV
+
+    monkeypatch.setenv(FAULT_ENV, "write@0:efbig")
+    handle = wb.save_hf({"new": torch.ones(2)}, tmp_path / "a", async_save=True)
+    while not handle.done():  # the background write fails while the fault is set
+        time.sleep(0.01)
+    monkeypatch.delenv(FAULT_ENV)
+    with pytest.raises(wb.SaveFailed, match=r"(?s)earlier async save failed.*File too large"):
+        wb.save_hf({"x": torch.ones(2)}, tmp_path / "b")
+    assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
+    wb.save_hf({"x": torch.ones(2)}, tmp_path / "b")  # reported once; the next save works
+    assert (tmp_path / "b" / INDEX_NAME).is_file()

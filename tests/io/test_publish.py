@@ -15,6 +15,7 @@ from tests.io.support import edit_index, save_checkpoint
 from workbench.errors import CheckpointError
 from workbench.io import publish as publish_module
 from workbench.io.index import INDEX_NAME, read_checkpoint
+from workbench.io.ownership import MARKER_NAME
 from workbench.io.publish import AtomicRenamePublisher, exchange_paths, is_complete, validate_final
 from workbench.io.publish_types import Publisher, is_temporary_path, temporary_path
 from workbench.io.read import CheckpointReader
@@ -53,7 +54,7 @@ def test_names_and_protocol(tmp_path) -> None:
 def test_publish_new_path(tmp_path) -> None:
     publisher = AtomicRenamePublisher(tmp_path / "ckpt")
     temporary = publisher.prepare()
-    assert temporary.is_dir() and list(temporary.iterdir()) == []
+    assert temporary.is_dir() and [p.name for p in temporary.iterdir()] == [MARKER_NAME]  # only its owner
     assert not (tmp_path / "ckpt").exists()  # nothing is visible before finalize
     save_checkpoint(temporary, OLD, max_shard_bytes=64)
     assert not is_complete(tmp_path / "ckpt")
@@ -160,7 +161,7 @@ def test_prepare_removes_a_stale_temporary(tmp_path) -> None:
     stale.mkdir()
     (stale / "model-00001-of-00002.safetensors").write_bytes(b"half")
     temporary = AtomicRenamePublisher(tmp_path / "ckpt").prepare()
-    assert temporary == stale and list(temporary.iterdir()) == []
+    assert temporary == stale and [p.name for p in temporary.iterdir()] == [MARKER_NAME]
 
 
 def test_finalize_refuses_a_damaged_save(tmp_path) -> None:

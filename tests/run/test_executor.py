@@ -194,6 +194,9 @@ class ScriptedComm:
         self.calls.append((mesh_dim, send.numel()))
         return torch.cat([torch.full_like(send, 7.0), send])  # rank 0 = peer, rank 1 = me
 
+    def any_flag(self, mesh_dim: Any, flag: bool) -> bool:
+        return flag
+
     def barrier(self) -> None:
         pass
 

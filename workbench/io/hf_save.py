@@ -3,18 +3,25 @@
 Every rank runs the same plan: its save plans and unshard schedule (the all-gathers, batched under a memory
 budget), the writer of each key (byte-balanced over the ranks holding it) and the file each key goes to. A
 writer writes its own files (``model-0000k-of-0000N.safetensors``) in background threads while the next
-gathers run. Files land in a hidden sibling ``.NAME.incomplete``; once every rank reports success, rank 0
-writes the index and config files and publishes the directory with one atomic rename. A checkpoint already at
-``path`` survives any failure.
+gathers run. Files land in a hidden sibling ``.NAME.incomplete`` (with an owner marker); once every rank
+reports success, rank 0 writes the index and config files and publishes the directory with one atomic rename.
+A checkpoint already at ``path`` survives any failure.
+
+Failure containment (``run/guard.py``): a rank that fails anywhere (bad input, a full disk, a bug, MemoryError)
+keeps answering its peers' collectives through the flag protocol, then every rank raises the same ``SaveFailed``
+naming the failing rank, the stage and the cause; nothing is published. Status exchange and agreement run on the
+save's own gloo group with ``timeout``, so a rank that died or hangs is reported after ``timeout`` seconds.
 """
 
 from __future__ import annotations
 
+import atexit
 import concurrent.futures as futures
 import math
 import shutil
+import threading
 import time
-import traceback
+import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -22,28 +29,40 @@ from typing import Any
 
 import torch
 
-from workbench.errors import CheckpointError, WorkbenchError
+from workbench.errors import CheckpointError
+from workbench.faults import fault_point
 from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES, FilePlan, plan_files
-from workbench.io.index import write_index
+from workbench.io.host_pool import DEFAULT_POOL_BYTES
+from workbench.io.index import INDEX_NAME, write_index
+from workbench.io.ownership import MARKER_NAME, Heartbeat
 from workbench.io.publish import AtomicRenamePublisher
+from workbench.io.snapshot import HostCopy, Snapshotter
 from workbench.io.stream_write import StreamWriter
 from workbench.layout.key_map import KeyMap
 from workbench.layout.model_layout import Layout, local_tensors
 from workbench.plan.policy import SavePolicy
-from workbench.run.communicator import Communicator, drive
+from workbench.run.communicator import Communicator
 from workbench.run.executor import WaveOutput, unshard
+from workbench.run.guard import RankProblem, SaveFailed, agree, check_agreement, drive_guarded, problem_from
 from workbench.run.simulated import SavePlanSet, key_meta, plan_save
+from workbench.run.torch_comm import DEFAULT_TIMEOUT
 from workbench.run.unshard_ops import split_keys
 
-__all__ = ["AsyncSave", "SaveResult", "local_communicator", "save_hf"]
+__all__ = ["AsyncSave", "SaveFailed", "SaveResult", "local_communicator", "save_hf"]
 
 _DEFAULT_BUDGET = 2 << 30
 _IN_FLIGHT: set[Path] = set()  # targets of this process's saves that are not published or failed yet
+_PENDING: list[AsyncSave] = []  # async saves of this process not waited on yet, oldest first
+_RESERVED = {INDEX_NAME, MARKER_NAME}
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SaveResult:
-    """What one rank did for a save: the published path, its files and bytes, and the time it took."""
+    """What one rank did for a save: the published path, its files and bytes, and the time it took.
+
+    ``blocked_seconds`` is how long ``save_hf`` held the caller (for an async save, until the snapshot was
+    taken); ``snapshot_bytes`` the bytes copied into host memory the save owns.
+    """
 
     path: Path
     rank: int
@@ -52,6 +71,8 @@ class SaveResult:
     seconds: float
     calls: int
     predicted_peak_bytes: int
+    blocked_seconds: float = 0.0
+    snapshot_bytes: int = 0
 
     def __str__(self) -> str:
         return (
@@ -60,28 +81,49 @@ class SaveResult:
         )
 
 
-@dataclass
+@dataclass(eq=False)
 class AsyncSave:
-    """A save whose gathers are done and whose files are being written; ``wait()`` publishes it.
+    """A save whose snapshot is taken and whose files are being written; ``wait()`` publishes it.
+
+    Every byte it writes is already in host memory the save owns, so the caller may change the model at once.
+    A failure in the background surfaces at ``wait()`` / ``result()`` and, if neither is called, at the next
+    ``save_hf`` (which first finishes every earlier async save of the process, oldest first). At interpreter
+    exit, a save never waited on is abandoned (threads, files and its path released; nothing published).
 
     .. note:: SPMD: every rank must call ``wait()`` (it exchanges every rank's status before publishing).
     """
 
     _session: _SaveSession
     _result: SaveResult | None = field(default=None, init=False)
+    _error: BaseException | None = field(default=None, init=False)
+
+    @property
+    def path(self) -> Path:
+        """The checkpoint directory this save publishes."""
+        return self._session.path
 
     def done(self) -> bool:
         """True when this rank's files are written (publishing still needs ``wait()``)."""
         return all(f.done() for f, _ in self._session.pending)
 
     def wait(self) -> SaveResult:
-        """Finish writing, check every rank, publish atomically; returns this rank's result."""
-        if self._result is None:
+        """Finish writing, check every rank, publish atomically; returns this rank's result (or raises SaveFailed
+        on every rank). Calling it again returns the same result or raises the same error."""
+        if self._result is None and self._error is None:
+            if self in _PENDING:
+                _PENDING.remove(self)
             try:
                 self._result = self._session.finish()
+            except BaseException as exc:
+                self._error = exc
             finally:
                 self._session.close()
+        if self._error is not None:
+            raise self._error
+        assert self._result is not None
         return self._result
+
+    result = wait
 
 
 def save_hf(
@@ -99,6 +141,8 @@ def save_hf(
     max_writers: int | None = None,
     write_threads: int = 4,
     async_save: bool = False,
+    host_buffer_bytes: int | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
     comm: Communicator | None = None,
 ) -> SaveResult | AsyncSave:
     """Save a (sharded) model as a HuggingFace checkpoint at ``path``.
@@ -115,76 +159,122 @@ def save_hf(
         max_shard_bytes: the largest file a writer makes (a bigger key gets a file alone).
         fp32_keys_pattern: regexes of HF keys saved in float32.
         dtype: save dtype of the other floating keys (default: their runtime dtype).
-        config_files: files copied next to the weights (config.json, tokenizer files...).
+        config_files: files copied next to the weights (config.json, tokenizer files...); a name that is one of
+            the files the save writes (the index, a weight file) is refused.
         max_writers: cap on the number of writer ranks (default: every rank may write).
-        write_threads: file writers per rank (tensors are written to their files as soon as they are whole; at
-            most ``budget_bytes`` of them wait for a writer).
-        async_save: return after the gathers, with files still being written; ``.wait()`` publishes.
+        write_threads: file writers per rank (tensors are written to their files as soon as they are whole).
+        async_save: return as soon as every byte this rank writes is copied into host memory the save owns;
+            files are written in the background and ``.wait()`` publishes.
+        host_buffer_bytes: the most bytes of tensors waiting for a writer, and the capacity of the process's
+            reused host pools (pinned for GPU tensors); when full the save waits for writes to drain (an async
+            save then returns later). Default: ``budget_bytes``, or 4 GiB.
+        timeout: seconds any collective of the save may wait for a peer before the save fails naming it.
         comm: the communicator (default: torch.distributed's default world, or one process).
 
     Returns:
         This rank's SaveResult, or an AsyncSave.
 
     Raises:
-        CheckpointError / PlanError / LayoutError: on every rank, naming the rank and what failed; nothing is
-            published at ``path`` and a checkpoint already there is left intact.
+        SaveFailed (a CheckpointError): on every rank, naming each failing rank, its stage and the cause;
+            nothing is published at ``path`` and a checkpoint already there is left intact. A rank whose own
+            input is bad (layout, key map) raises its own LayoutError / PlanError, its peers SaveFailed.
 
     .. note:: SPMD: every rank of the model's mesh calls it with the same arguments.
     """
+    _finish_pending()
     start = time.perf_counter()
-    mine: WorkbenchError | None = None
+    mine: BaseException | None = None
     tensors: dict[str, torch.Tensor] = {}
     try:  # local checks first, agreed on over the whole world before any group is built: no rank may hang
         layout = layout or Layout.from_model(model_or_state_dict, key_map)
         tensors = local_tensors(model_or_state_dict, layout)
-    except WorkbenchError as exc:
+    except Exception as exc:
         mine = exc
-    _agree_on_world(mine, path)
-    comm = comm or default_communicator(layout)
+    _agree_before_groups(mine, path, timeout, comm)
+    assert layout is not None
+    comm = comm or default_communicator(layout, timeout)
     target = Path(path).resolve()
     if target in _IN_FLIGHT:
         raise CheckpointError(
             f"a save to {target} is still in progress in this process (async_save pending); call its wait() "
             "before saving to the same path again"
         )
-    in_flight = budget_bytes if budget_bytes is not None else _DEFAULT_BUDGET  # host bytes queued for writing
-    session = _SaveSession(layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files, in_flight)
+    limit = host_buffer_bytes or budget_bytes or DEFAULT_POOL_BYTES
+    snapshot = Snapshotter(tensors.values(), own_everything=async_save, pool_bytes=host_buffer_bytes)
+    session = _SaveSession(
+        layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files, limit, snapshot
+    )
     try:
-        problem = None
-        try:
-            session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors)
-        except WorkbenchError as exc:
-            problem = f"rank {comm.rank}: {exc}"
-        session.agree(problem, "planning the save")  # before any gather: a bad rank must not leave others hanging
+        session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors)
         session.gather(tensors)
-        handle = AsyncSave(session)
-        return handle if async_save else handle.wait()
+        if async_save:
+            session.settle_snapshot()
+            handle = AsyncSave(session)
+            _PENDING.append(handle)
+            return handle
+        return AsyncSave(session).wait()
     except BaseException:
         session.close()
         raise
 
 
-def _world_rank() -> int:
+def _finish_pending() -> None:
+    """Finish this process's earlier async saves, oldest first; the first failure is raised here."""
+    first: BaseException | None = None
+    while _PENDING:
+        handle = _PENDING[0]
+        try:
+            handle.wait()
+        except BaseException as exc:
+            first = first or exc
+    if first is not None:
+        raise SaveFailed(
+            f"an earlier async save failed, so this save was not started:\n{first}", getattr(first, "problems", ())
+        ) from first
+
+
+def _abandon_pending() -> None:
+    """At interpreter exit: release every async save never waited on (no collective is possible any more)."""
+    for handle in list(_PENDING):
+        warnings.warn(
+            f"async save to {handle.path} was never waited on; it was not published (call wait() before exiting)",
+            stacklevel=1,
+        )
+        handle._session.close(abandon=True)
+    _PENDING.clear()
+
+
+atexit.register(_abandon_pending)
+
+
+def _world() -> tuple[int, int]:
     import torch.distributed as dist
 
-    return dist.get_rank() if dist.is_initialized() else 0
+    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
 
 
-def _agree_on_world(mine: WorkbenchError | None, path: str | Path) -> None:
-    """Every rank of the default world shares its problem (or None); all raise if any rank has one: the rank
-    with the problem its own error, the others a CheckpointError naming it."""
-    import torch.distributed as dist
+def _agree_before_groups(
+    mine: BaseException | None, path: str | Path, timeout: float, comm: Communicator | None
+) -> None:
+    """Every rank shares its problem with the layout or model (or None) over the control group; all raise if any
+    rank has one: the rank with the problem its own error, the others a SaveFailed naming it."""
+    rank, world = _world()
+    problem = problem_from(mine, rank, "reading the model's layout") if mine is not None else None
+    problems: list[RankProblem | None] = [problem]
+    if comm is not None:
+        problems = comm.all_gather_object(problem)
+    elif world > 1:
+        import torch.distributed as dist
 
-    problem = f"rank {_world_rank()}: {mine}" if mine is not None else None
-    problems = [problem]
-    if dist.is_initialized():
-        problems = [None] * dist.get_world_size()
-        dist.all_gather_object(problems, problem)
+        from workbench.run.torch_comm import control_group
+
+        problems = [None] * world
+        dist.all_gather_object(problems, problem, group=control_group(timeout))
     if mine is not None:
         raise mine
     found = [p for p in problems if p]
     if found:
-        raise CheckpointError(f"save to {path} refused; nothing was written:\n" + "\n".join(found))
+        raise SaveFailed(f"save to {path} refused; nothing was written:\n" + "\n".join(f"  {p}" for p in found), found)
 
 
 class _SaveSession:
@@ -200,6 +290,7 @@ class _SaveSession:
         max_shard_bytes: int,
         config_files: Sequence[str | Path],
         in_flight_bytes: int,
+        snapshot: Snapshotter,
     ) -> None:
         self.layout, self.path, self.comm, self.start = layout, path, comm, start
         self.rank = comm.rank
@@ -209,17 +300,49 @@ class _SaveSession:
         self.pending: list[tuple[futures.Future[int], int]] = []
         self.queued_bytes = 0
         self.in_flight_bytes = in_flight_bytes
+        self.snapshot = snapshot
         self.files: dict[str, StreamWriter] = {}
         self.key_meta: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
         self.publisher = AtomicRenamePublisher(path)
+        self.heartbeat: Heartbeat | None = None
         self.plan_set: SavePlanSet | None = None
         self.file_plan: FilePlan | None = None
         self.metadata = {"format": "pt", "workbench_version": _version(), "layout": layout.fingerprint()}
-        self.error: str | None = None
+        self.problem: RankProblem | None = None
+        self.write_problem: RankProblem | None = None
+        self._write_lock = threading.Lock()
+        self.blocked_seconds = 0.0
         self.target = path.resolve()
+        self.closed = False
+        self.stopped = False  # the save failed or ended: queued writes are skipped
         _IN_FLIGHT.add(self.target)
 
+    # -- stages ------------------------------------------------------------------------------------------------
+
     def plan(
+        self,
+        policy: SavePolicy | None,
+        budget: int | None,
+        dtype: torch.dtype | None,
+        fp32_keys_pattern: Sequence[str] | str | None,
+        max_writers: int | None,
+        tensors: Mapping[str, torch.Tensor],
+    ) -> None:
+        """Plan on every rank, agree (nothing moves if any rank failed), then prove the plans match."""
+        problem = None
+        try:
+            self._plan(policy, budget, dtype, fp32_keys_pattern, max_writers, tensors)
+            fault_point("plan", self.rank)
+        except Exception as exc:
+            problem = problem_from(exc, self.rank, "planning the save")
+        agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort)
+        assert self.plan_set is not None
+        check_agreement(
+            self.comm, self.plan_set.schedules[self.rank], self.plan_set.writers, self.layout.mesh,
+            what=f"save to {self.path}",
+        )
+
+    def _plan(
         self,
         policy: SavePolicy | None,
         budget: int | None,
@@ -256,76 +379,89 @@ class _SaveSession:
         self.file_plan = plan_files(
             self.plan_set.writers, sizes, list(self.layout.hf_keys), max_shard_bytes=self.max_shard_bytes
         )
+        ours = _RESERVED | {f.name for f in self.file_plan.files}
+        clash = [str(c) for c in self.config_files if c.name in ours or c.name.endswith(".safetensors")]
+        if clash:
+            raise CheckpointError(
+                f"config file(s) {clash} would overwrite the index or weight files this save writes; rename them or "
+                "leave them out of config_files"
+            )
         if self.rank == 0:
             self.publisher.prepare()
-
-    def close(self) -> None:
-        """Forget this save (a later save to the same path may start) and stop its writer threads. Called on every
-        way out: by ``save_hf`` when it raises, by ``AsyncSave.wait`` when it returns or raises."""
-        _IN_FLIGHT.discard(self.target)
-        self.pool.shutdown(wait=False, cancel_futures=True)
-
-    def agree(self, problem: str | None, stage: str) -> None:
-        """Exchange every rank's problem (or None); raise the same error everywhere if any rank has one."""
-        problems = [p for p in self.comm.all_gather_object(problem) if p]
-        if problems:
-            if self.rank == 0:
-                self.publisher.abort()
-            raise CheckpointError(
-                f"save to {self.path} failed while {stage}; nothing was published:\n" + "\n".join(problems)
-            )
+            self.heartbeat = Heartbeat(self.publisher.temporary / MARKER_NAME)
 
     def gather(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Run the unshard schedule; each key this rank writes goes to its file the moment its wave ends."""
+        """Run the unshard schedule under the flag protocol; each key this rank writes is snapshotted and queued
+        for its file the moment its wave ends. A failure is kept for the status exchange, never raised here."""
         assert self.plan_set is not None and self.file_plan is not None
         plans = {p.name: p for p in self.plan_set.plans[self.rank]}
         writers = self.plan_set.writers
+        schedule = self.plan_set.schedules[self.rank]
+        failed = None
         try:
             for spec in self.file_plan.files_of(self.rank):
                 entries = [(k, *self.key_meta[k]) for k in spec.keys]
                 self.files[spec.name] = StreamWriter(self.publisher.temporary / spec.name, entries, self.metadata)
-            file_of = {k: f.name for f in self.file_plan.files_of(self.rank) for k in f.keys}
+        except Exception as exc:
+            failed = problem_from(exc, self.rank, "creating its files")
+        file_of = {k: f.name for f in self.file_plan.files_of(self.rank) for k in f.keys}
 
-            def on_wave(wave: WaveOutput) -> None:
-                for name, tensor in wave.tensors.items():
-                    for key, value in split_keys(tensor, plans[name]).items():
-                        if writers.get(key) == self.rank:
-                            self._submit(self.files[file_of[key]], key, _HostCopy.of(value.detach()))
+        def on_wave(wave: WaveOutput) -> None:
+            for name, tensor in wave.tensors.items():
+                for key, value in split_keys(tensor, plans[name]).items():
+                    if writers.get(key) == self.rank:
+                        fault_point("snapshot", self.rank)
+                        self._submit(self.files[file_of[key]], key, self.snapshot.take(value))
 
-            program = unshard(self.plan_set.schedules[self.rank], self.plan_set.plans[self.rank], tensors)
-            drive(program, self.comm, on_wave)
-        except Exception as exc:  # a local failure after collectives started: report it at the status exchange
-            self.error = f"rank {self.rank}: {type(exc).__name__}: {exc}\n{traceback.format_exc(limit=4)}"
+        program = unshard(schedule, self.plan_set.plans[self.rank], tensors)
+        self.problem = drive_guarded(schedule, program, self.comm, on_wave, poll=self._poll, failed=failed)
 
-    def _submit(self, writer: StreamWriter, key: str, copy: _HostCopy) -> None:
-        """Queue one tensor's write; past ``in_flight_bytes`` queued, wait for the oldest writes first."""
-        nbytes = copy.host.numel() * copy.host.element_size()
-        while self.pending and self.queued_bytes + nbytes > self.in_flight_bytes:
-            future, size = self.pending.pop(0)
-            future.result()
-            self.queued_bytes -= size
-        self.queued_bytes += nbytes
-        self.pending.append((self.pool.submit(lambda: writer.write(key, copy.wait())), nbytes))
+    def settle_snapshot(self) -> None:
+        """Async: wait for the device-to-host copies, then agree that every rank's gathers and snapshot succeeded
+        (so no rank returns a handle while a peer raises)."""
+        if self.problem is None:
+            try:
+                self.snapshot.settle()
+            except Exception as exc:
+                self.problem = problem_from(exc, self.rank, "taking the snapshot")
+        self.blocked_seconds = time.perf_counter() - self.start
+        agree(self.comm, self.problem, what=f"async save to {self.path}", on_failure=self._abort)
 
     def finish(self) -> SaveResult:
+        """Wait for this rank's writes, fsync its files, agree, then rank 0 publishes; every rank learns the end."""
+        if not self.blocked_seconds:
+            self.blocked_seconds = time.perf_counter() - self.start
+        problem = self.problem
+        self.stopped = problem is not None
         for future, _ in self.pending:
             try:
                 future.result()
-            except Exception as exc:
-                self.error = self.error or f"rank {self.rank}: writing failed: {type(exc).__name__}: {exc}"
+            except Exception as exc:  # recorded by _write already; kept here for a future that never ran it
+                problem = problem or problem_from(exc, self.rank, "writing its files")
+        problem = problem or self.write_problem
         self.pending.clear()
-        self.pool.shutdown(wait=True)
+        self.queued_bytes = 0
         written = 0
         for writer in self.files.values():
             try:
-                written += writer.close()
+                if problem is None:
+                    fault_point("fsync", self.rank)
+                    written += writer.close()
+                else:
+                    writer.abandon()
             except Exception as exc:
-                self.error = self.error or f"rank {self.rank}: {type(exc).__name__}: {exc}"
-        self.agree(self.error, "gathering and writing")
+                problem = problem or problem_from(exc, self.rank, f"fsyncing {writer.path.name}")
+                writer.abandon()
+        try:
+            fault_point("status", self.rank)
+        except Exception as exc:
+            problem = problem or problem_from(exc, self.rank, "reporting its status")
+        agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort)
         assert self.file_plan is not None and self.plan_set is not None
-        problem = None
+        publish_problem = None
         if self.rank == 0:
             try:
+                fault_point("index", 0)
                 write_index(
                     self.publisher.temporary,
                     self.file_plan,
@@ -333,23 +469,81 @@ class _SaveSession:
                 )
                 for config in self.config_files:
                     shutil.copy2(config, self.publisher.temporary / config.name)
+                if self.heartbeat is not None:
+                    self.heartbeat.stop()
                 self.publisher.finalize(verify=True)
             except Exception as exc:
-                problem = f"rank 0: publishing failed: {type(exc).__name__}: {exc}"
-                self.publisher.abort()
-        problems = [p for p in self.comm.all_gather_object(problem) if p]
-        if problems:
-            raise CheckpointError(f"save to {self.path} failed; nothing was published:\n" + "\n".join(problems))
+                publish_problem = problem_from(exc, 0, "publishing (index, config files, rename)")
+                self._abort()
+        agree(
+            self.comm, publish_problem, what=f"save to {self.path}",
+            lost="rank 0 may or may not have published: check with wb.latest_checkpoint",
+        )
         schedule = self.plan_set.schedules[self.rank]
         return SaveResult(
-            self.path,
-            self.rank,
-            tuple(f.name for f in self.file_plan.files_of(self.rank)),
-            written,
-            time.perf_counter() - self.start,
-            schedule.num_calls,
-            schedule.peak_bytes,
+            path=self.path,
+            rank=self.rank,
+            files=tuple(f.name for f in self.file_plan.files_of(self.rank)),
+            bytes_written=written,
+            seconds=time.perf_counter() - self.start,
+            calls=schedule.num_calls,
+            predicted_peak_bytes=schedule.peak_bytes,
+            blocked_seconds=self.blocked_seconds,
+            snapshot_bytes=self.snapshot.copied_bytes,
         )
+
+    # -- writing -----------------------------------------------------------------------------------------------
+
+    def _submit(self, writer: StreamWriter, key: str, copy: HostCopy) -> None:
+        """Queue one tensor's write; past ``in_flight_bytes`` queued, wait for the oldest writes first."""
+        nbytes = copy.nbytes
+        while self.pending and self.queued_bytes + nbytes > self.in_flight_bytes:
+            future, size = self.pending.pop(0)
+            futures.wait([future])
+            self.queued_bytes -= size
+        self.queued_bytes += nbytes
+        self.pending.append((self.pool.submit(self._write, writer, key, copy), nbytes))
+
+    def _write(self, writer: StreamWriter, key: str, copy: HostCopy) -> int:
+        """A writer thread's job: one tensor into its file. A failure is recorded (the gathers poll it)."""
+        try:
+            if self.write_problem is not None or self.stopped:
+                return 0  # the save has failed: do not keep writing
+            fault_point("write", self.rank)
+            return writer.write(key, copy.wait())
+        except Exception as exc:
+            with self._write_lock:
+                if self.write_problem is None:
+                    self.write_problem = problem_from(exc, self.rank, f"writing {key!r} into {writer.path.name}")
+            return 0
+        finally:
+            copy.release()
+
+    def _poll(self) -> RankProblem | None:
+        return self.write_problem
+
+    # -- ending ------------------------------------------------------------------------------------------------
+
+    def _abort(self) -> None:
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
+        if self.rank == 0:
+            self.publisher.abort()
+
+    def close(self, *, abandon: bool = False) -> None:
+        """Release what the save holds on every way out: writer threads, file descriptors, the heartbeat, the
+        path (a later save to it may start). Idempotent."""
+        if self.closed:
+            return
+        self.closed = self.stopped = True
+        _IN_FLIGHT.discard(self.target)
+        if abandon:
+            self.write_problem = self.write_problem or RankProblem(self.rank, "exiting", "abandoned")
+        self.pool.shutdown(wait=True, cancel_futures=True)
+        for writer in self.files.values():
+            writer.abandon()
+        if self.heartbeat is not None:
+            self.heartbeat.stop()
 
 
 class _OneProcess:
@@ -359,6 +553,9 @@ class _OneProcess:
 
     def all_gather(self, send: torch.Tensor, mesh_dim: Any) -> torch.Tensor:
         return send
+
+    def any_flag(self, mesh_dim: Any, flag: bool) -> bool:
+        return flag
 
     def barrier(self) -> None:
         return None
@@ -372,33 +569,7 @@ def local_communicator() -> Communicator:
     return _OneProcess()
 
 
-@dataclass
-class _HostCopy:
-    """A tensor on its way to host memory: on GPU, a non-blocking copy into pinned memory that overlaps the next
-    gathers; the writer thread waits for it. The device tensor is held until then."""
-
-    host: torch.Tensor
-    source: torch.Tensor | None = None
-    event: Any = None
-
-    @classmethod
-    def of(cls, tensor: torch.Tensor) -> _HostCopy:
-        if tensor.device.type == "cpu":
-            return cls(tensor)
-        host = torch.empty(tensor.shape, dtype=tensor.dtype, pin_memory=True)
-        host.copy_(tensor, non_blocking=True)
-        event = torch.cuda.Event()
-        event.record()
-        return cls(host, tensor, event)
-
-    def wait(self) -> torch.Tensor:
-        if self.event is not None:
-            self.event.synchronize()
-            self.source = self.event = None
-        return self.host
-
-
-def default_communicator(layout: Layout) -> Communicator:
+def default_communicator(layout: Layout, timeout: float = DEFAULT_TIMEOUT) -> Communicator:
     """torch.distributed's default world bound to the layout's mesh dims, or one process."""
     import torch.distributed as dist
 
@@ -412,7 +583,7 @@ def default_communicator(layout: Layout) -> Communicator:
     from workbench.run.torch_comm import TorchCommunicator
 
     refs = {d.mesh_dim for spec in layout.specs.values() for d in spec.shards}
-    return TorchCommunicator(layout.mesh, refs)
+    return TorchCommunicator(layout.mesh, refs, timeout=timeout)
 
 
 def _version() -> str:

@@ -28,7 +28,9 @@ from pathlib import Path
 from typing import Any
 
 from workbench.errors import CheckpointError
+from workbench.faults import fault_point
 from workbench.io.index import INDEX_NAME, scan_checkpoint
+from workbench.io.ownership import MARKER_NAME, read_owner, write_owner
 from workbench.io.publish_types import INCOMPLETE_SUFFIX, is_temporary_path, temporary_path
 from workbench.io.write import fsync_dir, fsync_file
 
@@ -134,7 +136,8 @@ class AtomicRenamePublisher:
         return self._final.with_name(f".{self._final.name}{OLD_SUFFIX}")
 
     def prepare(self) -> Path:
-        """Create a fresh, empty ``temporary`` (a stale one from a crashed save is removed) and return it.
+        """Create a fresh ``temporary`` holding only its owner marker and return it. A stale one (its owner is gone,
+        see ``io/ownership.py``) is removed; one owned by a live job is an error naming that job.
 
         Also repairs an interrupted fallback publish: an old checkpoint left at ``.NAME.old`` goes back
         to ``NAME`` when ``NAME`` is missing, and is deleted when ``NAME`` exists.
@@ -154,9 +157,16 @@ class AtomicRenamePublisher:
                 "move it away or choose another path"
             )
         self._repair_aside()
+        owner = read_owner(self.temporary) if self.temporary.is_dir() else None
+        if owner is not None and owner.is_live():
+            raise CheckpointError(
+                f"cannot save to {final}: {self.temporary} belongs to a save still in progress ({owner}); wait "
+                f"for it, or if that job is dead run wb.clean_incomplete({str(parent)!r}, force=True)"
+            )
         try:
             _remove(self.temporary)
             self.temporary.mkdir()
+            write_owner(self.temporary)
             fsync_dir(parent)
         except OSError as exc:
             raise CheckpointError(f"cannot create the temporary directory {self.temporary}: {exc}") from exc
@@ -203,7 +213,11 @@ class AtomicRenamePublisher:
                     f"refusing to publish {temporary} as {final} ({final} is untouched):\n  - {listed}"
                 )
         try:
+            marker = temporary / MARKER_NAME
+            if marker.exists():
+                marker.unlink()  # the owner marker belongs to the unpublished directory only
             _fsync_tree(temporary)
+            fault_point("rename", 0)
             if not os.path.lexists(final):
                 os.rename(temporary, final)
             elif not final.is_dir():
@@ -231,8 +245,9 @@ class AtomicRenamePublisher:
     def _discard(old: Path) -> None:
         """Delete the replaced checkpoint; the publish already happened, so a failure only warns."""
         try:
+            fault_point("cleanup", 0)
             _remove(old)
-        except OSError as exc:
+        except Exception as exc:
             warnings.warn(f"published, but the replaced checkpoint at {old} could not be deleted: {exc}", stacklevel=3)
 
     def abort(self) -> None:

@@ -93,11 +93,19 @@ class StreamWriter:
 
     def close(self) -> int:
         """fsync and close; returns the file size. Raises if a key was never written (the file is incomplete)."""
+        if self._fd < 0:
+            raise CheckpointError(f"{self.path.name}: closed already")
         try:
             if self._pending:
                 raise CheckpointError(f"{self.path.name}: {len(self._pending)} key(s) never written, e.g. "
                                       f"{self.missing[:3]}; the file is incomplete")
             os.fsync(self._fd)
         finally:
-            os.close(self._fd)
+            self.abandon()
         return self.size
+
+    def abandon(self) -> None:
+        """Close without fsync (a failed save: the file is deleted with its directory). Idempotent."""
+        fd, self._fd = self._fd, -1
+        if fd >= 0:
+            os.close(fd)

@@ -23,6 +23,10 @@ class Communicator(Protocol):
         """Concatenate ``send`` of every rank in this rank's group along ``mesh_dim`` (group-rank order)."""
         ...
 
+    def any_flag(self, mesh_dim: MeshDimRef, flag: bool) -> bool:
+        """True on every rank of this rank's group along ``mesh_dim`` when any of them passes True."""
+        ...
+
     def barrier(self) -> None:
         """Wait for every rank."""
         ...

@@ -177,6 +177,9 @@ def _run(payload: bytes, backend: str, timeout: float | None) -> Any:
         _flush()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
+        from workbench.run.torch_comm import forget_groups
+
+        forget_groups()
 
 
 def _watchdog(rank: int, timeout: float, stop: threading.Event) -> None:

@@ -1,7 +1,20 @@
-"""TorchCommunicator: the Communicator of a real torch.distributed job (gloo on CPU, NCCL on GPU)."""
+"""TorchCommunicator: the Communicator of a real torch.distributed job (gloo on CPU, NCCL on GPU).
+
+Three kinds of process groups serve a save or a load, all created once per (mesh, timeout) and reused by every
+later save of the same mesh (``new_group`` is a collective of the whole world, and groups are never freed by
+torch until the job ends, so making them per save would leak):
+
+* **data groups**, one set per mesh dim (or flattened dims) the layout gathers over, on the world's backend;
+* **flag groups**, the same rank sets on gloo (the data groups themselves when the world is gloo): before each
+  data call the ranks of its group exchange one "has anyone failed" flag, so a failing rank never leaves a
+  peer waiting in a data call (``run/guard.py``);
+* one **control group**, the whole world on gloo, for the status exchange and agreement, with the caller's
+  timeout (a rank that died or hangs is reported after ``timeout`` seconds, not the backend's 10-30 minutes).
+"""
 
 from __future__ import annotations
 
+import datetime
 from collections.abc import Iterable
 from typing import Any
 
@@ -12,20 +25,63 @@ from workbench import _compat
 from workbench.errors import PlanError
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 
-__all__ = ["TorchCommunicator"]
+__all__ = ["DEFAULT_TIMEOUT", "TorchCommunicator", "control_group", "forget_groups"]
+
+DEFAULT_TIMEOUT = 600.0  # seconds a save's collective may wait for a peer that died or hangs
+_GROUPS: dict[tuple, Any] = {}  # (backend, timeout, rank sets) -> this rank's group
+
+
+def _timedelta(timeout: float) -> datetime.timedelta:
+    return datetime.timedelta(seconds=float(timeout))
+
+
+def _subgroup(groups: tuple[tuple[int, ...], ...], backend: str | None, timeout: float) -> Any:
+    """This rank's group among ``groups`` (a partition of the world), created once and cached."""
+    key = (backend, float(timeout), groups)
+    if key not in _GROUPS:
+        mine, _ = dist.new_subgroups_by_enumeration(
+            [list(g) for g in groups], timeout=_timedelta(timeout), backend=backend
+        )
+        _GROUPS[key] = mine
+    return _GROUPS[key]
+
+
+def control_group(timeout: float = DEFAULT_TIMEOUT) -> Any:
+    """The whole world on gloo with ``timeout``: the save's and load's own group for status and agreement.
+
+    .. note:: SPMD: the first call for a timeout is a collective of the whole world.
+    """
+    if str(dist.get_backend()) == "fake":  # a fake world (planning, tests): its own group answers everything
+        return None
+    key = ("control", float(timeout))
+    if key not in _GROUPS:
+        _GROUPS[key] = dist.new_group(backend="gloo", timeout=_timedelta(timeout))
+    return _GROUPS[key]
+
+
+def forget_groups() -> None:
+    """Drop the cached groups (call after ``destroy_process_group``, before a new world is initialized)."""
+    _GROUPS.clear()
 
 
 class TorchCommunicator:
     """Binds the layout's mesh dims (and flattened groups) to process groups of the default world.
 
-    Groups are created at construction for every mesh dim ref the caller will gather over, in one sorted order,
-    with ``new_subgroups_by_enumeration``: every rank must construct the communicator with the same refs (it is
-    a collective). A group of one rank needs no process group: its gather is the identity.
+    Groups are made for every mesh dim ref the caller will gather over, in one sorted order, and cached (see the
+    module docstring). A group of one rank needs no process group: its gather is the identity.
 
-    .. note:: SPMD: call the constructor on every rank of the world, with the same ``mesh`` and ``mesh_dims``.
+    .. note:: SPMD: call the constructor on every rank of the world, with the same ``mesh``, ``mesh_dims`` and
+       ``timeout``.
     """
 
-    def __init__(self, mesh: MeshSpec, mesh_dims: Iterable[MeshDimRef], *, device: torch.device | str | None = None):
+    def __init__(
+        self,
+        mesh: MeshSpec,
+        mesh_dims: Iterable[MeshDimRef],
+        *,
+        device: torch.device | str | None = None,
+        timeout: float = DEFAULT_TIMEOUT,
+    ):
         if not dist.is_initialized():
             raise PlanError("TorchCommunicator needs an initialized default process group (use wb.launch or torchrun)")
         if dist.get_world_size() != mesh.size:
@@ -34,27 +90,37 @@ class TorchCommunicator:
             )
         self.mesh = mesh
         self.rank = dist.get_rank()
+        self.timeout = float(timeout)
         self.device = torch.device(device) if device is not None else None
+        backend = str(dist.get_backend())
+        self._control = control_group(timeout)
         self._groups: dict[MeshDimRef, Any] = {}
+        self._flags: dict[MeshDimRef, Any] = {}
         self._sizes: dict[MeshDimRef, int] = {}
         for ref in sorted({mesh.resolve(r) for r in mesh_dims}, key=format_mesh_dim):
             groups = mesh.groups(ref)
             self._sizes[ref] = len(groups[0])
             if len(groups[0]) == 1:
                 continue
-            mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups])
-            self._groups[ref] = mine
+            self._groups[ref] = _subgroup(groups, None, self.timeout)
+            self._flags[ref] = self._groups[ref] if backend == "gloo" else _subgroup(groups, "gloo", self.timeout)
 
     def __repr__(self) -> str:
         refs = ", ".join(f"{format_mesh_dim(r)}={n}" for r, n in self._sizes.items())
-        return f"TorchCommunicator(rank={self.rank}, backend={dist.get_backend()}, groups=[{refs}])"
+        return (
+            f"TorchCommunicator(rank={self.rank}, backend={dist.get_backend()}, groups=[{refs}], "
+            f"timeout={self.timeout:g}s)"
+        )
 
-    def all_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef) -> torch.Tensor:
-        """``W x send`` in group-rank order, through one flat all-gather over the group."""
+    def _check(self, mesh_dim: MeshDimRef) -> tuple[MeshDimRef, int]:
         ref = self.mesh.resolve(mesh_dim)
         if ref not in self._sizes:
             raise PlanError(f"rank {self.rank}: no process group was made for mesh dim {format_mesh_dim(ref)!r}")
-        world = self._sizes[ref]
+        return ref, self._sizes[ref]
+
+    def all_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef) -> torch.Tensor:
+        """``W x send`` in group-rank order, through one flat all-gather over the group."""
+        ref, world = self._check(mesh_dim)
         if world == 1:
             return send
         send = send.contiguous()
@@ -62,12 +128,21 @@ class TorchCommunicator:
         _compat.all_gather_flat(out, send, self._groups[ref])
         return out
 
+    def any_flag(self, mesh_dim: MeshDimRef, flag: bool) -> bool:
+        """True on every rank of this rank's group along ``mesh_dim`` when any of them passes True (gloo, CPU)."""
+        ref, world = self._check(mesh_dim)
+        if world == 1:
+            return flag
+        value = torch.tensor([int(flag)], dtype=torch.int32)
+        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._flags[ref])
+        return bool(value.item())
+
     def barrier(self) -> None:
-        """Wait for every rank of the world."""
-        dist.barrier()
+        """Wait for every rank of the world (on the control group, within the timeout)."""
+        dist.barrier(group=self._control)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Small Python objects from every rank, in rank order."""
+        """Small Python objects from every rank, in rank order (on the control group, within the timeout)."""
         out: list[Any] = [None] * dist.get_world_size()
-        dist.all_gather_object(out, obj)
+        dist.all_gather_object(out, obj, group=self._control)
         return out

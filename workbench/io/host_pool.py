@@ -1,0 +1,139 @@
+"""HostPool: host buffers a save owns, reused across saves, with a bound on the bytes they hold.
+
+An async save must copy every byte it will write before it returns, into memory the caller cannot touch: the
+snapshot. A GPU save copies device tensors into *pinned* host memory (so the copy runs on the copy engine,
+overlapping the next gathers). Allocating pinned memory is slow (page locking), so buffers go back to the pool
+after their tensor is written and the next save reuses them.
+
+Bound and behaviour when full: the pool never holds more than ``capacity`` bytes (buffers handed out plus free
+ones). ``acquire`` first reuses a free buffer of the right size class (sizes are rounded up to a power of two,
+at least 1 MiB), then frees idle buffers of other classes to make room, and when the bytes handed out already
+reach the capacity it **waits** until a writer gives one back. A save therefore blocks, never over-allocates:
+an async save whose share of the checkpoint exceeds the capacity returns only once enough of it is written.
+One request larger than the capacity is served alone (it waits until the pool is empty) so it cannot deadlock.
+"""
+
+from __future__ import annotations
+
+import math
+import threading
+from dataclasses import dataclass, field
+
+import torch
+
+__all__ = ["DEFAULT_POOL_BYTES", "HostBuffer", "HostPool", "host_pool"]
+
+DEFAULT_POOL_BYTES = 4 << 30
+_MIN_CLASS = 1 << 20
+
+
+@dataclass(eq=False)
+class HostBuffer:
+    """One buffer handed out by a pool; ``tensor`` views its first ``nbytes`` with the caller's dtype/shape."""
+
+    storage: torch.Tensor  # uint8, the whole size class
+    tensor: torch.Tensor
+    pool: HostPool | None = field(default=None, repr=False)
+
+    def release(self) -> None:
+        """Give the buffer back (idempotent)."""
+        if self.pool is not None:
+            pool, self.pool = self.pool, None
+            pool._give_back(self.storage)
+
+
+class HostPool:
+    """A bounded pool of host buffers (pinned when ``pinned``); thread-safe.
+
+    Args:
+        capacity: the most bytes the pool holds, free and handed out together.
+        pinned: page-locked buffers (for device-to-host copies); needs CUDA.
+    """
+
+    def __init__(self, capacity: int = DEFAULT_POOL_BYTES, *, pinned: bool = False) -> None:
+        self.capacity = int(capacity)
+        self.pinned = pinned
+        self._free: dict[int, list[torch.Tensor]] = {}
+        self._held = 0  # bytes of every buffer the pool owns (free and handed out)
+        self._out = 0  # bytes handed out
+        self._cond = threading.Condition()
+        self.allocations = 0  # buffers ever allocated (reuse shows as a count that stops growing)
+
+    @staticmethod
+    def size_class(nbytes: int) -> int:
+        """The buffer size serving ``nbytes``: a power of two, at least 1 MiB."""
+        return max(_MIN_CLASS, 1 << max(0, math.ceil(math.log2(max(nbytes, 1)))))
+
+    def acquire(self, shape: tuple[int, ...], dtype: torch.dtype) -> HostBuffer:
+        """A buffer for a tensor of ``shape`` and ``dtype``; waits while the pool is full (see the module doc)."""
+        nbytes = math.prod(shape) * dtype.itemsize
+        size = self.size_class(nbytes)
+        with self._cond:
+            while True:
+                free = self._free.get(size)
+                if free:
+                    storage = free.pop()
+                    break
+                if self._held + size > self.capacity:
+                    self._evict(self._held + size - self.capacity)
+                if self._held + size <= self.capacity or self._held == 0:
+                    storage = self._allocate(size)
+                    break
+                self._cond.wait()
+            self._out += size
+        view = storage[:nbytes].view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
+        return HostBuffer(storage, view, self)
+
+    def _allocate(self, size: int) -> torch.Tensor:
+        self._held += size
+        self.allocations += 1
+        return torch.empty(size, dtype=torch.uint8, pin_memory=self.pinned)
+
+    def _evict(self, needed: int) -> None:
+        """Drop idle buffers (largest classes first) until ``needed`` bytes are freed or none is idle."""
+        for size in sorted(self._free, reverse=True):
+            while self._free[size] and needed > 0:
+                self._free[size].pop()
+                self._held -= size
+                needed -= size
+
+    def _give_back(self, storage: torch.Tensor) -> None:
+        with self._cond:
+            size = storage.numel()
+            self._out -= size
+            if self._held > self.capacity:  # an oversized request: do not keep it
+                self._held -= size
+            else:
+                self._free.setdefault(size, []).append(storage)
+            self._cond.notify_all()
+
+    @property
+    def bytes_held(self) -> int:
+        """Bytes of every buffer the pool owns now."""
+        return self._held
+
+    @property
+    def bytes_out(self) -> int:
+        """Bytes handed out and not given back."""
+        return self._out
+
+    def __repr__(self) -> str:
+        return (
+            f"HostPool(capacity={self.capacity}, pinned={self.pinned}, held={self._held}, out={self._out}, "
+            f"allocations={self.allocations})"
+        )
+
+
+_POOLS: dict[bool, HostPool] = {}
+_POOLS_LOCK = threading.Lock()
+
+
+def host_pool(*, pinned: bool, capacity: int | None = None) -> HostPool:
+    """The process-wide pool (one pinned, one pageable), reused by every save; ``capacity`` resizes it."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(pinned)
+        if pool is None:
+            pool = _POOLS[pinned] = HostPool(capacity or DEFAULT_POOL_BYTES, pinned=pinned)
+        elif capacity is not None:
+            pool.capacity = int(capacity)
+        return pool

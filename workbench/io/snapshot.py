@@ -1,0 +1,103 @@
+"""Host copies of the tensors a save writes: what a writer thread may read while training goes on.
+
+``Snapshotter.take(value)`` returns a ``HostCopy`` the writer waits on, then releases:
+
+* a CUDA tensor is copied into a pinned buffer of the process's ``HostPool`` with a non-blocking copy and an
+  event (the copy overlaps the next gathers; ``settle`` waits for every event);
+* a CPU tensor that shares storage with one of the model's own tensors (a replicated parameter, an expert under
+  the minimal policy, a same-dtype ``.to()``) is copied into a pageable pool buffer when the save is async, so a
+  later ``add_`` by the optimizer cannot reach the file; a sync save writes it before returning and needs no copy;
+* any other CPU tensor (the output of a gather, a cast) already belongs to the save alone and is kept as is.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+
+from workbench.io.host_pool import HostBuffer, HostPool, host_pool
+
+__all__ = ["HostCopy", "Snapshotter"]
+
+
+@dataclass
+class HostCopy:
+    """A tensor on its way to host memory; ``wait()`` returns it once copied, ``release()`` frees its buffer."""
+
+    host: torch.Tensor
+    buffer: HostBuffer | None = None
+    source: torch.Tensor | None = None
+    event: Any = None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the tensor."""
+        return self.host.numel() * self.host.element_size()
+
+    def wait(self) -> torch.Tensor:
+        """The host tensor, after its device-to-host copy finished."""
+        if self.event is not None:
+            self.event.synchronize()
+            self.source = self.event = None
+        return self.host
+
+    def release(self) -> None:
+        """Give the pool buffer back (after the tensor is written, or when the save is abandoned)."""
+        self.source = self.event = None
+        if self.buffer is not None:
+            self.buffer.release()
+            self.buffer = None
+
+
+class Snapshotter:
+    """Makes the ``HostCopy`` of each tensor a save writes (see the module docstring for when it copies).
+
+    Args:
+        model_tensors: the rank's own local tensors (their storages are what a caller may change later).
+        own_everything: copy tensors that alias the model's storage (async saves).
+        pool_bytes: capacity of the process's host pools (None: keep the current capacity).
+    """
+
+    def __init__(self, model_tensors: Iterable[torch.Tensor], *, own_everything: bool, pool_bytes: int | None) -> None:
+        self._model_storages = {_storage_key(t) for t in model_tensors}
+        self.own_everything = own_everything
+        self.pool_bytes = pool_bytes
+        self._pools: dict[bool, HostPool] = {}
+        self.copied_bytes = 0
+        self._events: list[Any] = []
+
+    def _pool(self, pinned: bool) -> HostPool:
+        if pinned not in self._pools:
+            self._pools[pinned] = host_pool(pinned=pinned, capacity=self.pool_bytes)
+        return self._pools[pinned]
+
+    def take(self, value: torch.Tensor) -> HostCopy:
+        """The host copy of ``value`` that a writer thread will write."""
+        value = value.detach()
+        if value.device.type != "cpu":
+            buffer = self._pool(pinned=True).acquire(tuple(value.shape), value.dtype)
+            buffer.tensor.copy_(value, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+            self._events.append(event)
+            self.copied_bytes += value.numel() * value.element_size()
+            return HostCopy(buffer.tensor, buffer, value, event)
+        if self.own_everything and _storage_key(value) in self._model_storages:
+            buffer = self._pool(pinned=False).acquire(tuple(value.shape), value.dtype)
+            buffer.tensor.copy_(value)
+            self.copied_bytes += value.numel() * value.element_size()
+            return HostCopy(buffer.tensor, buffer)
+        return HostCopy(value)
+
+    def settle(self) -> None:
+        """Wait until every device-to-host copy made so far has landed (the snapshot is complete)."""
+        for event in self._events:
+            event.synchronize()
+        self._events.clear()
+
+
+def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
+    return (tensor.device.type, tensor.untyped_storage().data_ptr())
