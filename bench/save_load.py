@@ -272,18 +272,18 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     if rank == 0:
         drop_cache(sorted(ckpt.glob("*.safetensors")))
     t0 = start()
-    report = wb.load_hf(model_b, ckpt, key_map=key_map)
+    report = wb.load_hf(model_b, ckpt, key_map=key_map, cast=True)
     times["load"] = [stop(t0)]
     out["load"] = {"read": report.bytes_read, "owned": report.bytes_owned, "seconds": report.seconds, "ok": report.ok}
     t0 = start()
-    report = wb.load_hf(model_b, ckpt, key_map=key_map)
+    report = wb.load_hf(model_b, ckpt, key_map=key_map, cast=True)
     times["load-warm"] = [stop(t0)]
     out["load_warm"] = {"read": report.bytes_read, "owned": report.bytes_owned}
 
     # correctness, once: same topology bit for bit; the other topology against the naive file
     if cfg["verify"]:
         model_a = build(cfg["mesh"])
-        wb.load_hf(model_a, ckpt, key_map=key_map)
+        wb.load_hf(model_a, ckpt, key_map=key_map, cast=True)
         same = all(
             torch.equal(_bits(_local(a)), _bits(_local(b)))
             for a, b in zip(model.state_dict(keep_vars=True).values(), model_a.state_dict(keep_vars=True).values())

@@ -39,30 +39,40 @@ def _ranks(source: str, saved: str, shape: Qwen3MoeShape) -> dict[str, Any]:
     key_map = qwen3_moe_key_map(shape.num_experts)
     mesh = init_device_mesh("cpu", (1, 2, 2), mesh_dim_names=("fsdp", "ep", "etp"))
     model = build_qwen3_moe(shape, mesh)
-    loaded = load_hf(model, source, key_map=key_map)
+    loaded = load_hf(model, source, key_map=key_map, cast=True)  # bf16 norms into fp32 ones
     result = save_hf(model, saved, key_map=key_map, fp32_keys_pattern=_NORMS, budget_bytes=256 << 10,
                      max_shard_bytes=256 << 10)
     mesh2 = init_device_mesh("cpu", (2, 2, 1), mesh_dim_names=("fsdp", "ep", "etp"))
     model2 = build_qwen3_moe(shape, mesh2)
-    reloaded = load_hf(model2, saved, key_map=key_map)
+    reloaded = load_hf(model2, saved, key_map=key_map, cast=True)  # fp32 norms back into bf16
     expected = build_qwen3_moe(shape, mesh2)
-    load_hf(expected, source, key_map=key_map)
+    load_hf(expected, source, key_map=key_map, cast=True)
     mine, want = model2.state_dict(keep_vars=True), expected.state_dict(keep_vars=True)
     mismatched = [n for n in mine if not torch.equal(_compat.dtensor_local(mine[n]), _compat.dtensor_local(want[n]))]
     return {"loaded": loaded, "saved": result, "reloaded": reloaded, "mismatched": mismatched}
 
 
 def run_demo(nprocs: int = 4, directory: str | Path | None = None) -> bool:
-    """Run the demo and print what happened; True when everything matched bit for bit."""
+    """Run the demo and print what happened; True when everything matched bit for bit.
+
+    Without ``directory`` the checkpoints go to a temporary folder that is removed at the end, whatever
+    happens; a given ``directory`` is kept.
+    """
+    if nprocs != 4:
+        raise ValueError("the demo's meshes (1x2x2 and 2x2x1) need exactly 4 ranks")
+    if directory is not None:
+        return _run_demo(nprocs, Path(directory))
+    with tempfile.TemporaryDirectory(prefix="workbench-demo-") as root:
+        return _run_demo(nprocs, Path(root))
+
+
+def _run_demo(nprocs: int, root: Path) -> bool:
     from safetensors.torch import load_file
 
     from workbench.io.hf_save import save_hf
     from workbench.io.index import read_checkpoint
     from workbench.run.launcher import launch
 
-    if nprocs != 4:
-        raise ValueError("the demo's meshes (1x2x2 and 2x2x1) need exactly 4 ranks")
-    root = Path(directory or tempfile.mkdtemp(prefix="workbench-demo-"))
     source, saved = root / "source", root / "saved"
     generator = torch.Generator().manual_seed(0)
     tensors = {}

@@ -15,6 +15,7 @@ from safetensors.torch import load_file
 
 import workbench as wb
 from tests.io.support import bits, nbytes, random_tensor, small_model
+from workbench.errors import CheckpointError
 from workbench.io.index import INDEX_NAME
 
 FILE_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
@@ -148,9 +149,16 @@ def test_fp32_keys_stay_float32_and_dtype_casts_the_other_floats(tmp_path: Path,
         assert torch.equal(read[key], tensor.to(want)), key
     assert _index(path)["metadata"]["total_size"] == sum(nbytes(t) for t in read.values())
 
-    # loading casts back to the runtime dtype: bf16-exact values for the cast keys, exact for the rest
+    # loading into the runtime dtypes: refused unless asked, naming each key and both dtypes
     target = {k: torch.zeros_like(v) for k, v in state.items()}
-    assert wb.load_hf(target, path).ok
+    with pytest.raises(CheckpointError, match=r"checkpoint dtype float32, the model's '.*layernorm.*' is bfloat16 "
+                       r"\(pass cast=True to convert\)"):
+        wb.load_hf(target, path)
+    assert not any(t.any() for t in target.values())  # nothing was loaded
+    report = wb.load_hf(target, path, strict=False)  # without strict: those keys are skipped and listed
+    assert report.mismatched and all("pass cast=True" in m for m in report.mismatched)
+    # with cast=True: bf16-exact values for the cast keys, exact for the rest
+    assert wb.load_hf(target, path, cast=True).ok
     for key, tensor in state.items():
         assert target[key].dtype == tensor.dtype
         assert torch.equal(target[key], read[key].to(tensor.dtype)), key

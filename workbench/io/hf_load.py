@@ -10,16 +10,19 @@ from pathlib import Path
 import torch
 
 from workbench.errors import CheckpointError
+from workbench.faults import fault_point
 from workbench.io.read import CheckpointReader
 from workbench.layout.key_map import KeyMap
 from workbench.layout.model_layout import Layout, local_tensors
 from workbench.plan.load_plan import Adapter, expected_key_shape, plan_hf_load
+from workbench.run.guard import LoadFailed, agree, problem_from
 from workbench.run.load_ops import execute_load
+from workbench.run.torch_comm import DEFAULT_TIMEOUT, ControlChannel
 
 __all__ = ["LoadReport", "load_hf"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class LoadReport:
     """What one rank loaded: keys, bytes read versus bytes it owns, and what did not match."""
 
@@ -62,53 +65,124 @@ def load_hf(
     key_map: KeyMap | None = None,
     strict: bool = True,
     adapters: Mapping[str, Adapter] | None = None,
+    cast: bool = False,
+    timeout: float = DEFAULT_TIMEOUT,
     rank: int | None = None,
 ) -> LoadReport:
     """Load a HuggingFace checkpoint into a model whose parameters are DTensors (or plain tensors), in place.
 
     Each rank reads, with ``safe_open(...).get_slice``, exactly the slices of each key its local tensors own,
     runs the per-key canonical ``adapters`` (whole keys) first where given, copies into its local shards and
-    zeroes tail (FP8) padding. No collective is needed.
+    zeroes tail (FP8) padding. The ranks agree twice over the load's own gloo group (within ``timeout``):
+    after checking the checkpoint against the layout, and at the end, so a failure on one rank is an error on
+    every rank.
+
+    Args:
+        strict: every missing, unexpected, mis-shaped or differently typed key is an error (else those
+            parameters are skipped and listed in the report).
+        cast: convert a key whose checkpoint dtype differs from the model's (else that is a mismatch).
+        timeout: seconds to wait for a peer at an agreement before failing.
+        rank: the rank to load for (default: this process's rank).
 
     Raises:
-        CheckpointError: with ``strict`` (default), one error listing every missing, unexpected and mis-shaped
-            key; without it, those parameters are skipped and listed in the report.
+        CheckpointError: on the rank whose checkpoint check failed (one error listing every missing, unexpected,
+            mis-shaped and differently typed key); LoadFailed on its peers, naming it. A failure while reading
+            (any exception, on any rank) is a LoadFailed on every rank: the model's values must not be used.
+
+    .. note:: SPMD under torch.distributed: every rank calls it.
     """
     start = time.perf_counter()
-    layout = layout or Layout.from_model(model_or_state_dict, key_map)
-    if rank is None:
-        import torch.distributed as dist
-
-        rank = dist.get_rank() if dist.is_initialized() else 0
-    targets = local_tensors(model_or_state_dict, layout)
-    with CheckpointReader(path) as reader:
-        present = set(reader.keys())
-        expected = layout.hf_keys
-        missing = tuple(k for k in expected if k not in present)
-        unexpected = tuple(sorted(k for k in present if k not in expected))
-        mismatched = []
-        for name, spec in layout.specs.items():
-            want = expected_key_shape(spec)
-            for key in spec.hf_keys:
-                if key in present and not (adapters and key in adapters) and reader.shape(key) != want:
-                    mismatched.append(f"{key}: checkpoint {reader.shape(key)}, layout of {name!r} expects {want}")
+    channel = ControlChannel(timeout)
+    rank = channel.rank if rank is None else rank
+    what = f"load of {path}"
+    reader: CheckpointReader | None = None
+    mine: BaseException | None = None
+    try:
+        layout = layout or Layout.from_model(model_or_state_dict, key_map)
+        targets = local_tensors(model_or_state_dict, layout)
+        fault_point("load.plan", rank)
+        reader = CheckpointReader(path)
+        missing, unexpected, mismatched = _check(reader, layout, targets, adapters, cast)
         if strict and (missing or unexpected or mismatched):
             raise CheckpointError(_problem(path, missing, unexpected, mismatched))
-        bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
+    except Exception as exc:
+        mine = exc
+    try:
+        _agree(channel, mine, rank, "checking the checkpoint against the layout", what)
+        assert reader is not None
+        problem = None
         loaded = owned = 0
-        for name, spec in layout.specs.items():
-            if bad.intersection(spec.hf_keys):
+        try:
+            bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
+            for name, spec in layout.specs.items():
+                if bad.intersection(spec.hf_keys):
+                    continue
+                fault_point("load.read", rank)
+                plan = plan_hf_load(spec, rank)
+                execute_load(plan, reader.read, targets[name], adapters)
+                owned += sum(
+                    r.numel * reader.dtype(r.hf_key).itemsize
+                    for r in plan.reads
+                    if not (adapters and r.hf_key in adapters)
+                )
+                loaded += 1
+            fault_point("load.status", rank)
+        except Exception as exc:
+            problem = problem_from(exc, rank, "reading its slices")
+        agree(channel, problem, what=what, error=LoadFailed, outcome="the model's values must not be used")
+        return LoadReport(
+            path=Path(path),
+            rank=rank,
+            parameters=loaded,
+            bytes_read=reader.bytes_read,
+            bytes_owned=owned,
+            seconds=time.perf_counter() - start,
+            missing=missing,
+            unexpected=unexpected,
+            mismatched=tuple(mismatched),
+        )
+    finally:
+        if reader is not None:
+            reader.close()
+
+
+def _check(
+    reader: CheckpointReader,
+    layout: Layout,
+    targets: Mapping[str, torch.Tensor],
+    adapters: Mapping[str, Adapter] | None,
+    cast: bool,
+) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
+    """Missing, unexpected, and mis-shaped or differently typed keys (each ``"key: what differs"``)."""
+    present = set(reader.keys())
+    expected = layout.hf_keys
+    missing = tuple(k for k in expected if k not in present)
+    unexpected = tuple(sorted(k for k in present if k not in expected))
+    mismatched = []
+    for name, spec in layout.specs.items():
+        want = expected_key_shape(spec)
+        for key in spec.hf_keys:
+            if key not in present or (adapters and key in adapters):
                 continue
-            plan = plan_hf_load(spec, rank)
-            execute_load(plan, reader.read, targets[name], adapters)
-            owned += sum(
-                r.numel * reader.dtype(r.hf_key).itemsize for r in plan.reads if not (adapters and r.hf_key in adapters)
-            )
-            loaded += 1
-        read = reader.bytes_read
-    return LoadReport(
-        Path(path), rank, loaded, read, owned, time.perf_counter() - start, missing, unexpected, tuple(mismatched)
-    )
+            if reader.shape(key) != want:
+                mismatched.append(f"{key}: checkpoint {reader.shape(key)}, layout of {name!r} expects {want}")
+            elif not cast and reader.dtype(key) != targets[name].dtype:
+                mismatched.append(
+                    f"{key}: checkpoint dtype {str(reader.dtype(key)).removeprefix('torch.')}, the model's {name!r} "
+                    f"is {str(targets[name].dtype).removeprefix('torch.')} (pass cast=True to convert)"
+                )
+    return missing, unexpected, mismatched
+
+
+def _agree(channel: ControlChannel, mine: BaseException | None, rank: int, stage: str, what: str) -> None:
+    """Every rank learns whether any rank failed ``stage``; the failing rank raises its own error."""
+    problem = problem_from(mine, rank, stage) if mine is not None else None
+    try:
+        agree(channel, problem, what=what, error=LoadFailed, outcome="no tensor was changed")
+    except LoadFailed:
+        if mine is not None:
+            raise mine from None
+        raise
 
 
 def _problem(path: str | Path, missing: tuple[str, ...], unexpected: tuple[str, ...], mismatched: list[str]) -> str:
@@ -116,7 +190,7 @@ def _problem(path: str | Path, missing: tuple[str, ...], unexpected: tuple[str, 
     for what, keys, hint in (
         ("missing from the checkpoint", missing, "check the key map, or load with strict=False"),
         ("in the checkpoint but not in the layout", unexpected, "map them to parameters, or load with strict=False"),
-        ("with another shape", tuple(mismatched), "was it saved from another config or with padding?"),
+        ("with another shape or dtype", tuple(mismatched), "saved from another config, with padding, or in fp32?"),
     ):
         if keys:
             shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")

@@ -48,6 +48,16 @@ class InterleavedShard(StridedShardBase):  # type: ignore[misc, valid-type]
         """Number of stripes on each rank before this cut (the interleave factor ``F``)."""
         return int(self.split_factor)
 
+    def __eq__(self, other: object) -> bool:
+        # not equal to a bare _StridedShard with the same numbers: normalization reads a bare one as FSDP's deferred
+        # cut when cuts to its right explain its split factor, so the two may mean different layouts
+        if not isinstance(other, InterleavedShard):
+            return NotImplemented if not isinstance(other, StridedShardBase) else False
+        return (self.dim, self.num_local_stripes) == (other.dim, other.num_local_stripes)
+
+    def __hash__(self) -> int:
+        return hash(("InterleavedShard", self.dim, self.num_local_stripes))
+
     def __reduce__(self) -> tuple[Any, ...]:
         return (InterleavedShard, (self.dim, self.num_local_stripes))
 
