@@ -247,34 +247,21 @@ def _abandon_pending() -> None:
 atexit.register(_abandon_pending)
 
 
-def _world() -> tuple[int, int]:
-    import torch.distributed as dist
-
-    return (dist.get_rank(), dist.get_world_size()) if dist.is_initialized() else (0, 1)
-
-
 def _agree_before_groups(
     mine: BaseException | None, path: str | Path, timeout: float, comm: Communicator | None
 ) -> None:
     """Every rank shares its problem with the layout or model (or None) over the control group; all raise if any
     rank has one: the rank with the problem its own error, the others a SaveFailed naming it."""
-    rank, world = _world()
-    problem = problem_from(mine, rank, "reading the model's layout") if mine is not None else None
-    problems: list[RankProblem | None] = [problem]
-    if comm is not None:
-        problems = comm.all_gather_object(problem)
-    elif world > 1:
-        import torch.distributed as dist
+    from workbench.run.torch_comm import ControlChannel
 
-        from workbench.run.torch_comm import control_group
-
-        problems = [None] * world
-        dist.all_gather_object(problems, problem, group=control_group(timeout))
-    if mine is not None:
-        raise mine
-    found = [p for p in problems if p]
-    if found:
-        raise SaveFailed(f"save to {path} refused; nothing was written:\n" + "\n".join(f"  {p}" for p in found), found)
+    channel = comm or ControlChannel(timeout)
+    problem = problem_from(mine, channel.rank, "reading the model's layout") if mine is not None else None
+    try:
+        agree(channel, problem, what=f"save to {path}", outcome="nothing was written")
+    except SaveFailed:
+        if mine is not None:
+            raise mine from None
+        raise
 
 
 class _SaveSession:

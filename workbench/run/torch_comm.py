@@ -25,7 +25,7 @@ from workbench import _compat
 from workbench.errors import PlanError
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 
-__all__ = ["DEFAULT_TIMEOUT", "TorchCommunicator", "control_group", "forget_groups"]
+__all__ = ["DEFAULT_TIMEOUT", "ControlChannel", "TorchCommunicator", "control_group", "forget_groups"]
 
 DEFAULT_TIMEOUT = 600.0  # seconds a save's collective may wait for a peer that died or hangs
 _GROUPS: dict[tuple, Any] = {}  # (backend, timeout, rank sets) -> this rank's group
@@ -57,6 +57,27 @@ def control_group(timeout: float = DEFAULT_TIMEOUT) -> Any:
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(backend="gloo", timeout=_timedelta(timeout))
     return _GROUPS[key]
+
+
+class ControlChannel:
+    """The control group alone (rank, ``all_gather_object``): status exchange for code with no data groups.
+
+    Without an initialized world it is a world of one. With a fake world it uses the fake default group.
+    """
+
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+        self._live = dist.is_available() and dist.is_initialized()
+        self.rank = dist.get_rank() if self._live else 0
+        self._world = dist.get_world_size() if self._live else 1
+        self._group = control_group(timeout) if self._live and self._world > 1 else None
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """Small Python objects from every rank, in rank order."""
+        if self._world == 1:
+            return [obj]
+        out: list[Any] = [None] * self._world
+        dist.all_gather_object(out, obj, group=self._group)
+        return out
 
 
 def forget_groups() -> None:
