@@ -1,50 +1,160 @@
-"""The workbench console script: ``workbench layout`` prints per-rank key regions and coverage."""
+"""The workbench console script: summaries by default, --full, --json, one --rank syntax, helpful --help."""
 
 from __future__ import annotations
 
+import argparse
+import json
+import math
 import subprocess
 import sys
 from pathlib import Path
 
 import pytest
 
-from workbench.cli import main
+from workbench.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
 TOY = ROOT / "sample_meshes" / "toy_expert_tp.toml"
+DEEPSEEK = ROOT / "sample_meshes" / "deepseek_v3_671b.toml"
+
+
+def _subcommands() -> dict[str, argparse.ArgumentParser]:
+    parser = build_parser()
+    action = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    return dict(action.choices)
 
 
 def test_help_lists_layout(capsys: pytest.CaptureFixture[str]) -> None:
     with pytest.raises(SystemExit) as done:
         main(["--help"])
     assert done.value.code == 0
-    assert "layout" in capsys.readouterr().out
+    out = capsys.readouterr().out
+    assert "layout" in out and "plan" in out and "example" in out
 
 
-def test_toy_layout_report(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["layout", str(TOY)]) == 0
+def test_every_subcommand_help_has_a_description_and_an_example() -> None:
+    commands = _subcommands()
+    assert {"layout", "plan", "simulate", "demo"} <= set(commands)
+    for name, sub in commands.items():
+        assert sub.description and len(sub.description) > 40, name
+        text = sub.format_help()
+        assert "examples:" in text and f"workbench {name}" in text.split("examples:")[1], name
+
+
+def test_every_rank_option_takes_lists_and_ranges() -> None:
+    parser = build_parser()
+    for name, sub in _subcommands().items():
+        if any("--rank" in a.option_strings for a in sub._actions):
+            args = parser.parse_args([name, str(TOY), "--rank", "0,2-3"])
+            assert args.rank == (0, 2, 3), name
+
+
+def test_toy_layout_full_listing(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["layout", str(TOY), "--full"]) == 0
     out = capsys.readouterr().out
     # rank 5 = (fsdp=1, ep=0, tp=1) holds rows 6-7 of the fused gate/up tensor: up_proj rows 2-3 of expert 0
     block = out.split("rank 5  (fsdp=1, ep=0, tp=1)")[1].split("\nrank 6")[0]
     assert "model.layers.0.mlp.experts.0.up_proj.weight[2:4, 0:4] -> local[0:2, 0:4]" in block
     # embed_tokens: 10 rows over 8 ranks -> ranks 5-7 hold nothing
-    assert "model.embed_tokens.weight               local (0, 4)  bfloat16   holds nothing" in block
+    assert "model.embed_tokens.weight               local (0, 4)  bfloat16  0 B   holds nothing" in block
     assert "verdict: all exact (5 parameters checked on 8 ranks)" in out
     assert "S(0)@ep -> IS(0,2)@tp -> S(0)@fsdp" in out
 
 
+def test_toy_layout_summary(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["layout", str(TOY), "--rank", "5"]) == 0
+    out = capsys.readouterr().out
+    assert "rank 5  (fsdp=1, ep=0, tp=1): holds 36 B in 4 tensors, 1 empty" in out
+    assert "model.embed_tokens.weight (holds nothing)" in out
+    assert "model.layers.0.mlp.experts.0.up_proj.weight[2:4, 0:4] -> local[0:2, 0:4]" in out
+    assert "coverage: all 5 parameters exact" in out and "  exact  " not in out
+
+
 def test_rank_and_param_filters(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["layout", str(TOY), "--rank", "2-3", "--param", "*experts*"]) == 0
+    assert main(["layout", str(TOY), "--rank", "2-3", "--param", "*experts*", "--full"]) == 0
     out = capsys.readouterr().out
     assert "rank 2  (" in out and "rank 3  (" in out and "rank 4  (" not in out
     assert "embed_tokens" not in out
 
 
-def test_bad_file_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
+def test_deepseek_rank_summary_is_short(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["layout", str(DEEPSEEK), "--rank", "0"]) == 0
+    out = capsys.readouterr().out
+    assert len(out.splitlines()) < 80
+    assert "--full lists every key region" in out  # the CLI's own hint
+
+
+def test_layout_json_has_the_python_totals(capsys: pytest.CaptureFixture[str]) -> None:
+    from workbench.layout.layout_file import load_layout
+    from workbench.report import summarize_layout
+
+    assert main(["layout", str(DEEPSEEK), "--rank", "0,1023", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    layout = load_layout(DEEPSEEK)
+    python = summarize_layout(layout, ranks=[0, 1023]).to_dict()
+    assert data["ranks"] == python["ranks"] and data["total_bytes"] == python["total_bytes"]
+    held = sum(math.prod(layout[n].local_shape(1023)) * layout.dtype(n).itemsize for n in layout)
+    assert data["ranks"][1]["rank"] == 1023 and data["ranks"][1]["bytes_held"] == held
+    assert data["coverage"] == {"checked": 989, "exact": 989, "not_exact": []}
+
+
+def test_plan_json_has_the_python_totals(capsys: pytest.CaptureFixture[str]) -> None:
+    from workbench.layout.layout_file import load_layout
+    from workbench.plan.policy import SavePolicy
+    from workbench.run.simulated import plan_save
+
+    assert main(["plan", str(DEEPSEEK), "--rank", "0", "--budget", "4GiB", "--policy", "full", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    schedule = plan_save(load_layout(DEEPSEEK), ranks=[0], policy=SavePolicy.full(), budget_bytes=4 << 30).schedules[0]
+    (rank,) = data["ranks"]
+    assert (rank["peak_bytes"], rank["bytes_received"], rank["calls"]) == (
+        schedule.peak_bytes, schedule.bytes_moved, schedule.num_calls)
+    assert data["findings"][0]["kind"] == "over_budget" and data["budget_bytes"] == 4 << 30
+
+
+def test_plan_overrun_warning_in_first_lines(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(DEEPSEEK), "--budget", "4GiB", "--policy", "full"]) == 0
+    head = capsys.readouterr().out.splitlines()[:4]
+    assert any("predicted peak 14.2 GiB is over the 4 GiB budget" in line for line in head)
+
+
+def test_plan_defaults_to_minimal(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(TOY), "--rank", "5", "--budget", "200B"]) == 0
+    out = capsys.readouterr().out
+    assert out.startswith("save of toy-expert-tp [minimal]")
+    assert "over the" not in out  # the toy fits its 200 B budget
+    assert main(["plan", str(TOY), "--rank", "5", "--budget", "100B", "--policy", "minimal"]) == 0
+    assert "over the 100 B budget" in "\n".join(capsys.readouterr().out.splitlines()[:4])
+
+
+def test_bad_input_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[mesh]\nshape = [2]\n")
     assert main(["layout", str(bad)]) == 2
     assert "workbench: error:" in capsys.readouterr().err
+    assert main(["layout", str(TOY), "--rank", "8"]) == 2
+    assert "rank(s) 8 outside 'toy-expert-tp''s 8 ranks" in capsys.readouterr().err
+    assert main(["plan", str(TOY), "--rank", "9"]) == 2
+    assert "outside" in capsys.readouterr().err
+    with pytest.raises(SystemExit):
+        main(["plan", str(TOY), "--policy", "half"])
+    assert "use minimal (save_hf's default)" in capsys.readouterr().err
+
+
+def test_demo_removes_its_temporary_folder(monkeypatch: pytest.MonkeyPatch) -> None:
+    import workbench.demo as demo
+
+    seen: list[Path] = []
+
+    def fake(nprocs: int, root: Path) -> bool:
+        (root / "saved").mkdir()
+        (root / "saved" / "model.safetensors").write_bytes(b"x")
+        seen.append(root)
+        return True
+
+    monkeypatch.setattr(demo, "_run_demo", fake)
+    assert main(["demo"]) == 0
+    assert seen and not seen[0].exists()
 
 
 def test_console_script_runs() -> None:

@@ -3,6 +3,8 @@
 The public API (DESIGN.md section 4); everything else is reachable through its subpackage.
 """
 
+from workbench import report
+from workbench.debug import Finding, Report, diagnose, diff_checkpoints, inspect_checkpoint
 from workbench.io.hf_load import LoadReport, load_hf
 from workbench.io.hf_save import AsyncSave, SaveResult, save_hf
 from workbench.io.ownership import clean_incomplete, latest_checkpoint
@@ -19,6 +21,7 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSave",
+    "Finding",
     "HFLoadPlan",
     "HFSavePlan",
     "InterleavedShard",
@@ -28,6 +31,7 @@ __all__ = [
     "LoadReport",
     "LoadSpec",
     "MeshSpec",
+    "Report",
     "Run",
     "SaveFailed",
     "SavePolicy",
@@ -38,10 +42,14 @@ __all__ = [
     "__version__",
     "clean_incomplete",
     "compute_runs",
+    "diagnose",
+    "diff_checkpoints",
+    "inspect_checkpoint",
     "latest_checkpoint",
     "launch",
     "load_hf",
     "load_layout",
+    "report",
     "save_hf",
     "schedule_unshard",
 ]

@@ -1,157 +1,292 @@
-"""The ``workbench`` command line: inspect layouts now; plans, saves and checkpoint diagnosis grow here."""
+"""The ``workbench`` command line: summaries of layouts and planned saves, simulated round trips, a demo.
+
+Every subcommand is registered by a ``register(subparsers) -> None`` function that adds its parser and sets
+``func`` (``args.func(args) -> int`` runs it). Subcommands of other packages are listed in ``_EXTENSIONS`` by
+module name (one line each); their module must define ``register``.
+"""
 
 from __future__ import annotations
 
 import argparse
-import math
+import importlib
+import json
 import sys
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
+from typing import Any
 
-from workbench.errors import WorkbenchError
+__all__ = ["build_parser", "main", "rank_list", "register_demo", "register_layout", "register_plan",
+           "register_simulate"]
 
-__all__ = ["main"]
+# Modules whose ``register(subparsers)`` adds more subcommands, e.g. "workbench.debug.cli".
+_EXTENSIONS: tuple[str, ...] = (
+    "workbench.debug.cli",  # inspect, diff, diagnose
+)
 
-
-def _ranks(text: str) -> list[int]:
-    out: list[int] = []
-    for part in text.split(","):
-        if "-" in part:
-            lo, hi = part.split("-", 1)
-            out.extend(range(int(lo), int(hi) + 1))
-        elif part:
-            out.append(int(part))
-    return out
+_FORMATTER = argparse.RawDescriptionHelpFormatter
 
 
-def _build_parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(
-        prog="workbench",
-        description="Derive, plan, show and debug sharded HuggingFace checkpoints of DTensor training runs.",
-    )
-    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
-    layout = sub.add_parser(
-        "layout",
-        help="print what every rank holds of every HF key, and the coverage verdict",
-        description="Load a layout file (TOML, see sample_meshes/README.md) and print, per rank, the "
-        "region of every HF key it holds, then whether the ranks cover every element exactly once.",
-    )
-    layout.add_argument("path", help="layout file, e.g. sample_meshes/toy_expert_tp.toml")
-    layout.add_argument("--rank", type=_ranks, default=None, help="ranks to show: '0', '0,5', '0-7'")
-    layout.add_argument("--param", default=None, help="glob on parameter names, e.g. '*experts*'")
-    layout.add_argument("--max-keys", type=int, default=12, help="key regions shown per rank and parameter")
-    plan = sub.add_parser(
-        "plan",
-        help="print a rank's save plans and its unshard schedule (all-gather calls under a memory budget)",
-    )
-    plan.add_argument("path", help="layout file")
-    plan.add_argument("--rank", type=int, default=0, help="the rank to show (default 0)")
-    plan.add_argument("--budget", type=_bytes, default=None, help="memory budget, e.g. 256MiB, 4GiB (default: none)")
-    plan.add_argument("--policy", type=_policy, default=None, help="full (default), preserve:ep, gather_only:fsdp")
-    plan.add_argument("--param", default=None, help="glob on parameter names whose plans to print")
-    simulate = sub.add_parser(
-        "simulate",
-        help="load random tensors into every rank of a layout, save them back in memory, compare bit for bit",
-    )
-    simulate.add_argument("path", help="layout file (small: it holds every rank's tensors in memory)")
-    simulate.add_argument("--budget", type=_bytes, default=None, help="memory budget of the save schedule")
-    simulate.add_argument("--policy", type=_policy, default=None, help="full (default) or preserve:ep")
-    demo = sub.add_parser(
-        "demo",
-        help="save a sharded model from 4 local gloo ranks, reload it into another topology, check bit for bit",
-    )
-    demo.add_argument("--dir", default=None, help="where to write the checkpoints (default: a temp dir)")
-    return parser
+def rank_list(text: str) -> tuple[int, ...]:
+    """argparse type of ``--rank``: ``5``, ``0,5``, ``0-7`` or a mix (``0,8-11``)."""
+    from workbench.report.units import parse_ranks
+
+    try:
+        return parse_ranks(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _bytes(text: str) -> int:
-    units = {"b": 1, "kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "kb": 10**3, "mb": 10**6, "gb": 10**9}
-    lowered = text.strip().lower()
-    for unit in sorted(units, key=len, reverse=True):
-        if lowered.endswith(unit):
-            return int(float(lowered[: -len(unit)]) * units[unit])
-    return int(lowered)
+def _byte_count(text: str) -> int:
+    from workbench.report.units import parse_bytes
+
+    try:
+        return parse_bytes(text)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(str(exc)) from None
 
 
-def _policy(text: str) -> object:
+def _policy(text: str) -> Any:
     from workbench.plan.policy import SavePolicy
 
     mode, _, dims = text.partition(":")
     names = [d for d in dims.split(",") if d]
-    if mode == "full" and not names:
-        return SavePolicy.full()
+    if mode in ("full", "minimal") and not names:
+        return SavePolicy.full() if mode == "full" else SavePolicy.minimal()
     if mode == "preserve" and names:
         return SavePolicy.preserve(*names)
     if mode == "gather_only" and names:
         return SavePolicy.gather_only(*names)
-    raise argparse.ArgumentTypeError(f"policy {text!r}: use full, preserve:DIM[,DIM] or gather_only:DIM[,DIM]")
+    raise argparse.ArgumentTypeError(
+        f"policy {text!r}: use minimal (save_hf's default), full, preserve:DIM[,DIM] or gather_only:DIM[,DIM]"
+    )
+
+
+def _add_rank(parser: argparse.ArgumentParser, default: str) -> None:
+    parser.add_argument("--rank", type=rank_list, default=None, metavar="RANKS",
+                        help=f"ranks to show: '5', '0,5', '0-7' or a mix like '0,8-11' (default: {default})")
+
+
+def _add_output(parser: argparse.ArgumentParser, what: str) -> None:
+    parser.add_argument("--full", action="store_true", help=f"list {what} instead of the summary")
+    parser.add_argument("--json", action="store_true",
+                        help="print the report as JSON (exact byte counts; with --full, every line's data too)")
+
+
+def _subparser(subparsers: Any, name: str, *, help: str, description: str, examples: Sequence[str]
+               ) -> argparse.ArgumentParser:
+    epilog = "examples:\n" + "\n".join(f"  {e}" for e in examples)
+    return subparsers.add_parser(name, help=help, description=description, epilog=epilog, formatter_class=_FORMATTER)
+
+
+# -- layout ------------------------------------------------------------------------------------------------
+def register_layout(subparsers: Any) -> None:
+    """``workbench layout``: what ranks hold, summarized by layer pattern."""
+    p = _subparser(
+        subparsers, "layout",
+        help="summarize what ranks hold of every HF key, with totals, outlier ranks and coverage",
+        description="Load a layout file (TOML, see sample_meshes/README.md) and summarize it: problems first "
+        "(coverage holes or overlaps, empty ranks, uneven shards), the coverage count, the ranks holding the "
+        "most and least bytes, then per rank its parameters grouped by layer pattern with local shapes and "
+        "human-unit sizes. --full lists every key region and every coverage verdict.",
+        examples=[
+            "workbench layout sample_meshes/deepseek_v3_671b.toml --rank 0",
+            "workbench layout sample_meshes/toy_expert_tp.toml --rank 4-5 --param '*experts*' --full",
+            "workbench layout sample_meshes/qwen3_30b_a3b.toml --json",
+        ],
+    )
+    p.add_argument("path", help="layout file, e.g. sample_meshes/toy_expert_tp.toml")
+    _add_rank(p, "every rank of a mesh of <= 16 ranks, else 0")
+    p.add_argument("--param", default=None, help="glob on parameter names, e.g. '*experts*'")
+    p.add_argument("--max-keys", type=int, default=12, help="with --full: key regions shown per rank and parameter")
+    _add_output(p, "every key region of every parameter")
+    p.set_defaults(func=_run_layout)
+
+
+def _run_layout(args: argparse.Namespace) -> int:
+    from workbench.layout.layout_file import load_layout
+    from workbench.report.layout_report import summarize_layout
+
+    layout = load_layout(args.path)
+    report = summarize_layout(layout, ranks=args.rank, params=args.param, max_keys=args.max_keys,
+                              hint="--full lists every key region")
+    if args.json:
+        print(json.dumps(report.to_dict(full=args.full), indent=1))
+    else:
+        print(report.full() if args.full else report)
+    return 0 if report.ok else 1
+
+
+# -- plan --------------------------------------------------------------------------------------------------
+def register_plan(subparsers: Any) -> None:
+    """``workbench plan``: a rank's save, its unshard schedule and what it writes."""
+    p = _subparser(
+        subparsers, "plan",
+        help="summarize a save: per rank the all-gathers, predicted peak against the budget, bytes written",
+        description="Plan the save of a layout as save_hf would (policy minimal unless told) and summarize it "
+        "for the chosen ranks: problems first (a predicted peak over the budget, with the tensors too large "
+        "for it and their sizes; writers carrying far more bytes than the mean), then the writers, then per "
+        "rank what it receives, its predicted peak, what it writes and its calls grouped by mesh dim. "
+        "--full lists every call; --param lists the save plans of matching parameters.",
+        examples=[
+            "workbench plan sample_meshes/toy_expert_tp.toml --rank 5 --budget 200B",
+            "workbench plan sample_meshes/deepseek_v3_671b.toml --rank 0 --budget 4GiB --policy full",
+            "workbench plan sample_meshes/qwen3_30b_a3b.toml --rank 0,8 --policy preserve:ep --json",
+        ],
+    )
+    p.add_argument("path", help="layout file")
+    _add_rank(p, "0")
+    p.add_argument("--budget", type=_byte_count, default=None,
+                   help="memory budget of the unshard schedule, e.g. 256MiB, 4GiB (default: none)")
+    p.add_argument("--policy", type=_policy, default=None,
+                   help="minimal (default, as save_hf), full, preserve:ep, gather_only:fsdp")
+    p.add_argument("--param", default=None, help="glob on parameter names whose save plans to list")
+    p.add_argument("--max-writers", type=int, default=None, help="cap the number of writer ranks")
+    _add_output(p, "every gather call")
+    p.set_defaults(func=_run_plan)
 
 
 def _run_plan(args: argparse.Namespace) -> int:
-    import fnmatch
-
     from workbench.layout.layout_file import load_layout
-    from workbench.run.simulated import plan_save
+    from workbench.plan.policy import SavePolicy
+    from workbench.report.save_report import summarize_save
+    from workbench.report.units import format_ranks
+    from workbench.run.simulated import key_sizes, plan_save
 
     layout = load_layout(args.path)
-    plan_set = plan_save(layout, ranks=[args.rank], policy=args.policy, budget_bytes=args.budget)
-    schedule = plan_set.schedules[args.rank]
-    print(f"save of {layout.name} [{plan_set.policy}] on {layout.mesh!r}, rank {args.rank}")
-    for plan in plan_set.plans[args.rank]:
-        if args.param is not None and fnmatch.fnmatchcase(plan.name, args.param):
-            print(plan)
-    print(schedule)
-    mine = sorted(k for k, r in plan_set.writers.items() if r == args.rank)
-    print(f"rank {args.rank} writes {len(mine)} of {len(plan_set.writers)} HF keys "
-          f"({len(set(plan_set.writers.values()))} writer ranks)")
+    ranks = args.rank or (0,)
+    bad = [r for r in ranks if not 0 <= r < layout.mesh.size]
+    if bad:
+        raise ValueError(f"rank(s) {format_ranks(bad)} outside {layout.name!r}'s {layout.mesh.size} ranks "
+                         f"(0-{layout.mesh.size - 1})")
+    policy = args.policy or SavePolicy.minimal()
+    plan_set = plan_save(layout, ranks=ranks, policy=policy, budget_bytes=args.budget, max_writers=args.max_writers)
+    sizes = key_sizes(layout, {n: layout.dtype(n) for n in layout}, None, None)
+    report = summarize_save(layout, plan_set, ranks=ranks, params=args.param, key_bytes=sizes,
+                            hint="--full lists every call")
+    if args.json:
+        print(json.dumps(report.to_dict(full=args.full), indent=1))
+    else:
+        print(report.full() if args.full else report)
     return 0
 
 
+# -- simulate ----------------------------------------------------------------------------------------------
+def register_simulate(subparsers: Any) -> None:
+    """``workbench simulate``: a bit-exact round trip through every rank, in memory."""
+    p = _subparser(
+        subparsers, "simulate",
+        help="load random tensors into every rank of a layout, save them back in memory, compare bit for bit",
+        description="Run the real load plans, unshard schedule and executor for every rank of a (small) layout "
+        "in one process: random HF tensors are loaded into each rank, saved back, and compared with the "
+        "originals bit for bit. Exit status 0 when exact. --rank also summarizes those ranks' save.",
+        examples=[
+            "workbench simulate sample_meshes/toy_expert_tp.toml",
+            "workbench simulate sample_meshes/toy_expert_tp.toml --policy full --budget 200B --rank 0-1",
+        ],
+    )
+    p.add_argument("path", help="layout file (small: it holds every rank's tensors in memory)")
+    _add_rank(p, "none")
+    p.add_argument("--budget", type=_byte_count, default=None, help="memory budget of the save schedule")
+    p.add_argument("--policy", type=_policy, default=None, help="minimal (default, as save_hf), full or preserve:ep")
+    p.add_argument("--json", action="store_true", help="print the result as JSON")
+    p.set_defaults(func=_run_simulate)
+
+
 def _run_simulate(args: argparse.Namespace) -> int:
+    import math
+
     from workbench.layout.layout_file import load_layout
+    from workbench.plan.policy import SavePolicy
+    from workbench.report.save_report import summarize_save
+    from workbench.report.units import format_bytes, format_count
     from workbench.run.round_trip import simulate_round_trip
+    from workbench.run.simulated import plan_save
 
     layout = load_layout(args.path)
-    total = sum(
-        math.prod(spec.visible_shape) * layout.dtype(name).itemsize for name, spec in layout.specs.items()
-    )
+    total = sum(math.prod(spec.visible_shape) * layout.dtype(name).itemsize for name, spec in layout.specs.items())
     if total * 3 > 2 << 30:
-        print(f"workbench: error: {layout.name} holds {total / 2**30:.1f} GiB; simulating every rank in memory "
-              "needs about 3x that. Use a small layout (sample_meshes/toy_expert_tp.toml).", file=sys.stderr)
+        print(f"workbench: error: {layout.name} holds {format_bytes(total)}; simulating every rank in memory needs "
+              "about 3x that. Use a small layout (sample_meshes/toy_expert_tp.toml).", file=sys.stderr)
         return 2
-    report = simulate_round_trip(layout, budget_bytes=args.budget, policy=args.policy)
-    print(report)
-    return 0 if report.exact else 1
+    policy = args.policy or SavePolicy.minimal()
+    result = simulate_round_trip(layout, budget_bytes=args.budget, policy=policy)
+    if args.json:
+        print(json.dumps({"kind": "round_trip", "layout": result.layout, "policy": str(policy), "ranks": result.ranks,
+                          "hf_keys": result.keys, "bytes": result.bytes, "exact": result.exact,
+                          "mismatched": list(result.mismatched), "writers": result.writers, "calls": result.calls,
+                          "peak_bytes": result.peak_bytes}, indent=1))
+        return 0 if result.exact else 1
+    bad = list(result.mismatched[:5])
+    verdict = "bit-exact" if result.exact else f"MISMATCH in {len(result.mismatched)} keys: {bad}"
+    print(f"round trip {result.layout} [{policy}]: {format_count(result.keys)} HF keys ({format_bytes(result.bytes)}) "
+          f"loaded into {result.ranks} ranks, saved back by {result.writers} writer ranks in {result.calls} gather "
+          f"calls (predicted peak {format_bytes(result.peak_bytes)} per rank): {verdict}")
+    if args.rank:
+        plan_set = plan_save(layout, ranks=args.rank, policy=policy, budget_bytes=args.budget)
+        print()
+        print(summarize_save(layout, plan_set, ranks=args.rank))
+    return 0 if result.exact else 1
+
+
+# -- demo --------------------------------------------------------------------------------------------------
+def register_demo(subparsers: Any) -> None:
+    """``workbench demo``: a real save and reload on 4 local gloo ranks."""
+    p = _subparser(
+        subparsers, "demo",
+        help="save a sharded model from 4 local gloo ranks, reload it into another topology, check bit for bit",
+        description="Write a small Qwen3-MoE checkpoint, launch 4 gloo ranks that load it laid out EP2 x ETP2 "
+        "(interleaved expert TP) under FSDP2 and save it with save_hf, reload the result into FSDP2 x EP2, and "
+        "check every key bit for bit. The temporary folder is removed afterwards unless --dir is given.",
+        examples=["workbench demo", "workbench demo --dir /tmp/wb-demo   # keep the checkpoints"],
+    )
+    p.add_argument("--dir", default=None, help="where to write the checkpoints, kept afterwards "
+                   "(default: a temporary folder, removed at the end)")
+    p.set_defaults(func=_run_demo)
+
+
+def _run_demo(args: argparse.Namespace) -> int:
+    from workbench.demo import run_demo
+
+    return 0 if run_demo(4, args.dir) else 1
+
+
+# -- entry point -------------------------------------------------------------------------------------------
+_BUILTIN: tuple[Callable[[Any], None], ...] = (register_layout, register_plan, register_simulate, register_demo)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    """The ``workbench`` parser with every subcommand: the built-in ones, then each of ``_EXTENSIONS``."""
+    parser = argparse.ArgumentParser(
+        prog="workbench",
+        description="Derive, plan, show and debug sharded HuggingFace checkpoints of DTensor training runs.",
+        epilog="examples:\n  workbench layout sample_meshes/toy_expert_tp.toml\n"
+        "  workbench plan sample_meshes/deepseek_v3_671b.toml --rank 0 --budget 4GiB\n"
+        "run 'workbench COMMAND --help' for a command's options",
+        formatter_class=_FORMATTER,
+    )
+    sub = parser.add_subparsers(dest="command", metavar="COMMAND")
+    for register in _BUILTIN:
+        register(sub)
+    for module in _EXTENSIONS:
+        importlib.import_module(module).register(sub)
+    return parser
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of the ``workbench`` console script."""
-    parser = _build_parser()
+    """Entry point of the ``workbench`` console script; returns the exit status."""
+    parser = build_parser()
     args = parser.parse_args(argv)
-    if args.command is None:
+    func = getattr(args, "func", None)
+    if func is None:
         parser.print_help()
         return 0
     try:
-        if args.command == "layout":
-            from workbench.layout.layout_file import load_layout
-            from workbench.viz.text import layout_report
-
-            layout = load_layout(args.path)
-            report = layout_report(layout, ranks=args.rank, params=args.param, max_keys=args.max_keys)
-            print(report)
-            return 0 if "NOT exact" not in report.splitlines()[-1] else 1
-        if args.command == "plan":
-            return _run_plan(args)
-        if args.command == "simulate":
-            return _run_simulate(args)
-        if args.command == "demo":
-            from workbench.demo import run_demo
-
-            return 0 if run_demo(4, args.dir) else 1
-    except WorkbenchError as exc:
+        return int(func(args))
+    except BrokenPipeError:  # `workbench layout ... | head`: the reader left; say nothing more
+        sys.stderr.close()
+        return 0
+    except ValueError as exc:  # WorkbenchError and bad ranks/globs: a message, not a traceback
         print(f"workbench: error: {exc}", file=sys.stderr)
         return 2
-    parser.error(f"unknown command {args.command!r}")
-    return 2
 
 
 if __name__ == "__main__":  # pragma: no cover

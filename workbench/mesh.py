@@ -188,6 +188,12 @@ class MeshSpec:
             seen.setdefault(self.group_ranks(rank, ref), None)
         return tuple(sorted(seen, key=lambda g: g[0]))
 
+    def _repr_html_(self) -> str:
+        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
+        from workbench.viz.html import render_html
+
+        return render_html(self)
+
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape))
         extra = "" if self.ranks is None else ", custom ranks"

@@ -385,6 +385,12 @@ class LoadSpec:
         }
         return check_coverage(self.name, self.global_shape, boxes, groups)
 
+    def _repr_html_(self) -> str:
+        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
+        from workbench.viz.html import render_html
+
+        return render_html(self)
+
     def __repr__(self) -> str:
         keys = repr(self.hf_keys[0]) if len(self.hf_keys) == 1 else f"{len(self.hf_keys)} keys"
         extra = f", fused_dim={self.fused_dim}" if self.fused_dim is not None else ""

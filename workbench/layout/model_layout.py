@@ -145,9 +145,21 @@ class Layout:
             out[name] = report if report.name == name else _renamed(report, name)
         return out
 
+    def _repr_html_(self) -> str:
+        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
+        from workbench.viz.html import render_html
+
+        return render_html(self)
+
     def __repr__(self) -> str:
+        import math
+
+        from workbench.report.units import format_bytes
+
         keys = sum(len(s.hf_keys) for s in self.specs.values())
-        return f"Layout({self.name!r}, mesh={self.mesh!r}, params={len(self.specs)}, hf_keys={keys})"
+        total = sum(math.prod(s.visible_shape) * self.dtype(n).itemsize for n, s in self.specs.items())
+        return (f"Layout({self.name!r}, mesh={self.mesh!r}, params={len(self.specs)}, hf_keys={keys}, "
+                f"size={format_bytes(total)})")
 
 
 def _named_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:

@@ -68,11 +68,19 @@ class HFLoadPlan:
         """Elements read from the checkpoint."""
         return sum(r.numel for r in self.reads)
 
+    def _repr_html_(self) -> str:
+        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
+        from workbench.viz.html import render_html
+
+        return render_html(self)
+
     def __str__(self) -> str:
+        from workbench.report.units import format_count
+
         padding = ", zero padding" if self.zero_fill else ""
         lines = [
             f"HFLoadPlan {self.name!r} rank {self.rank}: local {self.target_shape}, "
-            f"{len(self.reads)} read(s), {self.numel_read} elements{padding}"
+            f"{len(self.reads)} read(s), {format_count(self.numel_read)} elements{padding}"
         ]
         lines += [f"  {KeyRegion(r.hf_key, r.key_offset, r.sizes, r.local_offset)}" for r in self.reads]
         return "\n".join(lines)

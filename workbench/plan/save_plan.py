@@ -110,11 +110,21 @@ class HFSavePlan:
         """Bytes of the runtime output at the gather dtype."""
         return math.prod(self.runtime_output_shape) * self.gather_dtype.itemsize
 
+    def _repr_html_(self) -> str:
+        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
+        from workbench.viz.html import render_html
+
+        return render_html(self)
+
     def __str__(self) -> str:
+        from workbench.report.units import format_bytes
+
         keys = self.hf_keys[0] if len(self.hf_keys) == 1 else f"{len(self.hf_keys)} keys"
+        dtype = str(self.gather_dtype).removeprefix("torch.")
         lines = [
             f"HFSavePlan {self.name!r} rank {self.rank} [{self.policy}]: local {self.local_shape} -> "
-            f"{self.runtime_output_shape} -> output {self.output_shape} ({keys}, {self.gather_dtype})"
+            f"{self.runtime_output_shape} -> output {self.output_shape} ({keys}, {dtype}, "
+            f"{format_bytes(self.output_bytes)})"
         ]
         lines += [f"  {i}. {s}" for i, s in enumerate(self.pending, 1)]
         lines += [f"  -  {s}" for s in self.steps if s.preserved]

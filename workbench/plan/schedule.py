@@ -73,12 +73,16 @@ class GatherCall:
         return (self.wave, self.round, self.mesh_dim, str(self.dtype), tuple((i.name, i.step) for i in self.items))
 
     def __str__(self) -> str:
-        names = ", ".join(i.name for i in self.items[:3]) + (f", +{len(self.items) - 3}" if len(self.items) > 3 else "")
+        from workbench.report.patterns import group_by_pattern
+        from workbench.report.units import format_bytes
+
+        patterns = [g.pattern for g in group_by_pattern(i.name for i in self.items)]
+        names = ", ".join(patterns[:3]) + (f", +{len(patterns) - 3}" if len(patterns) > 3 else "")
         flag = "  OVERSIZED (alone)" if self.oversized else ""
         return (
             f"wave {self.wave} round {self.round}  {format_mesh_dim(self.mesh_dim):<8} W={self.world:<4} "
             f"{str(self.dtype).removeprefix('torch.'):<9} {len(self.items):>4} tensors  "
-            f"in {_fmt_bytes(self.bytes_in):>9}  out {_fmt_bytes(self.bytes_out):>9}  [{names}]{flag}"
+            f"in {format_bytes(self.bytes_in):>9}  out {format_bytes(self.bytes_out):>9}  [{names}]{flag}"
         )
 
 
@@ -120,13 +124,28 @@ class UnshardSchedule:
         """The rank-independent shape of the program (equal on every rank, or collectives hang)."""
         return tuple(c.structure() for c in self.calls)
 
+    def _repr_html_(self) -> str:
+        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
+        from workbench.viz.html import render_html
+
+        return render_html(self)
+
     def __str__(self) -> str:
-        budget = "unbounded" if self.budget_bytes is None else _fmt_bytes(self.budget_bytes)
+        from workbench.report.patterns import group_by_pattern
+        from workbench.report.units import format_bytes
+
+        budget = "unbounded" if self.budget_bytes is None else format_bytes(self.budget_bytes)
         lines = [
             f"UnshardSchedule rank {self.rank}: {len(self.waves)} wave(s), {len(self.rounds)} round(s), "
-            f"{self.num_calls} call(s); budget {budget}, predicted peak {_fmt_bytes(self.peak_bytes)}, "
-            f"receives {_fmt_bytes(self.bytes_moved)}"
+            f"{self.num_calls} call(s); budget {budget}, predicted peak {format_bytes(self.peak_bytes)}, "
+            f"receives {format_bytes(self.bytes_moved)}"
         ]
+        if self.budget_bytes is not None and self.peak_bytes > self.budget_bytes:
+            oversized = dict.fromkeys(i.name for c in self.calls if c.oversized for i in c.items)
+            why = (f": {len(oversized)} tensor(s) larger than the budget are gathered alone: "
+                   + ", ".join(g.pattern for g in group_by_pattern(oversized)[:3])) if oversized else ""
+            lines.append(f"  ! predicted peak {format_bytes(self.peak_bytes)} is over the budget "
+                         f"{format_bytes(self.budget_bytes)}{why}")
         shown = self.calls if len(self.calls) <= 24 else self.calls[:12] + self.calls[-12:]
         for index, call in enumerate(shown):
             if len(self.calls) > 24 and index == 12:
@@ -135,9 +154,13 @@ class UnshardSchedule:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
+        from workbench.report.units import format_bytes
+
+        budget = "None" if self.budget_bytes is None else format_bytes(self.budget_bytes)
+        over = ", OVER BUDGET" if self.budget_bytes is not None and self.peak_bytes > self.budget_bytes else ""
         return (
-            f"UnshardSchedule(rank={self.rank}, calls={self.num_calls}, waves={len(self.waves)}, "
-            f"peak_bytes={self.peak_bytes}, bytes_moved={self.bytes_moved})"
+            f"UnshardSchedule(rank={self.rank}, calls={self.num_calls}, waves={len(self.waves)}, budget={budget}, "
+            f"peak={format_bytes(self.peak_bytes)}, receives={format_bytes(self.bytes_moved)}{over})"
         )
 
 
