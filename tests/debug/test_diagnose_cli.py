@@ -1,0 +1,128 @@
+"""diagnose against a reference, a Layout (TOML) and a state dict; the CLI's exit statuses and JSON."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import subprocess
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.debug.corpus import broken, model, write
+from workbench.debug import Finding, Report, diagnose
+from workbench.debug.cli import register
+from workbench.layout.layout_file import load_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+TOY = ROOT / "sample_meshes" / "toy_expert_tp.toml"
+
+
+def _toy_tensors() -> dict[str, torch.Tensor]:
+    """The toy layout's HF keys at their checkpoint shapes and dtypes (from the TOML file, read by eye)."""
+    g = torch.Generator().manual_seed(3)
+    out = {"model.embed_tokens.weight": torch.randn(10, 4, generator=g).bfloat16(),
+           "model.layers.0.self_attn.q_proj.weight": torch.randn(6, 4, generator=g).bfloat16()}
+    for e in range(2):
+        for p in ("gate", "up"):
+            out[f"model.layers.0.mlp.experts.{e}.{p}_proj.weight"] = torch.randn(4, 4, generator=g).bfloat16()
+        out[f"model.layers.0.mlp.experts.{e}.down_proj.weight"] = torch.randn(4, 4, generator=g).bfloat16()
+    out["model.norm.weight"] = torch.randn(4, generator=g)
+    return out
+
+
+def test_against_layout(tmp_path) -> None:
+    layout = load_layout(TOY)
+    good = write(tmp_path / "good", _toy_tensors())
+    assert diagnose(good, layout).findings == ()
+    assert diagnose(good, str(TOY)).ok
+    bad = _toy_tensors()
+    bad["model.embed_tokens.weight"] = bad["model.embed_tokens.weight"][:2].clone()  # one of 8 ranks: 2 rows
+    bad["model.norm.weight"] = torch.cat([bad["model.norm.weight"]] * 2)  # 2 replica groups concatenated
+    del bad["model.layers.0.self_attn.q_proj.weight"]
+    bad["model.layers.0.mlp.experts.0.down_proj.weight"] = bad["model.layers.0.mlp.experts.0.down_proj.weight"].float()
+    report = diagnose(write(tmp_path / "bad", bad), layout)
+    kinds = {f.key: f.kind for f in report.findings}
+    assert kinds == {
+        "model.embed_tokens.weight": "partial_shard",
+        "model.norm.weight": "replicated_concat",
+        "model.layers.0.self_attn.q_proj.weight": "missing_key",
+        "model.layers.0.mlp.experts.0.down_proj.weight": "dtype_mismatch",
+    }, report.to_text()
+    embed = report.by_key("model.embed_tokens.weight")[0]
+    assert "S(0)@fsdp+ep+tp" in embed.transform and "shapes only" in embed.evidence["verified"]
+
+
+def test_against_reference_and_state_dict(tmp_path) -> None:
+    ref = write(tmp_path / "ref", model())
+    bad = broken(tmp_path, "bad", lambda t: t.__setitem__("model.norm.weight", torch.cat([t["model.norm.weight"]] * 2)))
+    for expected in (ref, str(ref), model(), torch.nn.Module()):
+        report = diagnose(bad, expected)
+        if isinstance(expected, torch.nn.Module):  # an empty module expects nothing: every key is unexpected
+            assert {f.kind for f in report.findings} == {"unexpected_key"}
+            continue
+        assert [(f.kind, f.key) for f in report.findings] == [("replicated_concat", "model.norm.weight")]
+    assert diagnose(ref, model()).ok
+    with pytest.raises(TypeError, match="expected must be"):
+        diagnose(ref, 42)
+
+
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="workbench")
+    register(parser.add_subparsers(dest="command", required=True))
+    return parser
+
+
+def _run(argv: list[str]) -> int:
+    args = _parser().parse_args(argv)
+    return args.func(args)
+
+
+def test_cli_exit_statuses_and_json(tmp_path, capsys) -> None:
+    ref = write(tmp_path / "ref", model())
+    bad = broken(tmp_path, "bad", lambda t: t.pop("lm_head.weight"))
+    assert _run(["inspect", str(ref)]) == 0
+    assert _run(["diff", str(ref), str(ref)]) == 0
+    capsys.readouterr()
+    assert _run(["diff", str(ref), str(bad), "--json"]) == 1
+    body = json.loads(capsys.readouterr().out)
+    assert body["findings"][0]["kind"] == "missing_key" and body["findings"][0]["key"] == "lm_head.weight"
+    assert _run(["diagnose", str(bad), "--expected", str(ref)]) == 1
+    assert _run(["diagnose", str(tmp_path / "none"), "--expected", str(ref)]) == 2
+    capsys.readouterr()
+    assert _run(["inspect", str(tmp_path / "none"), "--json"]) == 2
+    assert "does not exist" in json.loads(capsys.readouterr().out)["error"]
+    toy = write(tmp_path / "toy", _toy_tensors())
+    assert _run(["diagnose", str(toy), "--expected", str(TOY)]) == 0
+
+
+def test_every_subcommand_description_has_an_example() -> None:
+    parser = _parser()
+    subs = next(a for a in parser._actions if isinstance(a, argparse._SubParsersAction))
+    assert set(subs.choices) == {"inspect", "diff", "diagnose"}
+    for name, sub in subs.choices.items():
+        assert "examples:" in sub.description and f"workbench {name} " in sub.description
+
+
+def test_module_entry_point(tmp_path) -> None:
+    ref = write(tmp_path / "ref", model())
+    bad = broken(tmp_path, "bad", lambda t: t.__setitem__("lm_head.weight", t["lm_head.weight"].T.contiguous()))
+    done = subprocess.run([sys.executable, "-m", "workbench.debug.cli", "diff", str(ref), str(bad)],
+                          capture_output=True, text=True, cwd=ROOT)
+    assert done.returncode == 1, done.stderr
+    assert "permuted" in done.stdout and "transposed" in done.stdout
+
+
+def test_report_text_json_html() -> None:
+    f1 = Finding("value_mismatch", "b", {"max_abs_diff": 1.5}, "look")
+    f2 = Finding("missing_key", "a", {}, "add it")
+    report = Report(subject="x", reference="y", findings=(f1, f2))
+    assert [f.kind for f in report.findings] == ["missing_key", "value_mismatch"]  # basic kinds first
+    assert report.to_text().splitlines()[0] == "x against y: 2 finding(s): 1 missing_key, 1 value_mismatch"
+    assert json.loads(report.to_json())["kinds"] == {"missing_key": 1, "value_mismatch": 1}
+    assert "<table" in report._repr_html_()
+    assert Report(subject="x").to_text() == "x: healthy: no findings"
+    with pytest.raises(ValueError, match="not one of"):
+        Finding("bogus", "k")

@@ -1,0 +1,163 @@
+"""diff_checkpoints on a generated corpus: one broken copy per transform, kind and transform asserted."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.debug.corpus import broken, model, write
+from workbench.debug import diff_checkpoints
+from workbench.layout.layout_file import load_layout
+
+ROOT = Path(__file__).resolve().parents[2]
+EMB = "model.embed_tokens.weight"
+GU = "model.layers.0.mlp.gate_up_proj.weight"
+DOWN = "model.layers.0.mlp.down_proj.weight"
+OPROJ = "model.layers.0.self_attn.o_proj.weight"
+NORM = "model.norm.weight"
+HEAD = "lm_head.weight"
+
+
+def _set(key, fn):
+    def edit(t):
+        t[key] = fn(t[key])
+
+    return edit
+
+
+def _rows(idx):
+    return lambda x: x[torch.tensor(idx)]
+
+
+# (id, edit, key, kind, words the transform must contain). Row orders are written out by hand.
+CASES = [
+    # 16 rows, IS(0,2) over 2 ranks (runs of 4): rank 0 holds [0:4, 8:12], rank 1 [4:8, 12:16]; gathered contiguous
+    ("interleave_as_contiguous", _set(EMB, _rows([*range(0, 4), *range(8, 12), *range(4, 8), *range(12, 16)])),
+     EMB, "permuted", "interleaved shard gathered as contiguous"),
+    # contiguous halves [0:8] [8:16] put back as if interleaved with F=2 (runs of 4): [0:4, 8:12, 4:8, 12:16] read back
+    ("contiguous_as_interleaved", _set(HEAD, _rows([*range(0, 6), *range(12, 18), *range(6, 12), *range(18, 24)])),
+     HEAD, "permuted", "interleave"),
+    # 4 shards of 6 rows in reverse rank order
+    ("rank_order", _set(HEAD, _rows([*range(18, 24), *range(12, 18), *range(6, 12), *range(0, 6)])),
+     HEAD, "permuted", "rank order"),
+    ("gate_up_swapped", _set(GU, _rows([*range(6, 12), *range(0, 6)])), GU, "permuted", "gate/up halves swapped"),
+    ("transposed", _set(DOWN, lambda x: x.T.contiguous()), DOWN, "permuted", "transposed"),
+    ("transposed_square", _set(OPROJ, lambda x: x.T.contiguous()), OPROJ, "permuted", "transposed"),
+    ("replicated_concat", _set(NORM, lambda x: torch.cat([x, x, x, x])), NORM, "replicated_concat", "4 times"),
+    ("partial_shard", _set(HEAD, lambda x: x[12:18].clone()), HEAD, "partial_shard", "rank 2"),
+    ("padding_not_trimmed", _set(EMB, lambda x: torch.cat([x, torch.zeros(4, 8, dtype=x.dtype)])), EMB,
+     "padding_not_trimmed", "4 padding"),
+    ("padding_dim1", _set(DOWN, lambda x: torch.cat([x, torch.zeros(6, 2, dtype=x.dtype)], 1)), DOWN,
+     "padding_not_trimmed", "dim 1"),
+    ("dtype_cast", _set(NORM, lambda x: x.to(torch.bfloat16)), NORM, "dtype_mismatch", "cast to bfloat16"),
+    ("dtype_round_trip", _set(NORM, lambda x: x.to(torch.bfloat16).float()), NORM, "dtype_mismatch",
+     "round trip through bfloat16"),
+    ("value_mismatch", _set(OPROJ, lambda x: x.index_fill(0, torch.tensor([3]), 2.0)), OPROJ, "value_mismatch",
+     None),
+    ("shape_mismatch", _set(OPROJ, lambda x: torch.ones(8, 5, dtype=x.dtype)), OPROJ, "shape_mismatch", None),
+    ("missing_key", lambda t: t.pop(DOWN), DOWN, "missing_key", None),
+    ("unexpected_key", lambda t: t.__setitem__("model.extra.bias", torch.zeros(3)), "model.extra.bias",
+     "unexpected_key", None),
+    ("renamed_prefix", lambda t: t.update({"base." + k: t.pop(k) for k in list(t)}), "base." + EMB,
+     "renamed_key", "prefix '' -> 'base.'"),
+    ("renamed_suffix", lambda t: t.__setitem__(NORM.replace("weight", "scale"), t.pop(NORM)),
+     NORM.replace("weight", "scale"), "renamed_key", "weight"),
+    # the experts' gate and up keys swapped (each key holds the other's tensor)
+    ("keys_swapped", lambda t: t.update({
+        "model.layers.0.mlp.experts.0.gate_proj.weight": t["model.layers.0.mlp.experts.0.up_proj.weight"],
+        "model.layers.0.mlp.experts.0.up_proj.weight": t["model.layers.0.mlp.experts.0.gate_proj.weight"]}),
+     "model.layers.0.mlp.experts.0.gate_proj.weight", "permuted", "gate/up swapped"),
+    # columns: two shards of dim 1 in reverse order (row-parallel weight gathered in the wrong order)
+    ("rank_order_dim1", _set(DOWN, lambda x: torch.cat([x[:, 5:], x[:, :5]], 1)), DOWN, "permuted",
+     "rank order reversed (S(1) over 2 ranks)"),
+]
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory) -> Path:
+    return write(tmp_path_factory.mktemp("ref") / "good", model())
+
+
+@pytest.mark.parametrize(("name", "edit", "key", "kind", "words"), CASES, ids=[c[0] for c in CASES])
+def test_each_transform_is_named(reference, tmp_path, name, edit, key, kind, words) -> None:
+    report = diff_checkpoints(reference, broken(tmp_path, name, edit), block_bytes=64)
+    about = [f for f in report.findings if f.key == key]
+    assert about, f"{name}: no finding about {key}: {report.to_text()}"
+    finding = about[0]
+    assert finding.kind == kind, report.to_text()
+    if words is not None:
+        assert words in (finding.transform or ""), report.to_text()
+    assert finding.hint
+    # renames report every key; swapped keys report both partners
+    allowed = ("renamed_key", kind if name == "keys_swapped" else "")
+    others = [f for f in report.findings if f.key != key and f.kind not in allowed]
+    assert not others, report.to_text()
+    assert report.exit_status == 1
+
+
+def test_value_mismatch_evidence(reference, tmp_path) -> None:
+    bad = broken(tmp_path, "v", _set(OPROJ, lambda x: x.index_fill(0, torch.tensor([3]), 2.0)))
+    (finding,) = diff_checkpoints(reference, bad).findings
+    original = model()[OPROJ][3].float()
+    assert finding.evidence["differing_elements"] == int((original != 2.0).sum())
+    assert finding.evidence["max_abs_diff"] == pytest.approx(float((original - 2.0).abs().max()))
+    assert finding.evidence["first_differing_index"] == 3 * 8 + int(torch.nonzero(original != 2.0)[0])
+
+
+def test_all_zero_tensor_is_called_out(reference, tmp_path) -> None:
+    bad = broken(tmp_path, "z", _set(OPROJ, torch.zeros_like))
+    (finding,) = diff_checkpoints(reference, bad).findings
+    assert finding.kind == "value_mismatch" and finding.evidence["actual_all_zero"] is True
+
+
+@pytest.mark.parametrize("block", [64, 1 << 20])
+def test_healthy_pairs_have_no_finding(reference, tmp_path, block) -> None:
+    # same tensors, written again into differently sized files: a different layout on disk, same checkpoint
+    other = write(tmp_path / "resharded", model(), max_shard_bytes=200)
+    assert len(list(other.glob("*.safetensors"))) > 1
+    for a, b in ((reference, reference), (reference, other), (other, reference)):
+        report = diff_checkpoints(a, b, block_bytes=block)
+        assert report.findings == () and report.ok and report.exit_status == 0, report.to_text()
+        assert report.stats["equal"] == len(model())
+
+
+def test_unreadable_side_is_status_2(reference, tmp_path) -> None:
+    report = diff_checkpoints(reference, tmp_path / "nothing-here")
+    assert not report.readable and report.exit_status == 2
+    assert "does not exist" in report.stats["error"]
+
+
+# The toy expert-TP layout: fused_w1w3 = [gate0, up0, gate1, up1] (4 rows each), S(0)@ep then IS(0,2)@tp.
+# Each EP half (8 rows) holds tp rank 0's rows [0,1,4,5] and tp rank 1's [2,3,6,7]; gathering the two tp shards
+# as if contiguous gives, per EP half, rows [0,1,4,5,2,3,6,7]: gate0 then gets up0's first rows.
+TOY_KEYS = [f"model.layers.0.mlp.experts.{e}.{p}_proj.weight" for e in range(2) for p in ("gate", "up")]
+TOY_BAD_ROWS = [0, 1, 4, 5, 2, 3, 6, 7, 8, 9, 12, 13, 10, 11, 14, 15]
+
+
+def _toy(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    fused = torch.randn(16, 4, generator=g).bfloat16()
+    return {k: fused[4 * i : 4 * i + 4].clone() for i, k in enumerate(TOY_KEYS)} | {
+        "model.norm.weight": torch.randn(4, generator=g)
+    }
+
+
+def test_layout_names_cross_key_interleave_bug(tmp_path) -> None:
+    good = _toy(1)
+    fused = torch.cat([good[k] for k in TOY_KEYS])[torch.tensor(TOY_BAD_ROWS)]
+    bad = dict(good) | {k: fused[4 * i : 4 * i + 4].clone() for i, k in enumerate(TOY_KEYS)}
+    write(tmp_path / "good", good)
+    write(tmp_path / "bad", bad)
+    layout = load_layout(ROOT / "sample_meshes" / "toy_expert_tp.toml")
+    report = diff_checkpoints(tmp_path / "good", tmp_path / "bad", layout=layout)
+    (finding,) = report.findings
+    assert finding.kind == "permuted" and finding.key == "model.layers.0.mlp.experts.fused_w1w3"
+    assert (
+        finding.transform
+    ) == "interleaved shard gathered as contiguous (IS(0,2)@tp over 2 ranks inside each of 2 outer shards)"
+    assert finding.evidence["hf_keys"] == TOY_KEYS
+    # without the layout each key is judged alone: the keys' rows moved across keys, so values differ per key
+    plain = diff_checkpoints(tmp_path / "good", tmp_path / "bad")
+    assert {f.key for f in plain.findings} == set(TOY_KEYS)

@@ -1,0 +1,137 @@
+"""inspect_checkpoint: header summaries and integrity findings, one broken checkpoint per integrity kind."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import save_file
+
+from tests.debug.corpus import edit_index, first_file, model, write
+from workbench.debug import inspect_checkpoint
+from workbench.io.index import INDEX_NAME
+
+
+def _experts() -> dict[str, torch.Tensor]:
+    t = {f"model.layers.{i}.mlp.experts.{e}.w1.weight": torch.zeros(2, 3, dtype=torch.bfloat16)
+         for i in range(4) for e in range(3)}
+    t["model.norm.weight"] = torch.ones(5)
+    return t
+
+
+def test_summary_groups_keys_and_counts(tmp_path) -> None:
+    path = write(tmp_path / "ck", _experts(), max_shard_bytes=40, metadata={"layout": "abc123", "format": "pt"})
+    ins = inspect_checkpoint(path)
+    assert ins.ok and ins.exit_status == 0 and ins.format == "hf"
+    groups = {g.pattern: g for g in ins.groups}
+    g = groups["model.layers.{0..3}.mlp.experts.{0..2}.w1.weight"]
+    assert (g.count, g.shapes, g.dtypes, g.params, g.nbytes) == (12, ((2, 3),), ("BF16",), 72, 144)
+    assert groups["model.norm.weight"].params == 5
+    assert ins.num_keys == 13 and ins.params == 77 and ins.nbytes == 144 + 20
+    assert sum(f.nbytes for f in ins.files) == 164 and len(ins.files) == len(list(path.glob("*.safetensors")))
+    assert all(f.file_bytes == (path / f.name).stat().st_size for f in ins.files)
+    assert ins.layout_fingerprint == "abc123"
+    assert ins.dtypes == {"BF16": 12, "F32": 1}
+    text = ins.to_text()
+    assert "model.layers.{0..3}.mlp.experts.{0..2}.w1.weight" in text and "integrity: ok" in text
+    assert "<table" in ins._repr_html_()
+    json.dumps(ins.to_dict())
+
+
+def test_single_file_and_gappy_numbers(tmp_path) -> None:
+    tensors = {f"layers.{i}.w": torch.zeros(1) for i in (0, 1, 2, 5, 7)}
+    save_file(tensors, str(tmp_path / "one.safetensors"))
+    ins = inspect_checkpoint(tmp_path / "one.safetensors")
+    assert ins.format == "safetensors" and ins.ok
+    assert [g.pattern for g in ins.groups] == ["layers.{0..2,5,7}.w"]
+
+
+def _kinds(path: Path) -> dict[str, set[str]]:
+    out: dict[str, set[str]] = {}
+    for f in inspect_checkpoint(path).findings:
+        out.setdefault(f.kind, set()).add(f.key)
+    return out
+
+
+def test_header_claiming_100_gb_is_corrupt_header(tmp_path) -> None:
+    path = write(tmp_path / "ck", model())
+    victim = first_file(path)
+    with open(victim, "r+b") as f:
+        f.write(struct.pack("<Q", 100 * 10**9))
+    ins = inspect_checkpoint(path)
+    assert any(f.kind == "corrupt_header" and f.key == victim.name for f in ins.findings), ins.to_text()
+    assert ins.exit_status == 1
+
+
+def test_truncated_file(tmp_path) -> None:
+    path = write(tmp_path / "ck", model())
+    victim = first_file(path)
+    os.truncate(victim, victim.stat().st_size - 10)
+    assert victim.name in _kinds(path)["truncated_file"]
+
+
+def test_index_naming_a_missing_file_and_a_stale_total(tmp_path) -> None:
+    path = write(tmp_path / "ck", model())
+    edit_index(path, lambda b: b["weight_map"].__setitem__("ghost.weight", "model-00009-of-00009.safetensors"))
+    assert "model-00009-of-00009.safetensors" in _kinds(path)["index_inconsistent"]
+    path2 = write(tmp_path / "ck2", model())
+    edit_index(path2, lambda b: b["metadata"].__setitem__("total_size", 1))
+    assert _kinds(path2) == {"index_inconsistent": {INDEX_NAME}}
+
+
+def test_key_in_header_but_not_in_index(tmp_path) -> None:
+    path = write(tmp_path / "ck", model())
+    edit_index(path, lambda b: b["weight_map"].pop("lm_head.weight"))
+    kinds = _kinds(path)
+    assert "lm_head.weight" in kinds["index_inconsistent"]
+
+
+def test_index_paths_never_escape_the_folder(tmp_path) -> None:
+    outside = tmp_path / "secret.safetensors"
+    save_file({"stolen": torch.zeros(3)}, str(outside))
+    path = write(tmp_path / "ck", model())
+    (path / "link.safetensors").symlink_to(outside)
+    edit_index(path, lambda b: b["weight_map"].update({"a.x": "../secret.safetensors", "b.y": str(outside),
+                                                       "c.z": "link.safetensors"}))
+    ins = inspect_checkpoint(path)
+    bad = {f.key for f in ins.findings if f.kind == "index_inconsistent"}
+    assert bad == {"../secret.safetensors", str(outside), "link.safetensors"}
+    assert all("stolen" not in g.pattern for g in ins.groups)
+    assert ins.num_keys == len(model())  # the rest is still read
+
+
+def test_incomplete_saves(tmp_path) -> None:
+    path = write(tmp_path / "ck", model())
+    (tmp_path / ".ck.incomplete").mkdir()
+    assert _kinds(path) == {"incomplete_checkpoint": {""}}
+    temporary = write(tmp_path / ".other.incomplete", model())
+    assert "incomplete_checkpoint" in _kinds(temporary)
+
+
+def test_missing_path_is_unreadable(tmp_path) -> None:
+    ins = inspect_checkpoint(tmp_path / "nope")
+    assert ins.exit_status == 2 and "does not exist" in ins.error
+    (tmp_path / "empty").mkdir()
+    assert inspect_checkpoint(tmp_path / "empty").exit_status == 2
+
+
+def test_dcp_pickle_needs_opt_in(tmp_path) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"w": torch.zeros(4, 2), "layers.0.b": torch.ones(3)}, checkpoint_id=str(tmp_path / "dcp"), no_dist=True)
+    closed = inspect_checkpoint(tmp_path / "dcp")
+    assert closed.format == "dcp" and closed.num_keys == 0
+    assert "pickle" in closed.notes[0] and "allow_pickle=True" in closed.notes[0]
+    opened = inspect_checkpoint(tmp_path / "dcp", allow_pickle=True)
+    assert opened.num_keys == 2 and opened.params == 11
+    assert {g.pattern for g in opened.groups} == {"w", "layers.0.b"}
+
+
+@pytest.mark.parametrize("n_keys", [0, 1])
+def test_tiny_files(tmp_path, n_keys) -> None:
+    save_file({f"k{i}": torch.zeros(0) for i in range(n_keys)}, str(tmp_path / "t.safetensors"))
+    assert inspect_checkpoint(tmp_path / "t.safetensors").ok

@@ -1,0 +1,241 @@
+"""Explain why one tensor differs from its reference: find the transform that reproduces it exactly.
+
+Order of questions: dtype (a cast?), then shape (replicated, one shard, padding, transposed), then
+values (a permutation from the layout or small factors, a precision round trip). The first
+hypothesis that the data matches bit for bit becomes the finding; if none does, the finding says
+what differs (shapes, max abs diff, how many elements) so a person can look further.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+
+from workbench.debug.findings import Finding
+from workbench.debug.signatures import Signatures, signatures
+from workbench.debug.transforms import (
+    Candidate,
+    Hint,
+    resized_candidates,
+    same_length_candidates,
+    signature_holds,
+    verify_map,
+    verify_transpose,
+)
+from workbench.debug.views import TensorView, bits
+
+__all__ = ["analyze_pair"]
+
+EXACT_TRANSPOSE_BYTES = 256 << 20  # above this a transpose is proven by signatures of both dims only
+_ROUND_TRIPS = {
+    torch.float64: (torch.float32, torch.bfloat16, torch.float16),
+    torch.float32: (torch.bfloat16, torch.float16, torch.float8_e4m3fn, torch.float8_e5m2),
+    torch.bfloat16: (torch.float8_e4m3fn, torch.float8_e5m2),
+    torch.float16: (torch.float8_e4m3fn, torch.float8_e5m2),
+}
+
+
+def _name(dtype: torch.dtype | None) -> str:
+    return "?" if dtype is None else str(dtype).removeprefix("torch.")
+
+
+def analyze_pair(ref: TensorView, act: TensorView, hints: Sequence[Hint], block_bytes: int) -> Finding:
+    """The finding that explains ``act`` (known to differ from ``ref``), with the transform when one holds.
+
+    ``key`` of the finding is ``act.name``; evidence always has both shapes and dtypes.
+    """
+    evidence: dict[str, Any] = {
+        "expected_shape": list(ref.stored_shape), "actual_shape": list(act.stored_shape),
+        "expected_dtype": _name(ref.dtype), "actual_dtype": _name(act.dtype),
+    }
+    if len(act.keys) > 1:
+        evidence["hf_keys"] = list(act.keys)
+    key = act.name
+    if ref.dtype is None or act.dtype is None:
+        kind = "shape_mismatch" if ref.shape != act.shape else "value_mismatch"
+        return Finding(kind, key, evidence, "this dtype is compared as bytes only: the bytes differ")
+    if ref.dtype != act.dtype:
+        return _dtype(ref, act, key, evidence, block_bytes)
+    if ref.numel() == 0 or act.numel() == 0:
+        return Finding("shape_mismatch", key, evidence, "one side is empty: the tensor was never written")
+    sig_ref, sig_act = signatures(ref, block_bytes), signatures(act, block_bytes)
+    if ref.shape != act.shape:
+        found = _resized(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes)
+        if found is not None:
+            return found
+        return Finding("shape_mismatch", key, evidence,
+                       "no replication, shard, padding or transpose explains the shapes: is it another "
+                       "parameter's tensor, or saved from a different model config?")
+    found = _permuted(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes)
+    if found is not None:
+        return found
+    found = _round_trip(ref, act, key, evidence, block_bytes)
+    if found is not None:
+        return found
+    return _value_mismatch(ref, act, key, evidence, block_bytes)
+
+
+def _finding(c: Candidate, key: str, evidence: dict[str, Any], extra: dict[str, Any] | None = None) -> Finding:
+    ev = {**evidence, "transform": c.transform, **{k: v for k, v in c.details if v is not None}, **(extra or {})}
+    return Finding(c.kind, key, ev, c.hint)
+
+
+def _try(candidates, ref, act, sig_ref, sig_act, key, evidence, block_bytes) -> Finding | None:
+    for c in candidates:
+        if signature_holds(c, sig_ref, sig_act):
+            exact, nonzero = verify_map(ref, act, c, block_bytes)
+            if exact:
+                extra = {"verified": "bit for bit"}
+                if c.kind == "padding_not_trimmed":
+                    extra["padding_nonzero_elements"] = nonzero
+                return _finding(c, key, evidence, extra)
+    return None
+
+
+def _transposed(ref, act, sig_ref: Signatures, sig_act: Signatures, key, evidence, block_bytes) -> Finding | None:
+    if len(ref.shape) != 2 or act.shape != ref.shape[::-1] or sig_ref.s1 is None or sig_act.s1 is None:
+        return None
+    if not (torch.equal(sig_act.s0, sig_ref.s1) and torch.equal(sig_act.s1, sig_ref.s0)):
+        return None
+    if ref.nbytes <= EXACT_TRANSPOSE_BYTES:
+        if not verify_transpose(ref, act, block_bytes):
+            return None
+        how = "bit for bit"
+    else:
+        how = "64-bit signatures of every row and every column"
+    return Finding("permuted", key, {**evidence, "transform": "transposed", "verified": how},
+                   "the tensor is stored transposed ([in, out] instead of [out, in]): transpose it when saving, "
+                   "or fix the adapter (Conv1D-style weights are stored [in, out])")
+
+
+def _resized(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes) -> Finding | None:
+    found = _transposed(ref, act, sig_ref, sig_act, key, evidence, block_bytes)
+    if found is not None:
+        return found
+    differing = [d for d in range(len(ref.shape)) if len(ref.shape) == len(act.shape) and ref.shape[d] != act.shape[d]]
+    if len(differing) != 1 or differing[0] > 1:
+        return None
+    dim = differing[0]
+    s_ref = sig_ref.s0 if dim == 0 else sig_ref.s1
+    s_act = sig_act.s0 if dim == 0 else sig_act.s1
+    if s_ref is None or s_act is None:
+        return None
+    return _try(resized_candidates(ref.shape[dim], act.shape[dim], dim, hints, s_ref, s_act),
+                ref, act, sig_ref, sig_act, key, evidence, block_bytes)
+
+
+def _permuted(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes) -> Finding | None:
+    dims = [0] + ([1] if sig_ref.s1 is not None and len(ref.shape) >= 2 else [])
+    dims.sort(key=lambda d: 0 if any(h.dim == d for h in hints) else 1)
+    for dim in dims:
+        found = _try(same_length_candidates(ref.shape[dim], dim, hints, key),
+                     ref, act, sig_ref, sig_act, key, evidence, block_bytes)
+        if found is not None:
+            return found
+    if len(ref.shape) == 2 and ref.shape[0] == ref.shape[1]:
+        found = _transposed(ref, act, sig_ref, sig_act, key, evidence, block_bytes)
+        if found is not None:
+            return found
+    for dim in dims:
+        found = _any_permutation(ref, act, sig_ref, sig_act, dim, key, evidence, block_bytes)
+        if found is not None:
+            return found
+    return None
+
+
+def _any_permutation(ref, act, sig_ref, sig_act, dim, key, evidence, block_bytes) -> Finding | None:
+    """A reordering of slices no named transform explains: recover it from signatures, name its blocks."""
+    s_ref = sig_ref.s0 if dim == 0 else sig_ref.s1
+    s_act = sig_act.s0 if dim == 0 else sig_act.s1
+    if s_ref is None or s_act is None or not torch.equal(torch.sort(s_ref).values, torch.sort(s_act).values):
+        return None
+    where: dict[int, list[int]] = {}
+    for i, s in enumerate(s_ref.tolist()):
+        where.setdefault(s, []).append(i)
+    src = torch.tensor([where[s].pop(0) for s in s_act.tolist()], dtype=torch.int64)
+    n = len(src)
+    starts = [0] + [i for i in range(1, n) if int(src[i]) != int(src[i - 1]) + 1]
+    block = math.gcd(*starts, n) if len(starts) > 1 else n
+    order = (src[::block] // block).tolist()
+    c = Candidate("permuted", dim, src, f"slices reordered on dim {dim} in blocks of {block}: block order {order[:16]}"
+                  + (" ..." if len(order) > 16 else ""),
+                  "the shards were reassembled in another order than they were cut: compare the block order with "
+                  "the mesh's rank order for this parameter (a wrong mesh dim order, or a wrong interleave)",
+                  (("block", block),))
+    exact, _ = verify_map(ref, act, c, block_bytes)
+    return _finding(c, key, evidence, {"verified": "bit for bit"}) if exact else None
+
+
+def _blockwise_equal(ref: TensorView, act: TensorView, fn, block_bytes: int) -> bool:
+    step = act.rows_per_block(block_bytes, 4)
+    for a in range(0, act.shape[0], step):
+        b = min(act.shape[0], a + step)
+        if not torch.equal(bits(fn(ref.read_rows(a, b))), bits(act.read_rows(a, b))):
+            return False
+    return True
+
+
+def _dtype(ref, act, key, evidence, block_bytes) -> Finding:
+    if ref.shape == act.shape and _blockwise_equal(ref, act, lambda t: t.to(act.dtype), block_bytes):
+        return Finding("dtype_mismatch", key, {**evidence, "transform": f"cast to {_name(act.dtype)}",
+                                               "verified": "bit for bit"},
+                       f"saved as {_name(act.dtype)}, expected {_name(ref.dtype)}; the values are exactly the cast: "
+                       "save this key in the expected dtype (check fp32_keys_pattern and the save dtype)")
+    if ref.shape == act.shape:
+        evidence = {**evidence, **_stats(ref, act, block_bytes)}
+    return Finding("dtype_mismatch", key, evidence,
+                   f"stored as {_name(act.dtype)}, expected {_name(ref.dtype)}, and the values differ beyond a cast")
+
+
+def _round_trip(ref, act, key, evidence, block_bytes) -> Finding | None:
+    for low in _ROUND_TRIPS.get(ref.dtype, ()):
+        if _blockwise_equal(ref, act, lambda t, low=low: t.to(low).to(ref.dtype), block_bytes):
+            return Finding("dtype_mismatch", key, {**evidence, "transform": f"round trip through {_name(low)}",
+                                                   "verified": "bit for bit"},
+                           f"the values are the reference rounded to {_name(low)} and back: a {_name(low)} copy "
+                           f"was saved as {_name(ref.dtype)}; save from the full-precision weights")
+    return None
+
+
+def _stats(ref: TensorView, act: TensorView, block_bytes: int) -> dict[str, Any]:
+    """Elements that differ, max abs diff (finite values), first differing flat index, all-zero actual."""
+    differ, max_abs, first, nonzero = 0, 0.0, None, 0
+    step = act.rows_per_block(block_bytes, 8)
+    row = math.prod(act.shape[1:])
+    for a in range(0, act.shape[0], step):
+        b = min(act.shape[0], a + step)
+        x, y = ref.read_rows(a, b), act.read_rows(a, b)
+        mask = bits(x.to(y.dtype)) != bits(y) if x.dtype != y.dtype else bits(x) != bits(y)
+        count = int(mask.sum())
+        if count and first is None:
+            first = a * row + int(torch.nonzero(mask.reshape(-1))[0])
+        differ += count
+        nonzero += int(torch.count_nonzero(bits(y)))
+        if y.dtype.is_floating_point or y.dtype.is_complex or x.dtype.is_floating_point:
+            diff = (x.double() - y.double()).abs()
+            diff = diff[torch.isfinite(diff)]
+            if diff.numel():
+                max_abs = max(max_abs, float(diff.max()))
+        else:
+            diff = (x.long() - y.long()).abs()
+            if diff.numel():
+                max_abs = max(max_abs, float(diff.max()))
+    out: dict[str, Any] = {"differing_elements": differ, "of": act.numel(), "max_abs_diff": max_abs,
+                           "first_differing_index": first}
+    if nonzero == 0:
+        out["actual_all_zero"] = True
+    return out
+
+
+def _value_mismatch(ref, act, key, evidence, block_bytes) -> Finding:
+    stats = _stats(ref, act, block_bytes)
+    if stats.get("actual_all_zero"):
+        hint = "the tensor is all zeros: it was never written (or never loaded before saving)"
+    else:
+        hint = ("no layout transform (interleave, rank order, gate/up swap, transpose) or precision round trip "
+                "reproduces these values: the weights themselves differ (another step, another run, or a bug "
+                "upstream of the save)")
+    return Finding("value_mismatch", key, {**evidence, **stats}, hint)

@@ -1,0 +1,120 @@
+"""``workbench inspect | diff | diagnose``: the debug subcommands; exit status 0 healthy, 1 findings, 2 unreadable."""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections.abc import Sequence
+from typing import Any
+
+__all__ = ["main", "register"]
+
+_INSPECT = """Summarize a checkpoint from its headers only (no tensor data is read): keys grouped by layer
+pattern, shapes, dtypes, bytes per file, parameter count, index consistency, unfinished saves beside it
+and workbench's layout fingerprint.
+
+examples:
+  workbench inspect exp/hf-100
+  workbench inspect exp/dcp-100 --allow-pickle --json"""
+_DIFF = """Compare checkpoint B with the reference A key by key; for every tensor that differs, name the
+transform that reproduces it exactly (interleave gathered as contiguous, rank order, gate/up swap,
+transpose, replicated concat, one shard only, untrimmed padding, renamed keys, dtype round trips).
+
+examples:
+  workbench diff exp/hf-100-good exp/hf-100
+  workbench diff exp/good exp/suspect --layout sample_meshes/toy_expert_tp.toml --json"""
+_DIAGNOSE = """Say what is wrong with a checkpoint, judged against a reference checkpoint (values compared)
+or a layout file (keys, shapes and dtypes; shape bugs named from the layout's cuts).
+
+examples:
+  workbench diagnose exp/hf-100 --expected exp/hf-100-good
+  workbench diagnose exp/hf-100 --expected sample_meshes/toy_expert_tp.toml --json"""
+
+
+def _block(text: str) -> int:
+    units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "b": 1}
+    lowered = text.strip().lower()
+    for unit, size in units.items():
+        if lowered.endswith(unit):
+            return int(float(lowered[: -len(unit)]) * size)
+    return int(lowered)
+
+
+def register(subparsers: Any) -> None:
+    """Add ``inspect``, ``diff`` and ``diagnose`` to a parser's subparsers (each sets ``func``)."""
+    fmt = argparse.RawDescriptionHelpFormatter
+    p = subparsers.add_parser("inspect", help="summarize a checkpoint's headers (no tensor data read)",
+                              description=_INSPECT, formatter_class=fmt)
+    p.add_argument("path", help="HF folder, .safetensors file, or DCP folder")
+    p.add_argument("--allow-pickle", action="store_true",
+                   help="read a DCP folder's .metadata (a pickle: only for checkpoints you trust)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    p.set_defaults(func=_inspect)
+
+    p = subparsers.add_parser("diff", help="compare checkpoint B with reference A and explain each difference",
+                              description=_DIFF, formatter_class=fmt)
+    p.add_argument("a", help="the reference checkpoint")
+    p.add_argument("b", help="the checkpoint to judge")
+    p.add_argument("--layout", default=None, help="training layout file (TOML): its cuts are tried first")
+    p.add_argument("--block-size", type=_block, default=32 << 20, help="largest read at once (default 32MiB)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_diff)
+
+    p = subparsers.add_parser("diagnose", help="what is wrong with a checkpoint, against a reference or layout",
+                              description=_DIAGNOSE, formatter_class=fmt)
+    p.add_argument("path", help="the checkpoint to judge")
+    p.add_argument("--expected", required=True, help="reference checkpoint, or layout file (.toml)")
+    p.add_argument("--layout", default=None, help="with a reference checkpoint: the training layout (TOML)")
+    p.add_argument("--block-size", type=_block, default=32 << 20, help="largest read at once (default 32MiB)")
+    p.add_argument("--json", action="store_true", help="print JSON instead of text")
+    p.set_defaults(func=_diagnose)
+
+
+def _emit(result: Any, as_json: bool) -> int:
+    print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
+    return result.exit_status
+
+
+def _load_layout(path: str | None) -> Any:
+    if path is None:
+        return None
+    from workbench.layout.layout_file import load_layout
+
+    return load_layout(path)
+
+
+def _inspect(args: argparse.Namespace) -> int:
+    from workbench.debug.inspect import inspect_checkpoint
+
+    return _emit(inspect_checkpoint(args.path, allow_pickle=args.allow_pickle), args.json)
+
+
+def _diff(args: argparse.Namespace) -> int:
+    from workbench.debug.diff import diff_checkpoints
+
+    return _emit(diff_checkpoints(args.a, args.b, layout=_load_layout(args.layout), block_bytes=args.block_size),
+                 args.json)
+
+
+def _diagnose(args: argparse.Namespace) -> int:
+    from workbench.debug.diagnose import diagnose
+
+    report = diagnose(args.path, args.expected, layout=_load_layout(args.layout), block_bytes=args.block_size)
+    return _emit(report, args.json)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Run one debug subcommand (``python -m workbench.debug.cli inspect PATH``); return its exit status."""
+    parser = argparse.ArgumentParser(prog="workbench", description="Debug sharded HF checkpoints.")
+    register(parser.add_subparsers(dest="command", metavar="COMMAND", required=True))
+    args = parser.parse_args(argv)
+    try:
+        return int(args.func(args))
+    except Exception as exc:  # unreadable input of any kind: status 2, one line
+        print(f"workbench {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+        return 2
+
+
+if __name__ == "__main__":
+    sys.exit(main())

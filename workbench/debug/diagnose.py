@@ -1,0 +1,164 @@
+"""diagnose: what is wrong with a checkpoint, judged against a reference checkpoint, a Layout or a model."""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping
+from pathlib import Path
+from typing import Any
+
+import torch
+
+from workbench.debug.diff import compare_sources, diff_checkpoints, open_checkpoint
+from workbench.debug.findings import Finding, Report
+from workbench.debug.renames import find_renames, rename_hint
+from workbench.debug.source import DEFAULT_BLOCK_BYTES, MemorySource
+from workbench.io.index import safetensors_dtype
+from workbench.layout.model_layout import Layout
+
+__all__ = ["diagnose"]
+
+_SHAPES_ONLY = "shapes only: a layout has no values; diagnose against a reference checkpoint to check the data"
+
+
+def diagnose(
+    path: Path | str,
+    expected: Any,
+    *,
+    layout: Layout | None = None,
+    block_bytes: int = DEFAULT_BLOCK_BYTES,
+) -> Report:
+    """Explain what is wrong with the checkpoint at ``path``; a ``Report`` with no findings when healthy.
+
+    Args:
+        path: the checkpoint to judge (HF folder or ``.safetensors`` file).
+        expected: what it should be: a reference checkpoint path; a layout file (``.toml``) or a
+            ``Layout`` (keys, shapes and dtypes are checked, and shape bugs named from the layout's cuts:
+            values cannot be checked without a reference); or an ``nn.Module`` / state dict keyed by HF
+            keys (values are compared, DTensors gathered with ``full_tensor()``).
+        layout: with a reference checkpoint or model, the training layout: its cuts are tried first and
+            fused parameters are analyzed across their HF keys.
+        block_bytes: the largest block read at once (memory stays bounded by a few blocks).
+
+    Example::
+
+        >>> report = wb.diagnose("exp/hf-100", expected="exp/hf-100-reference")   # doctest: +SKIP
+        >>> print(report)                                                          # doctest: +SKIP
+    """
+    if isinstance(expected, Layout):
+        return _against_layout(path, expected)
+    if isinstance(expected, str | Path):
+        if str(expected).endswith(".toml"):
+            from workbench.layout.layout_file import load_layout
+
+            return _against_layout(path, load_layout(expected))
+        return diff_checkpoints(expected, path, layout=layout, block_bytes=block_bytes)
+    if isinstance(expected, torch.nn.Module):
+        state: Mapping[str, Any] = expected.state_dict()
+        label = type(expected).__name__
+    elif isinstance(expected, Mapping):
+        state, label = expected, "state dict"
+    else:
+        raise TypeError(
+            f"diagnose: expected must be a checkpoint path, a layout (.toml or Layout), an nn.Module or a state "
+            f"dict, got {type(expected).__name__}"
+        )
+    act, findings, error = open_checkpoint(path, block_bytes)
+    if act is None:
+        return Report(subject=str(path), reference=label, findings=findings, stats={"error": error}, readable=False)
+    try:
+        return compare_sources(MemorySource(state, label=label), act, layout=layout, block_bytes=block_bytes,
+                               findings=findings, subject=str(path), reference=label)
+    finally:
+        act.close()
+
+
+def _expected_keys(layout: Layout) -> dict[str, tuple[tuple[int, ...], str, str]]:
+    """``{hf_key: (checkpoint shape, safetensors dtype, parameter)}`` the layout promises."""
+    out = {}
+    for name, spec in layout.specs.items():
+        shape = list(spec.visible_shape)
+        if spec.fused_dim is not None:
+            shape[spec.fused_dim] //= len(spec.hf_keys)
+        dtype = safetensors_dtype(layout.dtype(name))
+        for key in spec.hf_keys:
+            out[key] = (tuple(shape), dtype, name)
+    return out
+
+
+def _explain_shape(layout: Layout, name: str, want: tuple[int, ...], got: tuple[int, ...]) -> tuple[str, str, str]:
+    """``(kind, transform, hint)`` naming the layout cut that a wrong shape comes from."""
+    spec = layout.specs[name]
+    if len(want) == 2 and got == want[::-1] and want != got:
+        return "permuted", "transposed", "the tensor is stored transposed: transpose it when saving"
+    diff = [d for d in range(len(want)) if len(got) == len(want) and want[d] != got[d]]
+    if len(diff) == 1:
+        d = diff[0]
+        n, m = want[d], got[d]
+        if spec.origin_shape is not None and spec.fused_dim is None and m == spec.global_shape[d]:
+            return ("padding_not_trimmed", f"{m - n} padding rows kept on dim {d} (global_shape {m}, origin {n})",
+                    "trim the tail padding to origin_shape before saving")
+        for shard in spec.shards:
+            w = layout.mesh.group_size(shard.mesh_dim)
+            if shard.dim == d and w > 1 and m in {-(-n // w), n // w}:
+                return ("partial_shard", f"the shape of one rank's shard under {shard} ({w} ranks)",
+                        "only a local shard was saved: save full tensors (full_tensor() or wb.save_hf)")
+        cut = math.prod(layout.mesh.group_size(s.mesh_dim) for s in spec.shards)
+        if m > n and m % n == 0 and m // n <= layout.mesh.size // max(1, cut):
+            return ("replicated_concat", f"{m // n} copies concatenated on dim {d}",
+                    "a replicated tensor was gathered as if sharded: save one copy")
+    return "shape_mismatch", "", "the checkpoint's shape is not the layout's: saved from another model config?"
+
+
+def _against_layout(path: Path | str, layout: Layout) -> Report:
+    act, findings, error = open_checkpoint(path)
+    subject, reference = str(path), f"layout {layout.name}"
+    if act is None:
+        return Report(subject=subject, reference=reference, findings=findings, stats={"error": error}, readable=False)
+    try:
+        metas = act.metas()
+        expected = _expected_keys(layout)
+        out = list(findings)
+        missing = [k for k in expected if k not in metas]
+        unexpected = [k for k in metas if k not in expected]
+        renames = find_renames(missing, unexpected, lambda e, a: expected[e][0] == metas[a].shape)
+        renamed = {r.expected: r.actual for r in renames}
+        for r in renames:
+            out.append(Finding("renamed_key", r.actual, {"expected_key": r.expected, "transform": f"rename {r.rule}"},
+                               rename_hint([r])))
+        done = set(renamed.values())
+        for k in missing:
+            if k not in renamed:
+                out.append(Finding("missing_key", k, {"expected_shape": list(expected[k][0]),
+                                                      "parameter": expected[k][2]},
+                                   "the layout has this key but the checkpoint does not: re-save with it"))
+        for k in unexpected:
+            if k not in done:
+                out.append(Finding("unexpected_key", k, {"shape": list(metas[k].shape), "dtype": metas[k].dtype},
+                                   "the layout has no such key: drop it, or add it to the key map"))
+        for key, (shape, dtype, name) in expected.items():
+            stored = renamed.get(key, key)
+            if stored not in metas:
+                continue
+            meta = metas[stored]
+            evidence = {"expected_shape": list(shape), "actual_shape": list(meta.shape), "parameter": name}
+            if meta.shape != shape:
+                kind, transform, hint = _explain_shape(layout, name, shape, meta.shape)
+                if transform:
+                    evidence.update(transform=transform, verified=_SHAPES_ONLY)
+                out.append(Finding(kind, stored, evidence, hint))
+            elif meta.dtype != dtype:
+                out.append(Finding("dtype_mismatch", stored, {**evidence, "expected_dtype": dtype,
+                                                              "actual_dtype": meta.dtype},
+                                   "stored in another dtype than the layout's: check the save dtype and "
+                                   "fp32_keys_pattern"))
+        stats: dict[str, Any] = {"keys": len(metas), "expected_keys": len(expected)}
+        fps = {m.get("layout") for m in act.index.file_metadata.values() if m.get("layout")}
+        if fps:
+            mine = layout.fingerprint()
+            stats["layout_fingerprint"] = (
+                "same as the layout" if fps == {mine} else f"saved from layout {sorted(fps)}, this layout is {mine}"
+            )
+        return Report(subject=subject, reference=reference, findings=tuple(out), stats=stats)
+    finally:
+        act.close()

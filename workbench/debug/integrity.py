@@ -1,0 +1,208 @@
+"""Integrity of one checkpoint on disk, as findings: headers, index, files, unfinished saves.
+
+Builds on ``workbench.io.index.scan_checkpoint`` (which parses every header with its length and offsets
+bounds-checked before anything is allocated) and adds what a debugger needs on top: index paths that
+would escape the folder (refused before any file is opened), keys the index does not list,
+``metadata.total_size`` against the headers, and unfinished saves (``.NAME.incomplete``) beside the path.
+"""
+
+from __future__ import annotations
+
+import json
+import re
+from dataclasses import dataclass
+from pathlib import Path
+
+from workbench.debug.findings import Finding
+from workbench.io.index import INDEX_NAME, CheckpointIndex, KeyInfo, read_header, scan_checkpoint
+from workbench.io.publish import OLD_SUFFIX
+from workbench.io.publish_types import is_temporary_path, temporary_path
+
+__all__ = ["ScanResult", "scan_for_findings"]
+
+_KEY_IN_PROBLEM = re.compile(r"key '((?:[^'\\]|\\.)*)'")
+_UNREADABLE = ("does not exist", "not a checkpoint", "cannot read", f"no {INDEX_NAME} and no")
+
+
+@dataclass(frozen=True, slots=True)
+class ScanResult:
+    """A checkpoint's parsed index (None when nothing could be parsed), its findings, and why it is unreadable."""
+
+    index: CheckpointIndex | None
+    findings: tuple[Finding, ...]
+    error: str = ""
+
+
+def _classify(problem: str, directory: Path) -> Finding:
+    """One problem string of ``scan_checkpoint`` -> a Finding (the io layer words each problem by its kind)."""
+    where, _, detail = problem.partition(": ")
+    file = _relative(Path(where), directory)
+    match = _KEY_IN_PROBLEM.search(detail)
+    key = match.group(1) if match and "weight_map" in detail else file
+    evidence = {"file": file, "detail": detail}
+    if detail.startswith("truncated file"):
+        return Finding("truncated_file", key, evidence, "the write was interrupted: re-save the checkpoint, or "
+                       "restore this file from the copy it was made from")
+    if detail.startswith(("corrupt header", "corrupt file")):
+        return Finding("corrupt_header", key, evidence, "this file is not a valid safetensors file any more: "
+                       "re-save it; do not load this checkpoint")
+    if detail.startswith("missing file"):
+        return Finding("index_inconsistent", key, evidence, "copy the missing file (an incomplete copy or "
+                       "upload?), or re-save the checkpoint")
+    return Finding("index_inconsistent", key, evidence, "the index and the files come from different saves: "
+                   "re-save, or rebuild the index from the files' headers")
+
+
+def _relative(path: Path, directory: Path) -> str:
+    try:
+        return str(path.relative_to(directory))
+    except ValueError:
+        return str(path)
+
+
+def _escaping(directory: Path, files: set[str]) -> list[str]:
+    """Weight-map file names that leave ``directory`` (absolute, ``..``, or a link out of it)."""
+    root = directory.resolve()
+    bad = []
+    for name in sorted(files):
+        parts = Path(name).parts
+        if not name or Path(name).is_absolute() or ".." in parts or len(parts) != 1:
+            bad.append(name)
+            continue
+        try:
+            target = (directory / name).resolve()
+        except (OSError, RuntimeError):
+            bad.append(name)
+            continue
+        if not target.is_relative_to(root):
+            bad.append(name)
+    return bad
+
+
+def _siblings(path: Path) -> list[Finding]:
+    out = []
+    if is_temporary_path(path):
+        out.append(Finding("incomplete_checkpoint", "", {"path": str(path)},
+                           "this is an unpublished save (finalize never ran): load the published checkpoint "
+                           "beside it instead, and delete this folder (wb.clean_incomplete)"))
+        return out
+    pending = temporary_path(path)
+    if pending.exists():
+        out.append(Finding("incomplete_checkpoint", "", {"unfinished_save": str(pending)},
+                           f"a later save to {path.name} never finished; {path.name} itself is the previous "
+                           "complete checkpoint. Find why that save failed, then remove the leftover "
+                           "(wb.clean_incomplete)"))
+    aside = path.with_name(f".{path.name}{OLD_SUFFIX}")
+    if aside.exists():
+        out.append(Finding("incomplete_checkpoint", "", {"moved_aside": str(aside)},
+                           "a publish was interrupted between its two renames; the next save repairs it, or "
+                           f"move {aside.name} back to {path.name} by hand if {path.name} is missing"))
+    return out
+
+
+def _index_files(index_file: Path) -> set[str] | None:
+    try:
+        body = json.loads(index_file.read_text(encoding="utf-8"))
+        weight_map = body["weight_map"]
+        return {v for v in weight_map.values() if isinstance(v, str)}
+    except Exception:
+        return None  # scan_checkpoint words this problem
+
+
+def _safe_header(path: Path) -> tuple[dict[str, KeyInfo], dict[str, str], list[str]]:
+    """``read_header``, with any parser crash on a hostile header worded as a corrupt header."""
+    try:
+        return read_header(path)
+    except Exception as exc:  # workbench.io's parser assumes some JSON types; a crash means a corrupt header
+        return {}, {}, [f"{path}: corrupt header: it does not parse as safetensors ({type(exc).__name__}: {exc})"]
+
+
+def _scan_without(directory: Path, index_file: Path | None, bad: set[str], findings: list[Finding],
+                  lone: Path | None = None) -> CheckpointIndex:
+    """Parse the weight-map entries whose file stays in the folder (the others are findings already), one
+    header at a time, each parser failure a finding; ``lone`` is a single file without index."""
+    if index_file is not None:
+        body = json.loads(index_file.read_text(encoding="utf-8"))
+        weight_map = {k: v for k, v in body["weight_map"].items() if isinstance(v, str) and v not in bad}
+    else:
+        assert lone is not None
+        header, _, _ = _safe_header(lone)
+        weight_map = dict.fromkeys(header, lone.name)
+        if not weight_map:
+            _, _, problems = _safe_header(lone)
+            findings.extend(_classify(p, directory) for p in problems)
+            return CheckpointIndex(directory=directory, weight_map={}, total_size=None, files=(lone.name,), keys={})
+    keys: dict[str, KeyInfo] = {}
+    metadata: dict[str, dict[str, str]] = {}
+    for file in sorted(set(weight_map.values())):
+        if not (directory / file).is_file():
+            findings.append(_classify(f"{directory / file}: missing file: named by the weight_map", directory))
+            continue
+        header, meta, problems = _safe_header(directory / file)
+        findings.extend(_classify(p, directory) for p in problems)
+        metadata[file] = meta
+        for key, f in weight_map.items():
+            if f == file and key in header:
+                keys[key] = header[key]
+    return CheckpointIndex(directory=directory, weight_map=weight_map, total_size=None,
+                           files=tuple(sorted(set(weight_map.values()))), keys=keys, file_metadata=metadata,
+                           index_file=index_file)
+
+
+def scan_for_findings(path: Path | str) -> ScanResult:
+    """Parse ``path`` (an HF folder, a folder with ``model.safetensors``, or one ``.safetensors`` file)
+    and word every problem as a Finding; never raises for a damaged checkpoint.
+
+    ``error`` is set when nothing could be read (no such path, not a checkpoint); the findings still
+    name unfinished saves found beside it.
+    """
+    path = Path(path)
+    findings = _siblings(path)
+    index_file = path / INDEX_NAME if path.is_dir() else (path if path.name == INDEX_NAME else None)
+    if index_file is not None and index_file.is_file():
+        directory = index_file.parent
+        files = _index_files(index_file)
+        bad = set(_escaping(directory, files)) if files is not None else set()
+        if bad:
+            for name in sorted(bad):
+                findings.append(Finding("index_inconsistent", name, {"file": name, "detail": "the weight_map names "
+                                "a file outside the checkpoint folder; it was not opened"},
+                                "a checkpoint must only name files in its own folder: this index was edited or "
+                                "crafted; rebuild it from the files' headers"))
+            try:
+                index = _scan_without(directory, index_file, bad, findings)
+            except (OSError, ValueError):
+                return ScanResult(None, tuple(findings), f"{index_file}: unreadable index")
+            return ScanResult(index, tuple(findings))
+    elif path.is_file() and path.suffix == ".safetensors" and _escaping(path.parent, {path.name}):
+        return ScanResult(None, tuple(findings), f"{path}: a link to a file outside its folder; not opened")
+    try:
+        index, problems = scan_checkpoint(path)
+    except Exception:  # a hostile header or index that workbench.io's parser does not survive: go file by file
+        return _fallback(path, findings)
+    unreadable = [p for p in problems if any(u in p for u in _UNREADABLE)]
+    if index is None or unreadable:
+        error = "; ".join(unreadable or problems) or f"{path}: not a checkpoint"
+        return ScanResult(index, tuple(findings), error)
+    findings.extend(_classify(p, index.directory) for p in problems)
+    for file, extra in index.unlisted_keys.items():
+        for key in extra:
+            findings.append(Finding("index_inconsistent", key, {"file": file, "detail": "in the file's header but "
+                            "not in the weight_map, so HF loaders ignore it"},
+                            "the index is stale: rebuild it from the headers, or re-save"))
+    if not problems and index.total_size is not None and index.total_size != index.data_bytes:
+        findings.append(Finding("index_inconsistent", INDEX_NAME,
+                                {"total_size": index.total_size, "header_bytes": index.data_bytes},
+                                "metadata.total_size disagrees with the headers: the index was edited or comes "
+                                "from another save; rebuild it"))
+    return ScanResult(index, tuple(findings))
+
+
+def _fallback(path: Path, findings: list[Finding]) -> ScanResult:
+    try:
+        if path.is_dir() and (path / INDEX_NAME).is_file():
+            return ScanResult(_scan_without(path, path / INDEX_NAME, set(), findings), tuple(findings))
+        lone = path if path.is_file() else path / "model.safetensors"
+        return ScanResult(_scan_without(lone.parent, None, set(), findings, lone=lone), tuple(findings))
+    except Exception as exc:
+        return ScanResult(None, tuple(findings), f"{path}: unreadable: {type(exc).__name__}: {exc}")

@@ -1,0 +1,256 @@
+"""The transforms real checkpoint bugs produce, as maps between slices, tested on signatures then exactly.
+
+A candidate says: "actual slice ``i`` along ``dim`` is reference slice ``src[i]``" (``-1``: padding that
+the reference does not have). Candidates come from the layout's cuts (group size W, interleave factor F)
+when known, and otherwise from small factors:
+
+==========================  =========================  ==========================================
+bug                         finding kind               map (reference blocks of N / (W*F) rows)
+==========================  =========================  ==========================================
+interleaved gathered as     ``permuted``               block ``r*F + j`` holds block ``j*W + r``
+contiguous (W, F)
+contiguous treated as       ``permuted``               the inverse
+interleaved (W, F)
+wrong rank order            ``permuted``               reversed, or the two mesh dims of W swapped
+gate/up halves swapped      ``permuted``               halves swapped (in each of k groups)
+transposed                  ``permuted``               ``actual = reference.T``
+replicated x W              ``replicated_concat``      ``i -> i % N``
+one shard only              ``partial_shard``          rank r's rows (contiguous or interleaved)
+padding not trimmed         ``padding_not_trimmed``    ``i -> i`` for ``i < N``, then padding
+==========================  =========================  ==========================================
+
+A candidate is reported only when the data matches it exactly (bit for bit, streamed in blocks).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+
+import torch
+
+from workbench.debug.signatures import Signatures
+from workbench.debug.views import TensorView, bits
+
+__all__ = ["Candidate", "Hint", "resized_candidates", "same_length_candidates", "verify_map", "verify_transpose"]
+
+SMALL_W = (2, 3, 4, 6, 8, 16, 32, 64)
+SMALL_F = (2, 3, 4, 8)
+
+
+@dataclass(frozen=True, slots=True)
+class Hint:
+    """A cut the layout knows for a parameter: ``dim``, group size ``world``, interleave ``factor``, mesh dim."""
+
+    dim: int
+    world: int
+    factor: int = 1
+    mesh_dim: str = ""
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    """One transform hypothesis: a slice map along ``dim`` and how to word it if it holds."""
+
+    kind: str
+    dim: int
+    src: torch.Tensor
+    transform: str
+    hint: str
+    details: tuple[tuple[str, object], ...] = ()
+
+
+def _blocks(n: int, nb: int) -> torch.Tensor:
+    return torch.arange(n, dtype=torch.int64).reshape(nb, n // nb)
+
+
+def _block_map(n: int, order: Sequence[int], groups: int = 1) -> torch.Tensor:
+    """In each of ``groups`` equal pieces, actual block q holds reference block ``order[q]``."""
+    blocks = _blocks(n, groups * len(order))
+    index = torch.tensor([g * len(order) + o for g in range(groups) for o in order], dtype=torch.int64)
+    return blocks[index].reshape(-1)
+
+
+def _pairs(n: int, hints: Sequence[Hint], dim: int) -> Iterator[tuple[int, int, str, int]]:
+    """``(W, F, mesh dim, G)``: the layout's cuts on ``dim`` first (G = product of the cuts made before it on
+    that dim, inside whose pieces it applies), then small factors with G in 1, 2, 4, 8."""
+    seen = set()
+    outer = 1
+    for h in hints:
+        if h.dim != dim:
+            continue
+        for g in dict.fromkeys((outer, 1)):
+            if h.world > 1 and (h.world, h.factor, g) not in seen and n % (g * h.world * h.factor) == 0:
+                seen.add((h.world, h.factor, g))
+                yield h.world, h.factor, h.mesh_dim, g
+        outer *= h.world
+    for g in (1, 2, 4, 8):
+        for w in SMALL_W:
+            for f in (1, *SMALL_F):
+                if (w, f, g) not in seen and g * w * f <= n and n % (g * w * f) == 0:
+                    seen.add((w, f, g))
+                    yield w, f, "", g
+
+
+def _at(mesh_dim: str) -> str:
+    return f"@{mesh_dim}" if mesh_dim else ""
+
+
+def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str) -> Iterator[Candidate]:
+    """Permutations of ``n`` slices along ``dim`` that real gathers produce, layout hints first."""
+    fusedish = any(s in key for s in ("gate_up", "w13", "w1w3", "fused", "gate_proj"))
+    if fusedish and n % 2 == 0:
+        yield _halves(n, dim, 1)
+    for w, f, mesh_dim, g in _pairs(n, hints, dim):
+        inside = f" inside each of {g} outer shards" if g > 1 else ""
+        details = (("world", w), ("factor", f), ("outer_shards", g))
+        if f > 1:
+            order = [j * w + r for r in range(w) for j in range(f)]
+            cut = f"IS({dim},{f}){_at(mesh_dim)} over {w} ranks"
+            yield Candidate("permuted", dim, _block_map(n, order, g),
+                            f"interleaved shard gathered as contiguous ({cut}{inside})",
+                            f"the tensor is cut by an interleaved shard ({cut}) but its shards were concatenated "
+                            "as if the cut were contiguous: undo the interleave when gathering (workbench's save "
+                            "plan does), then re-save",
+                            details)
+            inverse = [0] * (w * f)
+            for q, src in enumerate(order):
+                inverse[src] = q
+            yield Candidate("permuted", dim, _block_map(n, inverse, g),
+                            f"contiguous shards assembled as interleaved ({cut}{inside})",
+                            f"the tensor was cut contiguously but reassembled as if interleaved ({cut}): gather "
+                            "a plain Shard with plain concatenation",
+                            details)
+        else:
+            yield Candidate("permuted", dim, _block_map(n, list(range(w))[::-1], g),
+                            f"rank order reversed (S({dim}){_at(mesh_dim)} over {w} ranks{inside})",
+                            f"the {w} shards were concatenated in reverse rank order: gather in group-rank order",
+                            details)
+            for w1 in range(2, w):
+                if w % w1 == 0:
+                    w2 = w // w1
+                    order = [b * w1 + a for a in range(w1) for b in range(w2)]
+                    yield Candidate("permuted", dim, _block_map(n, order, g),
+                                    f"rank order of a {w1}x{w2} mesh read column-major (S({dim}) over {w} ranks"
+                                    f"{inside})",
+                                    f"the shards were ordered by the wrong mesh dim first ({w1}x{w2} read as "
+                                    f"{w2}x{w1}): order the gather by the mesh's row-major rank order",
+                                    (*details, ("mesh", f"{w1}x{w2}")))
+    for k in (1, 2, 4, 8, 16, 32, 64, 128, 256):
+        if n % (2 * k) == 0 and not (k == 1 and fusedish):
+            yield _halves(n, dim, k)
+
+
+def _halves(n: int, dim: int, groups: int) -> Candidate:
+    order = [g * 2 + (1 - h) for g in range(groups) for h in range(2)]
+    where = "" if groups == 1 else f" in each of {groups} groups (experts)"
+    return Candidate("permuted", dim, _block_map(n, order), f"gate/up halves swapped{where} (dim {dim})",
+                     "the two halves of each fused block are in the other order (e.g. [up, gate] where the model "
+                     "expects [gate, up]): fix the fused order in the key map or the adapter",
+                     (("groups", groups),))
+
+
+def resized_candidates(n_ref: int, n_act: int, dim: int, hints: Sequence[Hint],
+                       sig_ref: torch.Tensor, sig_act: torch.Tensor) -> Iterator[Candidate]:
+    """Maps from ``n_ref`` reference slices to ``n_act`` actual ones: replication, one shard, padding."""
+    idx = torch.arange(n_act, dtype=torch.int64)
+    if n_act > n_ref > 0 and n_act % n_ref == 0:
+        k = n_act // n_ref
+        yield Candidate("replicated_concat", dim, idx % n_ref,
+                        f"replicated tensor concatenated {k} times on dim {dim}",
+                        f"a Replicate tensor was gathered as if it were sharded over {k} ranks, so each rank's "
+                        "full copy was concatenated: treat it as replicated and save one copy",
+                        (("copies", k),))
+    if n_act > n_ref:
+        src = torch.where(idx < n_ref, idx, torch.full_like(idx, -1))
+        yield Candidate("padding_not_trimmed", dim, src,
+                        f"{n_act - n_ref} padding slices kept on dim {dim} ({n_act} instead of {n_ref})",
+                        f"the runtime tensor carries tail padding (global_shape {n_act} vs origin_shape {n_ref} on "
+                        f"dim {dim}, e.g. for FP8 blocks or even chunks) and it was saved untrimmed: trim to the "
+                        "origin shape before saving (set origin_shape in the layout)",
+                        (("padding", n_act - n_ref),))
+    if 0 < n_act < n_ref:
+        for w, f, mesh_dim, g in _pairs(n_ref, hints, dim):
+            if f > 1 and g == 1 and n_act * w == n_ref:
+                run = n_ref // (w * f)
+                for r in range(w):
+                    src = torch.cat([torch.arange((j * w + r) * run, (j * w + r + 1) * run) for j in range(f)])
+                    if torch.equal(sig_act, sig_ref[src]):
+                        yield _partial(dim, src, f"rank {r}'s interleaved shard (IS({dim},{f}){_at(mesh_dim)} "
+                                       f"over {w} ranks)", r, w)
+        starts = torch.nonzero(sig_ref[: n_ref - n_act + 1] == sig_act[0]).flatten().tolist()
+        chunk = -(-n_ref // max(1, -(-n_ref // n_act)))
+        for start in starts[:64]:
+            src = torch.arange(start, start + n_act, dtype=torch.int64)
+            world = -(-n_ref // n_act)
+            rank = start // n_act if start % n_act == 0 else None
+            what = (f"rank {rank}'s contiguous shard of {world}" if rank is not None and chunk == n_act
+                    else "a contiguous shard")
+            yield _partial(dim, src, f"{what} (slices {start}:{start + n_act} of {n_ref} on dim {dim})", rank, world)
+
+
+def _partial(dim: int, src: torch.Tensor, what: str, rank: int | None, world: int) -> Candidate:
+    return Candidate("partial_shard", dim, src, f"only {what}",
+                     "only one rank's local shard was saved, not the full tensor: save full tensors "
+                     "(DTensor.full_tensor() or workbench's save_hf), not to_local()",
+                     (("rank", rank), ("world", world)))
+
+
+def signature_holds(c: Candidate, ref: Signatures, act: Signatures) -> bool:
+    """Whether ``c``'s map agrees with both signatures (a necessary condition)."""
+    sig_ref = ref.s0 if c.dim == 0 else ref.s1
+    sig_act = act.s0 if c.dim == 0 else act.s1
+    if sig_ref is None or sig_act is None or len(c.src) != len(sig_act):
+        return False
+    valid = c.src >= 0
+    return bool(torch.equal(sig_act[valid], sig_ref[c.src[valid]]))
+
+
+def _runs(src: torch.Tensor) -> Iterator[tuple[int, int, int]]:
+    """``(position, start, length)`` of consecutive increasing stretches of ``src``."""
+    values = src.tolist()
+    i = 0
+    while i < len(values):
+        j = i
+        while j + 1 < len(values) and values[j + 1] == values[j] + 1:
+            j += 1
+        yield i, values[i], j - i + 1
+        i = j + 1
+
+
+def verify_map(ref: TensorView, act: TensorView, c: Candidate, block_bytes: int) -> tuple[bool, int]:
+    """Compare ``act`` with ``ref`` mapped by ``c``, bit for bit, in blocks: ``(exact, nonzero padding)``."""
+    nonzero = 0
+    step = act.rows_per_block(block_bytes, 2)
+    n0 = act.shape[0]
+    for a in range(0, n0, step):
+        b = min(n0, a + step)
+        got = bits(act.read_rows(a, b))
+        if c.dim == 0:
+            src = c.src[a:b]
+            valid = src >= 0
+            if bool(valid.any()):
+                parts = [bits(ref.read_rows(s, s + n)) for _, s, n in _runs(src[valid])]
+                if not torch.equal(got[valid], torch.cat(parts)):
+                    return False, 0
+            nonzero += int(torch.count_nonzero(got[~valid]))
+        else:
+            want = bits(ref.read_rows(a, b))
+            valid = c.src >= 0
+            if not torch.equal(got[:, valid], want[:, c.src[valid]]):
+                return False, 0
+            nonzero += int(torch.count_nonzero(got[:, ~valid]))
+    return True, nonzero
+
+
+def verify_transpose(ref: TensorView, act: TensorView, block_bytes: int) -> bool:
+    """``act == ref.T`` bit for bit (2-d), reading ``act`` in row blocks and ``ref`` in column boxes."""
+    n = act.shape[0]
+    step = act.rows_per_block(block_bytes, 2)
+    for a in range(0, n, step):
+        b = min(n, a + step)
+        got = bits(act.read_rows(a, b))
+        want = bits(ref.read_box((0, ref.shape[0]), (a, b), block_bytes)).T
+        if not torch.equal(got, want):
+            return False
+    return True
