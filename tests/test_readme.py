@@ -28,4 +28,13 @@ def test_the_plans_example_runs() -> None:
 
     block = next(b for b in _blocks() if "plan_hf_load(5)" in b)
     layout = wb.load_layout(README.parent / "sample_meshes" / "toy_expert_tp.toml")
-    exec(compile(block, "README.md", "exec"), {"wb": wb, "layout": layout})
+    printed: list[str] = []
+    exec(compile(block, "README.md", "exec"), {"wb": wb, "layout": layout, "print": lambda x: printed.append(str(x))})
+    load, full, preserve = printed
+    # what the README's comments claim: exactly the owned slice is read; full undoes the cuts inner first;
+    # preserve("ep") keeps each EP rank's experts
+    assert "model.layers.0.mlp.experts.0.up_proj.weight[2:4, 0:4] -> local[0:2, 0:4]" in load
+    assert "1 read(s)" in load
+    steps = [line.split(" (")[0].strip() for line in full.splitlines()[1:]]
+    assert steps == ["1. gather S(0)@fsdp", "2. gather IS(0,2)@tp", "3. gather S(0)@ep"]
+    assert "keep S(0)@ep" in preserve and "(2 keys" in preserve

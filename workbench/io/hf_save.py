@@ -301,6 +301,7 @@ class _SaveSession:
         self.blocked_seconds = 0.0
         self.target = path.resolve()
         self.closed = False
+        self.prepared = False  # rank 0 made the temporary directory (only then may it remove it)
         self.stopped = False  # the save failed or ended: queued writes are skipped
         _IN_FLIGHT.add(self.target)
 
@@ -375,6 +376,7 @@ class _SaveSession:
             )
         if self.rank == 0:
             self.publisher.prepare()
+            self.prepared = True
             self.heartbeat = Heartbeat(self.publisher.temporary / MARKER_NAME)
 
     def gather(self, tensors: Mapping[str, torch.Tensor]) -> None:
@@ -514,7 +516,7 @@ class _SaveSession:
     def _abort(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        if self.rank == 0:
+        if self.rank == 0 and self.prepared:
             self.publisher.abort()
 
     def close(self, *, abandon: bool = False) -> None:

@@ -1,0 +1,91 @@
+"""Owner markers on unpublished saves: a live job's folder is never deleted; latest_checkpoint and
+clean_incomplete find the newest complete checkpoint and the stale leftovers."""
+
+from __future__ import annotations
+
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.errors import CheckpointError
+from workbench.io.ownership import MARKER_NAME, Owner, read_owner
+
+
+def _plant(directory: Path, *, job: str, host: str, pid: int, age: float = 0.0) -> None:
+    directory.mkdir()
+    marker = directory / MARKER_NAME
+    marker.write_text(json.dumps({"job": job, "host": host, "pid": pid, "started": time.time() - age}))
+    os.utime(marker, (time.time() - age, time.time() - age))
+    (directory / "model-00001-of-00002.safetensors").write_bytes(b"partial")
+
+
+@pytest.fixture
+def sleeper():
+    proc = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"])
+    yield proc.pid
+    proc.kill()
+    proc.wait()
+
+
+def test_a_live_jobs_incomplete_folder_is_not_deleted_by_a_new_save(tmp_path: Path, sleeper: int) -> None:
+    live = tmp_path / ".ckpt.incomplete"
+    _plant(live, job="SLURM_JOB_ID=4242", host=socket.gethostname(), pid=sleeper)
+    with pytest.raises(CheckpointError, match=r"belongs to a save still in progress \(job SLURM_JOB_ID=4242.*"
+                       r"clean_incomplete"):
+        wb.save_hf({"w": torch.ones(2)}, tmp_path / "ckpt")
+    assert (live / "model-00001-of-00002.safetensors").read_bytes() == b"partial"  # untouched
+    assert not (tmp_path / "ckpt").exists()
+
+
+def test_a_dead_jobs_folder_is_replaced_and_the_marker_is_not_published(tmp_path: Path) -> None:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    _plant(tmp_path / ".ckpt.incomplete", job="SLURM_JOB_ID=1", host=socket.gethostname(), pid=int(dead.stdout))
+    wb.save_hf({"w": torch.ones(2)}, tmp_path / "ckpt")
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+    assert MARKER_NAME not in {p.name for p in (tmp_path / "ckpt").iterdir()}
+
+
+def test_another_hosts_folder_is_live_until_its_heartbeat_is_stale() -> None:
+    now = time.time()
+    owner = Owner(job="SLURM_JOB_ID=7", host="node-that-is-not-here", pid=1, started=now - 900, heartbeat=now - 60)
+    assert owner.is_live(now=now)
+    assert not owner.is_live(now=now + 600)  # no heartbeat for 11 minutes: its job is gone
+
+
+def test_latest_checkpoint_and_clean_incomplete(tmp_path: Path, sleeper: int) -> None:
+    for step in (100, 20, 300):
+        wb.save_hf({"w": torch.full((2,), float(step))}, tmp_path / f"step-{step}")
+    (tmp_path / "step-400").mkdir()  # a directory that is no checkpoint (no index)
+    _plant(tmp_path / ".step-500.incomplete", job="SLURM_JOB_ID=9", host=socket.gethostname(), pid=sleeper)
+    _plant(tmp_path / ".step-600.incomplete", job="SLURM_JOB_ID=8", host="gone-host", pid=1, age=3600)
+    scan = wb.latest_checkpoint(tmp_path)
+    assert scan.path == tmp_path / "step-300" and os.fspath(scan) == str(tmp_path / "step-300")
+    assert scan.complete == (tmp_path / "step-300", tmp_path / "step-100", tmp_path / "step-20")
+    live = {s.target.name: s.live for s in scan.incomplete}
+    assert live == {"step-500": True, "step-600": False}
+    assert "LIVE" in str(scan) and read_owner(tmp_path / ".step-500.incomplete").pid == sleeper
+
+    removed, kept = wb.clean_incomplete(tmp_path)
+    assert removed == (tmp_path / ".step-600.incomplete",)
+    assert [k.path for k in kept] == [tmp_path / ".step-500.incomplete"]
+    removed, kept = wb.clean_incomplete(tmp_path, force=True)
+    assert removed == (tmp_path / ".step-500.incomplete",) and kept == ()
+    with pytest.raises(FileNotFoundError, match="no complete checkpoint"):
+        os.fspath(wb.latest_checkpoint(tmp_path / "step-400"))
+
+
+def test_config_files_may_not_overwrite_what_the_save_writes(tmp_path: Path) -> None:
+    fake = tmp_path / "src" / "model.safetensors.index.json"
+    fake.parent.mkdir()
+    fake.write_text("{}")
+    with pytest.raises(CheckpointError, match=r"would overwrite the index or weight files"):
+        wb.save_hf({"w": torch.ones(2)}, tmp_path / "ckpt", config_files=[fake])
+    assert not (tmp_path / "ckpt").exists() and not (tmp_path / ".ckpt.incomplete").exists()
