@@ -3,7 +3,7 @@
 The public API (DESIGN.md section 4); everything else is reachable through its subpackage.
 """
 
-from workbench import report
+from workbench import report, viz
 from workbench.debug import Finding, Report, diagnose, diff_checkpoints, inspect_checkpoint
 from workbench.io.hf_load import LoadReport, load_hf
 from workbench.io.hf_save import AsyncSave, SaveResult, save_hf
@@ -11,6 +11,7 @@ from workbench.io.ownership import clean_incomplete, latest_checkpoint
 from workbench.layout import InterleavedShard, LoadSpec, Run, ShardDescriptor, compute_runs
 from workbench.layout.layout_file import load_layout
 from workbench.layout.model_layout import Layout
+from workbench.layout.strided import strided_shard
 from workbench.mesh import MeshSpec
 from workbench.plan import HFLoadPlan, HFSavePlan, SavePolicy, UnshardSchedule, schedule_unshard
 from workbench.run.guard import LoadFailed, SaveFailed
@@ -52,4 +53,6 @@ __all__ = [
     "report",
     "save_hf",
     "schedule_unshard",
+    "strided_shard",
+    "viz",
 ]

@@ -56,6 +56,12 @@ class LoadReport:
                 lines.append(f"  {len(keys)} {what}: {list(keys[:5])}{' ...' if len(keys) > 5 else ''}")
         return "\n".join(lines)
 
+    def _repr_html_(self) -> str:
+        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
+        from workbench.viz.html import render_html
+
+        return render_html(self)
+
 
 def load_hf(
     model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],

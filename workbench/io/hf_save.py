@@ -80,6 +80,12 @@ class SaveResult:
             f"{self.calls} gather calls, {self.seconds:.2f} s)"
         )
 
+    def _repr_html_(self) -> str:
+        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
+        from workbench.viz.html import render_html
+
+        return render_html(self)
+
 
 @dataclass(eq=False)
 class AsyncSave:

@@ -1,0 +1,92 @@
+"""HTML reprs: every object renders a table and a picture, bounded in size, and never raises."""
+
+from __future__ import annotations
+
+import math
+import re
+import warnings
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+from tests.viz.support import SAMPLES, cases, expert_tp_16, owners_from_runs
+from workbench.io.hf_load import LoadReport
+from workbench.io.hf_save import SaveResult
+from workbench.layout.layout_file import load_layout
+from workbench.run.simulated import plan_save
+from workbench.viz._style import rank_colours
+from workbench.viz.html import render_html
+
+RECT = re.compile(r'<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)" fill="(#[0-9a-f]{6})"/>')
+
+
+def _objects(layout):
+    spec = max(layout.specs.values(), key=lambda s: math.prod(s.global_shape))
+    rank = layout.mesh.size - 1
+    schedule = plan_save(layout, ranks=[rank], budget_bytes=1 << 30).schedules[rank]
+    return [layout.mesh, spec, layout, spec.plan_hf_load(rank), spec.plan_hf_save(rank), schedule]
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
+def test_every_object_of_every_sample(path: Path) -> None:
+    layout = load_layout(path)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # a renderer that fails would warn and fall back: not here
+        for obj in _objects(layout):
+            text = obj._repr_html_()
+            assert text.startswith('<div class="workbench-repr"'), type(obj).__name__
+            assert "<table" in text and "<script" not in text
+            assert len(text) < 200_000, f"{type(obj).__name__}: {len(text)} characters"
+
+
+def test_layout_groups_repeated_layers() -> None:
+    layout = load_layout(next(p for p in SAMPLES if p.stem == "deepseek_v3_671b"))
+    text = layout._repr_html_()
+    assert "model.layers.{3..61}.mlp.experts.fused_w1w3" in text
+    assert "model.layers.3.mlp" not in text  # 989 parameters summarized by pattern, not listed
+    assert "989 in 28 pattern(s)" in text
+
+
+def test_spec_picture_colours_are_the_owners() -> None:
+    spec = expert_tp_16()  # 16 x 4: the 240 x 120 picture has one raster row per tensor row
+    text = spec._repr_html_()
+    colour = rank_colours(spec.mesh.size)
+    by_hex = {"#" + "".join(f"{round(255 * c):02x}" for c in colour(r)[:3]): r for r in spec.mesh.all_ranks()}
+    owners = owners_from_runs(spec)[:, 0]
+    rows = np.full(16, -2)
+    for _, y, _, h, fill in RECT.findall(text):
+        first, count = round(float(y) / 7.5), round(float(h) / 7.5)
+        rows[first : first + count] = by_hex[fill]
+    np.testing.assert_array_equal(rows, owners)
+    assert text.count('stroke-dasharray="3,2"') == 3  # boundaries between the 4 HF keys
+
+
+@pytest.mark.parametrize("name", sorted(cases()))
+def test_spec_cases_render(name: str) -> None:
+    spec = cases()[name]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        text = render_html(spec)
+    assert spec.describe_shards().replace(">", "&gt;") in text
+
+
+def test_results_render() -> None:
+    saved = SaveResult(path=Path("/tmp/ckpt"), rank=3, files=("model-00001-of-00002.safetensors",),
+                       bytes_written=4096, seconds=0.5, calls=7, predicted_peak_bytes=1 << 20)
+    text = render_html(saved)
+    assert ">4 KiB<" in text and ">1 MiB<" in text and ">8 KiB/s<" in text
+    loaded = LoadReport(path=Path("/tmp/ckpt"), rank=1, parameters=5, bytes_read=2048, bytes_owned=1024, seconds=0.1,
+                        missing=("a.weight",))
+    text = render_html(loaded)
+    assert "PROBLEMS" in text and "a.weight" in text and "2.000x" in text
+
+
+def test_a_failing_renderer_warns_and_shows_the_repr() -> None:
+    class LoadSpec:  # looks like one by name, but has none of its fields
+        def __repr__(self) -> str:
+            return "<broken & spec>"
+
+    with pytest.warns(RuntimeWarning, match="could not render LoadSpec"):
+        text = render_html(LoadSpec())
+    assert text.startswith("<pre") and "&lt;broken &amp; spec&gt;" in text
