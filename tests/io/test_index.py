@@ -342,3 +342,27 @@ def test_long_problem_lists_are_elided(tmp_path) -> None:
     message = str(info.value)
     assert message.startswith(f"checkpoint {tmp_path / 'c'} has 30 problems:")
     assert message.count("missing file") == 20 and message.endswith("... and 10 more")
+
+
+@pytest.mark.parametrize("target", ["../outside.safetensors", "/etc/passwd", "sub/model.safetensors", "link"])
+def test_an_index_naming_a_file_outside_the_folder_is_refused_without_opening_it(tmp_path, target) -> None:
+    outside = tmp_path / "outside.safetensors"
+    write_safetensors(outside, {"secret": torch.ones(2)})
+    ckpt = tmp_path / "ckpt"
+    save_checkpoint(ckpt, {"w": torch.ones(2)})
+    (ckpt / "link").symlink_to(outside)
+    edit_index(ckpt, lambda body: body["weight_map"].update({"secret": target}))
+    index, problems = scan_checkpoint(ckpt)
+    refused = [p for p in problems if "refused (not opened)" in p]
+    assert len(refused) == 1 and repr(target) in refused[0], problems
+    assert "secret" not in index.keys
+    with pytest.raises(CheckpointError, match="refused"):
+        read_checkpoint(ckpt)
+
+
+def test_a_header_with_a_non_string_dtype_is_a_problem_not_a_crash(tmp_path) -> None:
+    header = json.dumps({"w": {"dtype": ["F32"], "shape": [1], "data_offsets": [0, 4]}}).encode()
+    path = tmp_path / "model.safetensors"
+    path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
+    keys, _, problems = read_header(path)
+    assert keys == {} and any("unknown dtype ['F32']" in p for p in problems), problems

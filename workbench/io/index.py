@@ -256,7 +256,7 @@ def _parse_entry(path: Path, name: str, key: str, entry: object, problems: list[
         problems.append(f"{path}: corrupt header: key {key!r} has entry {entry!r:.120}, expected an object")
         return None
     dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
-    if dtype not in _DTYPE_BITS:
+    if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
         problems.append(f"{path}: corrupt header: key {key!r} has unknown dtype {dtype!r}")
         return None
     if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
@@ -326,6 +326,19 @@ def _read_index(index_file: Path, problems: list[str]) -> tuple[dict[str, str], 
     return weight_map, total
 
 
+def _escapes(directory: Path, file: str) -> str:
+    """Why a weight-map file name is not a plain file inside ``directory`` ('' when it is)."""
+    if not file or file in (".", "..") or "/" in file or "\\" in file or Path(file).is_absolute():
+        return "is not a plain file name in the checkpoint folder"
+    target = directory / file
+    if target.is_symlink():
+        try:
+            target.resolve().relative_to(directory.resolve())
+        except ValueError:
+            return "is a symbolic link pointing outside the checkpoint folder"
+    return ""
+
+
 def scan_checkpoint(path: Path | str) -> tuple[CheckpointIndex | None, tuple[str, ...]]:
     """Parse a checkpoint like ``read_checkpoint`` but collect every problem instead of raising.
 
@@ -353,6 +366,10 @@ def scan_checkpoint(path: Path | str) -> tuple[CheckpointIndex | None, tuple[str
         keys_of_file.setdefault(file, []).append(key)
     for file in files:
         file_path = directory / file
+        escape = _escapes(directory, file)
+        if escape:
+            problems.append(f"{index_file}: index names {file!r}, which {escape}; refused (not opened)")
+            continue
         if not file_path.is_file():
             named = keys_of_file.get(file, [])
             problems.append(
