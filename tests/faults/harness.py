@@ -46,11 +46,13 @@ class Scenario:
     async_save: bool = False
     policy: str = "minimal"
     detail: str | None = None
+    write_mode: str = "direct"
 
     @property
     def name(self) -> str:
         where = self.point.replace(".", "_") + (f"{self.detail}" if self.detail is not None else "")
-        return f"{where}-r{self.rank}-{self.action}-{'async' if self.async_save else 'sync'}-{self.policy}"
+        mode = "async" if self.async_save else "sync"
+        return f"{where}-r{self.rank}-{self.action}-{mode}-{self.policy}-{self.write_mode}"
 
     @property
     def rule(self) -> str:
@@ -149,7 +151,7 @@ def run_scenarios(root: str, records: str, scenarios: Sequence[Scenario], world:
                 policy = wb.SavePolicy.full() if scenario.policy == "full" else wb.SavePolicy.minimal()
                 handle = wb.save_hf(
                     state, path, layout=layout, policy=policy, budget_bytes=BUDGET, max_shard_bytes=SHARD_BYTES,
-                    async_save=scenario.async_save, timeout=20, write_threads=2,
+                    async_save=scenario.async_save, timeout=20, write_threads=2, write_mode=scenario.write_mode,
                 )
                 if scenario.async_save:
                     for tensor in state.values():
@@ -197,7 +199,7 @@ def run_killed(root: str, scenario: Scenario, delay: float | None, world: int) -
         threading.Timer(delay, os.kill, (os.getpid(), signal.SIGKILL)).start()
     policy = wb.SavePolicy.full() if scenario.policy == "full" else wb.SavePolicy.minimal()
     handle = wb.save_hf(state, path, layout=layout, policy=policy, budget_bytes=BUDGET, max_shard_bytes=SHARD_BYTES,
-                        async_save=scenario.async_save, timeout=20)
+                        async_save=scenario.async_save, timeout=20, write_mode=scenario.write_mode)
     if scenario.async_save:
         handle.wait()
     time.sleep(1.0)  # a timed kill may still be due: let it land here rather than after the launcher returns
@@ -300,8 +302,11 @@ def standard_scenarios(world: int, *, seed: int = 0) -> list[Scenario]:
         for point in SAVE_POINTS:
             rank = 0 if point in RANK0_POINTS else rng.randrange(world)
             detail = "1" if point == "gather" else None
-            out.append(Scenario(point, rank, rng.choice(actions), async_save, rng.choice(("minimal", "full")), detail))
-        out.append(Scenario("rlimit", world - 1, "efbig", async_save, "minimal"))
+            mode = "gather" if point == "gather" else rng.choice(("direct", "gather"))
+            policy = rng.choice(("minimal", "full"))
+            out.append(Scenario(point, rank, rng.choice(actions), async_save, policy, detail, mode))
+        out.append(Scenario("rlimit", world - 1, "efbig", async_save, "minimal", write_mode="direct"))
+        out.append(Scenario("rlimit", 0, "efbig", async_save, "minimal", write_mode="gather"))
     for point in LOAD_POINTS:
         out.append(Scenario(point, rng.randrange(world), rng.choice(actions)))
     return out

@@ -26,10 +26,11 @@ DEADLINE = 30.0  # seconds any rank may take to raise (the issue's bound; typica
 FAST_2 = [
     Scenario("plan", 1, "raise"),
     Scenario("snapshot", 0, "memory", async_save=True),
-    Scenario("gather", 1, "bug", policy="full", detail="1"),
+    Scenario("gather", 1, "bug", policy="full", detail="1", write_mode="gather"),
     Scenario("write", 1, "enospc", async_save=True),
+    Scenario("write", 0, "raise", write_mode="gather"),
     Scenario("fsync", 0, "efbig"),
-    Scenario("status", 1, "raise", async_save=True),
+    Scenario("status", 1, "raise", async_save=True, write_mode="gather"),
     Scenario("index", 0, "raise"),
     Scenario("rename", 0, "bug", async_save=True),
     Scenario("cleanup", 0, "raise", async_save=True),  # after the publish: the save has succeeded
@@ -37,7 +38,8 @@ FAST_2 = [
     Scenario("load.read", 1, "raise"),
 ]
 FAST_4 = [
-    Scenario("gather", 3, "raise", async_save=True, policy="full", detail="1"),  # crosses EP and FSDP groups
+    # crosses EP and FSDP groups
+    Scenario("gather", 3, "raise", async_save=True, policy="full", detail="1", write_mode="gather"),
     Scenario("write", 2, "efbig", policy="full"),
 ]
 

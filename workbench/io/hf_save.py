@@ -19,8 +19,10 @@ import atexit
 import concurrent.futures as futures
 import math
 import shutil
+import socket
 import threading
 import time
+import uuid
 import warnings
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -31,6 +33,7 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
+from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES, CheckpointFiles, direct_names, writes_piece
 from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES, FilePlan, plan_files
 from workbench.io.host_pool import DEFAULT_POOL_BYTES
 from workbench.io.index import INDEX_NAME, write_index
@@ -39,6 +42,7 @@ from workbench.io.publish import AtomicRenamePublisher
 from workbench.io.snapshot import HostCopy, Snapshotter
 from workbench.io.stream_write import StreamWriter
 from workbench.layout.key_map import KeyMap
+from workbench.layout.load_spec import KeyRegion
 from workbench.layout.model_layout import Layout, local_tensors
 from workbench.plan.policy import SavePolicy
 from workbench.run.communicator import Communicator
@@ -73,6 +77,8 @@ class SaveResult:
     predicted_peak_bytes: int
     blocked_seconds: float = 0.0
     snapshot_bytes: int = 0
+    write_mode: str = "gather"
+    direct_tensors: int = 0
 
     def __str__(self) -> str:
         return (
@@ -148,6 +154,8 @@ def save_hf(
     write_threads: int = 4,
     async_save: bool = False,
     host_buffer_bytes: int | None = None,
+    write_mode: str = "auto",
+    min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES,
     timeout: float = DEFAULT_TIMEOUT,
     comm: Communicator | None = None,
 ) -> SaveResult | AsyncSave:
@@ -174,6 +182,13 @@ def save_hf(
         host_buffer_bytes: the most bytes of tensors waiting for a writer, and the capacity of the process's
             reused host pools (pinned for GPU tensors); when full the save waits for writes to drain (an async
             save then returns later). Default: ``budget_bytes``, or 4 GiB.
+        write_mode: ``"direct"``: every rank writes the bytes it holds straight into the final files at their
+            offsets, with no gather (a tensor whose pieces would be shorter than ``min_segment_bytes`` per
+            segment is gathered instead); needs every rank to see the same filesystem (one node, or Lustre /
+            GPFS / NFS). ``"gather"``: each key is gathered to one writer rank, which writes it (any
+            filesystem). ``"auto"`` (default): direct when all ranks share a host or see a probe file rank 0
+            writes next to ``path``; else gather. Policies other than full and minimal always gather.
+        min_segment_bytes: in direct mode, the average segment length below which a tensor is gathered.
         timeout: seconds any collective of the save may wait for a peer before the save fails naming it.
         comm: the communicator (default: torch.distributed's default world, or one process).
 
@@ -205,11 +220,15 @@ def save_hf(
             f"a save to {target} is still in progress in this process (async_save pending); call its wait() "
             "before saving to the same path again"
         )
+    if write_mode not in ("auto", "direct", "gather"):
+        raise CheckpointError(f"write_mode must be 'auto', 'direct' or 'gather', got {write_mode!r}")
+    mode = _resolve_write_mode(write_mode, comm, Path(path))
     limit = host_buffer_bytes or budget_bytes or DEFAULT_POOL_BYTES
     snapshot = Snapshotter(tensors.values(), own_everything=async_save, pool_bytes=host_buffer_bytes)
     session = _SaveSession(
         layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files, limit, snapshot
     )
+    session.write_mode, session.min_segment_bytes = mode, min_segment_bytes
     try:
         session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors)
         session.gather(tensors)
@@ -222,6 +241,31 @@ def save_hf(
     except BaseException:
         session.close()
         raise
+
+
+def _resolve_write_mode(write_mode: str, comm: Communicator, path: Path) -> str:
+    """``auto`` -> ``direct`` when every rank sees the files rank 0 writes (same host, or a probe file next to
+    ``path`` visible to all), else ``gather``. A collective of the control group (one or two small exchanges)."""
+    if write_mode != "auto":
+        return write_mode
+    probe = None
+    if comm.rank == 0:
+        candidate = path.parent / f".{path.name}.probe-{uuid.uuid4().hex[:12]}"
+        try:
+            candidate.write_bytes(b"workbench write-mode probe\n")
+            probe = str(candidate)
+        except OSError:
+            probe = None
+    try:
+        seen = comm.all_gather_object((socket.gethostname(), probe))
+        hosts, probe = {h for h, _ in seen}, seen[0][1]
+        if len(hosts) == 1:
+            return "direct"
+        visible = comm.all_gather_object(probe is not None and Path(probe).exists())
+        return "direct" if all(visible) else "gather"
+    finally:
+        if comm.rank == 0 and probe is not None:
+            Path(probe).unlink(missing_ok=True)
 
 
 def _finish_pending() -> None:
@@ -303,6 +347,10 @@ class _SaveSession:
         self.metadata = {"format": "pt", "workbench_version": _version(), "layout": layout.fingerprint()}
         self.problem: RankProblem | None = None
         self.write_problem: RankProblem | None = None
+        self.write_mode = "gather"
+        self.min_segment_bytes = DEFAULT_MIN_SEGMENT_BYTES
+        self.direct: tuple[str, ...] = ()
+        self.checkpoint_files: CheckpointFiles | None = None
         self._write_lock = threading.Lock()
         self.blocked_seconds = 0.0
         self.target = path.resolve()
@@ -351,8 +399,26 @@ class _SaveSession:
         missing = [c for c in self.config_files if not c.is_file()]
         if missing:
             raise CheckpointError(f"config file(s) to copy do not exist: {[str(m) for m in missing]}")
+        runtime = {name: self.layout.dtype(name) for name in self.layout}
+        self.key_meta = key_meta(self.layout, runtime, dtype, fp32_keys_pattern)
+        for name, spec in self.layout.specs.items():
+            local, want = tensors[name], spec.local_shape(self.rank)
+            if tuple(local.shape) != tuple(want):
+                raise CheckpointError(
+                    f"parameter {name!r}: local tensor has shape {tuple(local.shape)}, the layout says {tuple(want)}"
+                )
+        direct = self.write_mode == "direct" and policy.mode in ("full", "minimal")
+        self.direct = direct_names(self.layout, self.key_meta, self.min_segment_bytes) if direct else ()
+        gathered = self.layout
+        if self.direct:
+            skip = set(self.direct)
+            gathered = Layout(
+                self.layout.mesh,
+                {n: s for n, s in self.layout.specs.items() if n not in skip},
+                {n: d for n, d in self.layout.dtypes.items() if n not in skip},
+            )
         self.plan_set = plan_save(
-            self.layout,
+            gathered,
             ranks=[self.rank],
             policy=policy,
             budget_bytes=budget,
@@ -360,19 +426,12 @@ class _SaveSession:
             fp32_keys_pattern=fp32_keys_pattern,
             max_writers=max_writers,
         )
-        for plan in self.plan_set.plans[self.rank]:
-            local = tensors[plan.name]
-            if tuple(local.shape) != plan.local_shape:
-                raise CheckpointError(
-                    f"parameter {plan.name!r}: local tensor has shape {tuple(local.shape)}, the layout says "
-                    f"{plan.local_shape}"
-                )
-        runtime = {name: self.layout.dtype(name) for name in self.layout}
-        self.key_meta = key_meta(self.layout, runtime, dtype, fp32_keys_pattern)
         sizes = {k: math.prod(shape) * d.itemsize for k, (d, shape) in self.key_meta.items()}
-        self.file_plan = plan_files(
-            self.plan_set.writers, sizes, list(self.layout.hf_keys), max_shard_bytes=self.max_shard_bytes
-        )
+        writers = dict(self.plan_set.writers)
+        world = self.layout.mesh.size
+        for index, key in enumerate(self.layout.hf_keys):  # direct keys: any rank-independent spread of files
+            writers.setdefault(key, index % world)
+        self.file_plan = plan_files(writers, sizes, list(self.layout.hf_keys), max_shard_bytes=self.max_shard_bytes)
         ours = _RESERVED | {f.name for f in self.file_plan.files}
         clash = [str(c) for c in self.config_files if c.name in ours or c.name.endswith(".safetensors")]
         if clash:
@@ -380,10 +439,16 @@ class _SaveSession:
                 f"config file(s) {clash} would overwrite the index or weight files this save writes; rename them or "
                 "leave them out of config_files"
             )
+        if self.write_mode == "direct":
+            self.checkpoint_files = CheckpointFiles(
+                self.publisher.temporary, self.file_plan, self.key_meta, self.metadata
+            )
         if self.rank == 0:
             self.publisher.prepare()
             self.prepared = True
             self.heartbeat = Heartbeat(self.publisher.temporary / MARKER_NAME)
+            if self.checkpoint_files is not None:
+                self.checkpoint_files.create_all()
 
     def gather(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Run the unshard schedule under the flag protocol; each key this rank writes is snapshotted and queued
@@ -394,11 +459,14 @@ class _SaveSession:
         schedule = self.plan_set.schedules[self.rank]
         failed = None
         try:
-            for spec in self.file_plan.files_of(self.rank):
-                entries = [(k, *self.key_meta[k]) for k in spec.keys]
-                self.files[spec.name] = StreamWriter(self.publisher.temporary / spec.name, entries, self.metadata)
+            if self.checkpoint_files is None:
+                for spec in self.file_plan.files_of(self.rank):
+                    entries = [(k, *self.key_meta[k]) for k in spec.keys]
+                    self.files[spec.name] = StreamWriter(self.publisher.temporary / spec.name, entries, self.metadata)
+            else:
+                self._write_direct(tensors)
         except Exception as exc:
-            failed = problem_from(exc, self.rank, "creating its files")
+            failed = problem_from(exc, self.rank, "writing its own pieces" if self.direct else "creating its files")
         file_of = {k: f.name for f in self.file_plan.files_of(self.rank) for k in f.keys}
 
         def on_wave(wave: WaveOutput) -> None:
@@ -406,7 +474,12 @@ class _SaveSession:
                 for key, value in split_keys(tensor, plans[name]).items():
                     if writers.get(key) == self.rank:
                         fault_point("snapshot", self.rank)
-                        self._submit(self.files[file_of[key]], key, self.snapshot.take(value))
+                        if self.checkpoint_files is None:
+                            self._submit(self.files[file_of[key]], key, self.snapshot.take(value))
+                        else:
+                            shape = tuple(value.shape)
+                            whole = KeyRegion(key, (0,) * len(shape), shape, (0,) * len(shape))
+                            self._submit_piece(whole, self.snapshot.take(value))
 
         program = unshard(schedule, self.plan_set.plans[self.rank], tensors)
         self.problem = drive_guarded(schedule, program, self.comm, on_wave, poll=self._poll, failed=failed)
@@ -437,6 +510,16 @@ class _SaveSession:
         self.pending.clear()
         self.queued_bytes = 0
         written = 0
+        if self.checkpoint_files is not None:
+            try:
+                if problem is None:
+                    fault_point("fsync", self.rank)
+                    self.checkpoint_files.fsync()
+                    written = sum(self.checkpoint_files.written.values()) + self.checkpoint_files.header_bytes
+            except Exception as exc:
+                problem = problem or problem_from(exc, self.rank, "fsyncing its files")
+            finally:
+                self.checkpoint_files.close()
         for writer in self.files.values():
             try:
                 if problem is None:
@@ -454,8 +537,15 @@ class _SaveSession:
         agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort)
         assert self.file_plan is not None and self.plan_set is not None
         publish_problem = None
+        counts = None
+        if self.checkpoint_files is not None:  # every data byte of every file was written by some rank
+            counts = self.comm.all_gather_object(dict(self.checkpoint_files.written))
         if self.rank == 0:
             try:
+                if counts is not None and self.checkpoint_files is not None:
+                    short = self.checkpoint_files.missing_bytes(counts)
+                    if short:
+                        raise CheckpointError("direct writes did not cover the files: " + "; ".join(short[:3]))
                 fault_point("index", 0)
                 write_index(
                     self.publisher.temporary,
@@ -475,44 +565,75 @@ class _SaveSession:
             lost="rank 0 may or may not have published: check with wb.latest_checkpoint",
         )
         schedule = self.plan_set.schedules[self.rank]
+        files = (
+            tuple(sorted(set(self.checkpoint_files.written) | (set(self.checkpoint_files.headers) if self.rank == 0
+                                                                 else set())))
+            if self.checkpoint_files is not None
+            else tuple(f.name for f in self.file_plan.files_of(self.rank))
+        )
         return SaveResult(
             path=self.path,
             rank=self.rank,
-            files=tuple(f.name for f in self.file_plan.files_of(self.rank)),
+            files=files,
             bytes_written=written,
             seconds=time.perf_counter() - self.start,
             calls=schedule.num_calls,
             predicted_peak_bytes=schedule.peak_bytes,
             blocked_seconds=self.blocked_seconds,
             snapshot_bytes=self.snapshot.copied_bytes,
+            write_mode=self.write_mode,
+            direct_tensors=len(self.direct),
         )
 
     # -- writing -----------------------------------------------------------------------------------------------
 
-    def _submit(self, writer: StreamWriter, key: str, copy: HostCopy) -> None:
-        """Queue one tensor's write; past ``in_flight_bytes`` queued, wait for the oldest writes first."""
-        nbytes = copy.nbytes
+    def _write_direct(self, tensors: Mapping[str, torch.Tensor]) -> None:
+        """Queue every piece this rank writes directly: its boxes of the direct tensors, cast to the save dtype
+        and snapshotted (replicated pieces: only the replica chosen by ``writes_piece``)."""
+        key_index = {k: i for i, k in enumerate(self.layout.hf_keys)}
+        mesh = self.layout.mesh
+        for name in self.direct:
+            spec, local = self.layout.specs[name], tensors[name]
+            for region in spec.key_regions(self.rank):
+                if not writes_piece(spec, mesh, self.rank, key_index[region.hf_key]):
+                    continue
+                box = local[tuple(slice(o, o + n) for o, n in zip(region.local_offset, region.sizes))]
+                fault_point("snapshot", self.rank)
+                self._submit_piece(region, self.snapshot.take(box.to(self.key_meta[region.hf_key][0])))
+
+    def _submit_piece(self, region: KeyRegion, copy: HostCopy) -> None:
+        """Queue one piece's direct write (the in-flight bound as in ``_submit``)."""
+        files = self.checkpoint_files
+        assert files is not None
+        self._queue(copy.nbytes, lambda: files.write_piece(region, copy.wait()), copy, region.hf_key)
+
+    def _queue(self, nbytes: int, job: Any, copy: HostCopy, key: str) -> None:
+        """Hand ``job`` to a writer thread; past ``in_flight_bytes`` queued, wait for the oldest writes first."""
         while self.pending and self.queued_bytes + nbytes > self.in_flight_bytes:
             future, size = self.pending.pop(0)
             futures.wait([future])
             self.queued_bytes -= size
         self.queued_bytes += nbytes
-        self.pending.append((self.pool.submit(self._write, writer, key, copy), nbytes))
+        self.pending.append((self.pool.submit(self._run_write, job, copy, key), nbytes))
 
-    def _write(self, writer: StreamWriter, key: str, copy: HostCopy) -> int:
-        """A writer thread's job: one tensor into its file. A failure is recorded (the gathers poll it)."""
+    def _run_write(self, job: Any, copy: HostCopy, key: str) -> int:
+        """A writer thread's job. A failure is recorded (the gathers poll it), never raised."""
         try:
             if self.write_problem is not None or self.stopped:
                 return 0  # the save has failed: do not keep writing
             fault_point("write", self.rank)
-            return writer.write(key, copy.wait())
+            return job()
         except Exception as exc:
             with self._write_lock:
                 if self.write_problem is None:
-                    self.write_problem = problem_from(exc, self.rank, f"writing {key!r} into {writer.path.name}")
+                    self.write_problem = problem_from(exc, self.rank, f"writing {key!r}")
             return 0
         finally:
             copy.release()
+
+    def _submit(self, writer: StreamWriter, key: str, copy: HostCopy) -> None:
+        """Queue one whole key's write into this rank's own file (gather mode)."""
+        self._queue(copy.nbytes, lambda: writer.write(key, copy.wait()), copy, key)
 
     def _poll(self) -> RankProblem | None:
         return self.write_problem
@@ -537,6 +658,8 @@ class _SaveSession:
         self.pool.shutdown(wait=True, cancel_futures=True)
         for writer in self.files.values():
             writer.abandon()
+        if self.checkpoint_files is not None:
+            self.checkpoint_files.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
 

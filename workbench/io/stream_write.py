@@ -23,7 +23,30 @@ import torch
 from workbench.errors import CheckpointError
 from workbench.io.index import safetensors_dtype
 
-__all__ = ["StreamWriter"]
+__all__ = ["StreamWriter", "safetensors_layout"]
+
+
+def safetensors_layout(
+    entries: Sequence[tuple[str, torch.dtype, Sequence[int]]], metadata: Mapping[str, str] | None = None
+) -> tuple[bytes, dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]], int]:
+    """The header of a safetensors file holding ``entries`` and where each tensor goes, before any data exists:
+    ``(header JSON padded to 8 bytes, {key: (data offset, nbytes, dtype, shape)}, file size)``. Tensors are laid
+    out as safetensors' ``save_file`` lays them out: wider dtypes first, the given order kept within a width."""
+    order = sorted(range(len(entries)), key=lambda i: -entries[i][1].itemsize)  # stable: plan order kept
+    # safetensors writes __metadata__ with its keys sorted
+    header: dict[str, object] = {"__metadata__": dict(sorted(metadata.items()))} if metadata else {}
+    ranges: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
+    offset = 0
+    for i in order:
+        key, dtype, shape = entries[i]
+        nbytes = math.prod(shape) * dtype.itemsize
+        header[key] = {"dtype": safetensors_dtype(dtype), "shape": list(shape),
+                       "data_offsets": [offset, offset + nbytes]}
+        ranges[key] = (offset, nbytes, dtype, tuple(shape))
+        offset += nbytes
+    text = json.dumps(header, separators=(",", ":")).encode()
+    text += b" " * (-len(text) % 8)
+    return text, ranges, 8 + len(text) + offset
 
 
 class StreamWriter:
@@ -42,21 +65,8 @@ class StreamWriter:
         metadata: Mapping[str, str] | None = None,
     ) -> None:
         self.path = Path(path)
-        order = sorted(range(len(entries)), key=lambda i: -entries[i][1].itemsize)  # stable: plan order kept
-        header: dict[str, object] = {"__metadata__": dict(metadata)} if metadata else {}
-        self._ranges: dict[str, tuple[int, int, torch.dtype, tuple[int, ...]]] = {}
-        offset = 0
-        for i in order:
-            key, dtype, shape = entries[i]
-            nbytes = math.prod(shape) * dtype.itemsize
-            header[key] = {"dtype": safetensors_dtype(dtype), "shape": list(shape),
-                           "data_offsets": [offset, offset + nbytes]}
-            self._ranges[key] = (offset, nbytes, dtype, tuple(shape))
-            offset += nbytes
-        text = json.dumps(header, separators=(",", ":")).encode()
-        text += b" " * (-len(text) % 8)
+        text, self._ranges, self.size = safetensors_layout(entries, metadata)
         self._data_start = 8 + len(text)
-        self.size = self._data_start + offset
         self._pending = set(self._ranges)
         self._lock = threading.Lock()
         self._fd = os.open(self.path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)

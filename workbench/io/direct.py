@@ -1,0 +1,235 @@
+"""Direct writes: every rank writes the bytes it holds straight into the final safetensors files, no gather.
+
+A safetensors file is a header plus each tensor's bytes in row-major order, and the header is fixed before any
+data moves (``safetensors_layout``). A rank's piece of an HF key is a box (``LoadSpec.key_regions``), and a box
+of a row-major tensor is a set of equally long contiguous byte segments: as many as the box has index tuples over
+its dims up to the last one it cuts short. So each rank writes its boxes with ``pwrite`` at their offsets, into
+files rank 0 created at full size, and the checkpoint is the same bytes ``save_file`` would write.
+
+What this module decides, with rank-independent arithmetic only (every rank must come to the same answer):
+
+* **which tensors are written directly** (``direct_names``): those whose pieces are long enough on rank 0 (at
+  least ``min_segment_bytes`` per segment on average, or one segment per key piece); the others (e.g. TP over
+  the last dim of a small matrix: many short rows) are gathered to a writer as before;
+* **who writes a replicated piece** (``writes_piece``): among the ranks holding the same box (HSDP replicas, a
+  replicated norm), the one whose coordinate over the replicating mesh dims equals the key's index modulo the
+  number of replicas, which spreads replicated keys over the replicas.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+import torch
+
+from workbench.errors import CheckpointError
+from workbench.io.file_plan import FilePlan
+from workbench.io.stream_write import safetensors_layout
+from workbench.layout.load_spec import KeyRegion, LoadSpec
+from workbench.layout.model_layout import Layout
+from workbench.mesh import MeshSpec
+
+__all__ = [
+    "DEFAULT_MIN_SEGMENT_BYTES",
+    "CheckpointFiles",
+    "KeySlot",
+    "direct_names",
+    "segment_starts",
+    "writes_piece",
+]
+
+DEFAULT_MIN_SEGMENT_BYTES = 64 << 10
+
+
+def segment_starts(key_shape: Sequence[int], key_offset: Sequence[int], sizes: Sequence[int]) -> tuple[np.ndarray, int]:
+    """Where a box of a row-major tensor lies: ``(start element of each segment, elements per segment)``.
+
+    Dims after the last one the box cuts short are whole, so each index tuple over the dims up to and including
+    that one starts one contiguous segment; the segments follow each other in the box's own row-major order.
+    """
+    ndim = len(key_shape)
+    if ndim == 0:
+        return np.zeros(1, dtype=np.int64), 1
+    strides = [math.prod(key_shape[i + 1 :]) for i in range(ndim)]
+    last = ndim - 1
+    while last > 0 and sizes[last] == key_shape[last]:
+        last -= 1
+    run = sizes[last] * strides[last]
+    starts = np.array([key_offset[last] * strides[last]], dtype=np.int64)
+    for dim in range(last - 1, -1, -1):
+        offsets = (np.arange(sizes[dim], dtype=np.int64) + key_offset[dim]) * strides[dim]
+        starts = (offsets[:, None] + starts[None, :]).reshape(-1)
+    return starts, run
+
+
+def _replicating_dims(spec: LoadSpec) -> tuple[int, ...]:
+    """Indices of the mesh dims no cut of ``spec`` uses: ranks differing only there hold the same data."""
+    used: set[str] = set()
+    for d in spec.shards:
+        used.update((d.mesh_dim,) if isinstance(d.mesh_dim, str) else d.mesh_dim)
+    return tuple(i for i, name in enumerate(spec.mesh.dim_names) if name not in used)
+
+
+def writes_piece(spec: LoadSpec, mesh: MeshSpec, rank: int, key_index: int) -> bool:
+    """True when ``rank`` writes its piece of the key with global index ``key_index`` (see the module doc)."""
+    dims = _replicating_dims(spec)
+    if not dims:
+        return True
+    coord = mesh.coordinate(rank)
+    replica, count = 0, 1
+    for i in dims:
+        replica = replica * mesh.shape[i] + coord[i]
+        count *= mesh.shape[i]
+    return replica == key_index % count
+
+
+def direct_names(
+    layout: Layout, key_meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], min_segment_bytes: int
+) -> tuple[str, ...]:
+    """The parameters written directly: rank 0's pieces have long segments, or one segment per key piece."""
+    out = []
+    for name, spec in layout.specs.items():
+        regions = spec.key_regions(0)
+        if not regions:
+            out.append(name)
+            continue
+        itemsize = key_meta[spec.hf_keys[0]][0].itemsize
+        segments = total = 0
+        for region in regions:
+            starts, run = segment_starts(_key_shape(spec), region.key_offset, region.sizes)
+            segments += len(starts)
+            total += len(starts) * run * itemsize
+        if segments == len(regions) or total / segments >= min_segment_bytes:
+            out.append(name)
+    return tuple(out)
+
+
+def _key_shape(spec: LoadSpec) -> tuple[int, ...]:
+    from workbench.plan.load_plan import expected_key_shape
+
+    return tuple(expected_key_shape(spec))
+
+
+@dataclass(frozen=True, slots=True)
+class KeySlot:
+    """Where one HF key's bytes go: its file, the byte offset of its data in that file, its dtype and shape."""
+
+    file: str
+    offset: int
+    dtype: torch.dtype
+    shape: tuple[int, ...]
+
+
+class CheckpointFiles:
+    """Every file of a direct-write save: rank 0 creates them at full size; every rank writes pieces into them.
+
+    Args:
+        directory: the temporary directory of the save.
+        file_plan: which keys go to which file.
+        key_meta: ``{key: (save dtype, shape)}``.
+        metadata: the safetensors ``__metadata__`` of every file.
+    """
+
+    def __init__(
+        self,
+        directory: Path,
+        file_plan: FilePlan,
+        key_meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
+        metadata: Mapping[str, str],
+    ) -> None:
+        self.directory = directory
+        self.slots: dict[str, KeySlot] = {}
+        self.headers: dict[str, tuple[bytes, int]] = {}
+        self.data_bytes: dict[str, int] = {}
+        for spec in file_plan.files:
+            entries = [(k, *key_meta[k]) for k in spec.keys]
+            text, ranges, size = safetensors_layout(entries, metadata)
+            self.headers[spec.name] = (text, size)
+            start = 8 + len(text)
+            self.data_bytes[spec.name] = size - start
+            for key, (offset, _, dtype, shape) in ranges.items():
+                self.slots[key] = KeySlot(spec.name, start + offset, dtype, shape)
+        self._fds: dict[str, int] = {}
+        self._lock = threading.Lock()
+        self.written: dict[str, int] = {}  # data bytes this rank wrote, per file
+        self.header_bytes = 0  # header bytes this rank wrote (rank 0, which creates the files)
+
+    def create_all(self) -> int:
+        """Rank 0: every file with its header, truncated to its full size (its data still zeros); returns the
+        header bytes written."""
+        import struct
+
+        self.header_bytes = sum(8 + len(text) for text, _ in self.headers.values())
+        for name, (text, size) in self.headers.items():
+            fd = os.open(self.directory / name, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+            try:
+                os.pwrite(fd, struct.pack("<Q", len(text)) + text, 0)
+                os.ftruncate(fd, size)
+            finally:
+                os.close(fd)
+        return self.header_bytes
+
+    def _fd(self, name: str) -> int:
+        with self._lock:
+            fd = self._fds.get(name)
+            if fd is None:
+                try:
+                    fd = os.open(self.directory / name, os.O_WRONLY)
+                except OSError as exc:
+                    raise CheckpointError(f"cannot open {self.directory / name} for writing: {exc.strerror}") from None
+                self._fds[name] = fd
+            return fd
+
+    def write_piece(self, region: KeyRegion, piece: torch.Tensor) -> int:
+        """Write one box of a key (``piece``: the box's elements, contiguous, in the key's save dtype)."""
+        slot = self.slots[region.hf_key]
+        if piece.dtype != slot.dtype or tuple(piece.shape) != tuple(region.sizes):
+            raise CheckpointError(
+                f"{region.hf_key}: piece is {piece.dtype} {tuple(piece.shape)}, expected {slot.dtype} {region.sizes}"
+            )
+        starts, run = segment_starts(slot.shape, region.key_offset, region.sizes)
+        data = memoryview(piece.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        fd = self._fd(slot.file)
+        itemsize = slot.dtype.itemsize
+        step = run * itemsize
+        for i, start in enumerate(starts.tolist()):
+            _pwrite_all(fd, data[i * step : (i + 1) * step], slot.offset + start * itemsize)
+        with self._lock:
+            self.written[slot.file] = self.written.get(slot.file, 0) + len(data)
+        return len(data)
+
+    def fsync(self) -> None:
+        """fsync every file this rank wrote into (each client flushes its own pages on a shared filesystem)."""
+        for fd in list(self._fds.values()):
+            os.fsync(fd)
+
+    def close(self) -> None:
+        """Close every descriptor (idempotent)."""
+        with self._lock:
+            fds, self._fds = list(self._fds.values()), {}
+        for fd in fds:
+            os.close(fd)
+
+    def missing_bytes(self, written_by_rank: Iterable[Mapping[str, int]]) -> list[str]:
+        """Files whose data bytes, summed over every rank's writes, differ from what the header promises."""
+        total: dict[str, int] = {}
+        for counts in written_by_rank:
+            for name, n in counts.items():
+                total[name] = total.get(name, 0) + n
+        return [
+            f"{name}: {total.get(name, 0)} data bytes written by the ranks, the header promises {expected}"
+            for name, expected in self.data_bytes.items()
+            if total.get(name, 0) != expected
+        ]
+
+
+def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:
+    done = 0
+    while done < len(data):  # pwrite may write less than asked
+        done += os.pwrite(fd, data[done:], offset + done)
