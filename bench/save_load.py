@@ -228,14 +228,28 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
 
     layout = wb.Layout.from_model(model, key_map)
 
-    def save_hf(tag: str, budget: int, async_save: bool, profile: bool) -> None:  # 4 + 6, with peak memory
+    def parallel_disk() -> None:  # 1b. the parallel write limit: every rank writes its share to its own file
+        share = math.ceil(cfg["nbytes"] / world / (64 * MiB))
+        block = bytearray(os.urandom(1 << 20)) * 64
+        t0 = start()
+        path = root / f"parallel-{rank}.bin"
+        fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+        for _ in range(share):
+            os.write(fd, block)
+        os.fsync(fd)
+        os.close(fd)
+        times.setdefault("disk-parallel", []).append(stop(t0))
+        out["parallel_bytes"] = share * 64 * MiB * world
+        path.unlink()
+
+    def save_hf(tag: str, budget: int, async_save: bool, profile: bool, extra: dict) -> None:  # 4 + 6
         policy = wb.SavePolicy.full() if "full" in tag else wb.SavePolicy.minimal()
         received = plan_save(layout, ranks=[rank], budget_bytes=budget, policy=policy).schedules[rank].bytes_moved
         base = _reset_peak(device)
         t0 = start()
         profiler = _start_profile() if profile else None
         handle = wb.save_hf(model, root / tag, key_map=key_map, budget_bytes=budget, async_save=async_save,
-                            policy=policy, write_threads=cfg["threads"], **cfg["save_kwargs"])
+                            policy=policy, write_threads=cfg["threads"], **cfg["save_kwargs"], **extra)
         t_call = time.perf_counter() - t0
         result = handle.wait() if async_save else handle
         if profiler is not None:
@@ -246,21 +260,26 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
         out["mem"].setdefault(tag, []).append(_peak_since(base, device))
         out["saves"][tag] = {"predicted": result.predicted_peak_bytes, "bytes": result.bytes_written,
                              "calls": result.calls, "files": len(result.files), "budget": budget,
-                             "received": received}
+                             "received": received, "mode": result.write_mode, "direct": result.direct_tensors}
 
-    methods: list[tuple[str, Any]] = []
+    methods: list[tuple[str, Any]] = [("disk-parallel", parallel_disk)]
     if cfg["mesh"][2] == 1:
         methods.append(("naive", naive))
     else:
         out["notes"].append("naive baseline skipped: torch's full_tensor() cannot undo InterleavedShard on etp > 1")
     if not cfg["skip_dcp"]:
         methods.append(("dcp", dcp))
-    for tag, budget, async_save in (("wb-256M", 256 * MiB, False), ("wb-1G", 1024 * MiB, False),
-                                    ("wb-full-1G", 1024 * MiB, False), ("wb-async-1G", 1024 * MiB, True)):
-        if cfg["lean"] and tag in ("wb-256M", "wb-full-1G"):  # fewer checkpoints on a small disk
+    gather = {"write_mode": "gather"}
+    for tag, budget, async_save, extra in (
+        ("wb-256M", 256 * MiB, False, {}), ("wb-1G", 1024 * MiB, False, {}),
+        ("wb-gather-1G", 1024 * MiB, False, gather),
+        ("wb-full-1G", 1024 * MiB, False, gather), ("wb-async-1G", 1024 * MiB, True, {}),
+        ("wb-async-gather-1G", 1024 * MiB, True, gather),
+    ):
+        if cfg["lean"] and tag in ("wb-256M", "wb-full-1G", "wb-async-gather-1G"):  # fewer checkpoints
             continue
-        methods.append((tag, lambda rep, tag=tag, budget=budget, a=async_save: save_hf(
-            tag, budget, a, cfg["profile"] and rank == 0 and tag == "wb-1G" and rep == 0)))
+        methods.append((tag, lambda rep, tag=tag, budget=budget, a=async_save, e=extra: save_hf(
+            tag, budget, a, cfg["profile"] and rank == 0 and tag == "wb-1G" and rep == 0, e)))
     for rep in range(cfg["repeats"]):  # round robin, so that a slow spell of the machine hits every method
         for tag, run in methods:
             run(rep) if tag.startswith("wb") else run()
@@ -642,14 +661,15 @@ def main() -> None:
     cfg = {"shape": shape, "mesh": mesh, "load_mesh": load_mesh, "root": str(root), "backend": args.backend,
            "threads": args.threads, "seed": args.seed, "profile": args.profile, "verify": not args.no_verify,
            "skip_dcp": args.skip_dcp, "repeats": args.repeats, "lean": args.lean,
-           "save_kwargs": {} if args.max_shard_mb is None else {"max_shard_bytes": args.max_shard_mb * 10**6}}
+           "save_kwargs": {} if args.max_shard_mb is None else {"max_shard_bytes": args.max_shard_mb * 10**6},
+           "nbytes": nbytes}
     t_launch = time.perf_counter()
     results = wb.launch(_rank_main, nprocs=args.ranks, backend=args.backend, args=(cfg,), timeout=args.timeout)
     t_launch = time.perf_counter() - t_launch
     r0 = results[0]
     times = r0["times"]
     key_map = qwen3_moe_key_map(shape.num_experts)
-    saved = ("wb-256M", "wb-1G", "wb-full-1G", "wb-async-1G", "dcp")  # those a run made
+    saved = ("wb-256M", "wb-1G", "wb-gather-1G", "wb-full-1G", "wb-async-1G", "wb-async-gather-1G", "dcp")
     checks = {} if args.no_verify else compare_checkpoints(
         root, [t for t in saved if (root / t / "model.safetensors.index.json").is_file()], key_map, shape)
 
@@ -664,6 +684,10 @@ def main() -> None:
         rate = f"{size / best / GB:.2f} | {size / best / limit:.2f}" if rate_too else "— | —"
         rows.append(f"| {label} | {best:.2f} | {rate} | {', '.join(f'{s:.2f}' for s in runs)} |")
 
+    par = r0.get("parallel_bytes", nbytes)
+    limit = max(limit, par / min(times["disk-parallel"]))  # the faster of one dd and N parallel writers
+    row(f"disk: {args.ranks} parallel writers, each its share + fsync (the limit, if faster)", times["disk-parallel"],
+        par)
     row(f"disk: `dd bs=64M count={count} oflag=direct conv=fsync` (the limit)", disk["dd-direct"], disk_bytes)
     row("disk: `dd bs=64M conv=fsync` (through the page cache)", disk["dd-fsync"], disk_bytes)
     row("disk: Python `write` 64 MiB blocks + `fsync`", disk["python"], disk_bytes)
@@ -675,12 +699,17 @@ def main() -> None:
         row("torch DCP: save + consolidation", [a + b for a, b in zip(times["dcp-save"], times["dcp-consolidate"])])
     if "wb-256M" in times:
         row("wb.save_hf sync, budget 256 MiB", times["wb-256M"])
-    row("wb.save_hf sync, budget 1 GiB", times["wb-1G"])
+    row(f"wb.save_hf sync, budget 1 GiB, write_mode={r0['saves']['wb-1G']['mode']} "
+        f"({r0['saves']['wb-1G']['direct']} tensors direct)", times["wb-1G"])
+    row("wb.save_hf sync, budget 1 GiB, write_mode=gather", times["wb-gather-1G"])
     if "wb-full-1G" in times:
         row("wb.save_hf sync, budget 1 GiB, SavePolicy.full() (gather everything)", times["wb-full-1G"])
     calls = [max(r["times"]["wb-async-1G:call"][i] for r in results.values()) for i in range(args.repeats)]
     row("wb.save_hf async, budget 1 GiB: until the call returns (slowest rank)", calls, rate_too=False)
     row("wb.save_hf async, budget 1 GiB: until `wait()` returns", times["wb-async-1G"])
+    if "wb-async-gather-1G" in times:
+        calls = [max(r["times"]["wb-async-gather-1G:call"][i] for r in results.values()) for i in range(args.repeats)]
+        row("wb.save_hf async, write_mode=gather: until the call returns (slowest rank)", calls, rate_too=False)
 
     read = sum(r["load"]["read"] for r in results.values())
     owned = sum(r["load"]["owned"] for r in results.values())
@@ -701,7 +730,8 @@ def main() -> None:
                 "|---|---|---|---|---|---|---|"]
     largest = max(2 * shape.num_experts * shape.moe_intermediate_size * shape.hidden_size,
                   shape.vocab_size * shape.hidden_size) * 2
-    wb_tags = [t for t in ("wb-256M", "wb-1G", "wb-full-1G", "wb-async-1G") if t in times]
+    wb_tags = [t for t in ("wb-256M", "wb-1G", "wb-gather-1G", "wb-full-1G", "wb-async-1G", "wb-async-gather-1G")
+               if t in times]
     for tag in wb_tags:
         pred = [r["saves"][tag]["predicted"] for r in results.values()]
         meas = [_peak(r, tag, key) for r in results.values()]

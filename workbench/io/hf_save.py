@@ -55,6 +55,7 @@ from workbench.run.unshard_ops import split_keys
 __all__ = ["AsyncSave", "SaveFailed", "SaveResult", "local_communicator", "save_hf"]
 
 _DEFAULT_BUDGET = 2 << 30
+_UNBOUNDED = 1 << 62
 _IN_FLIGHT: set[Path] = set()  # targets of this process's saves that are not published or failed yet
 _PENDING: list[AsyncSave] = []  # async saves of this process not waited on yet, oldest first
 _RESERVED = {INDEX_NAME, MARKER_NAME}
@@ -181,7 +182,9 @@ def save_hf(
             files are written in the background and ``.wait()`` publishes.
         host_buffer_bytes: the most bytes of tensors waiting for a writer, and the capacity of the process's
             reused host pools (pinned for GPU tensors); when full the save waits for writes to drain (an async
-            save then returns later). Default: ``budget_bytes``, or 4 GiB.
+            save then returns later). Default: ``budget_bytes`` for a sync save; for an async save no bound but
+            the rank's share of the checkpoint (the snapshot of it is held until written, and the pool keeps its
+            buffers for the next save).
         write_mode: ``"direct"``: every rank writes the bytes it holds straight into the final files at their
             offsets, with no gather (a tensor whose pieces would be shorter than ``min_segment_bytes`` per
             segment is gathered instead); needs every rank to see the same filesystem (one node, or Lustre /
@@ -223,8 +226,10 @@ def save_hf(
     if write_mode not in ("auto", "direct", "gather"):
         raise CheckpointError(f"write_mode must be 'auto', 'direct' or 'gather', got {write_mode!r}")
     mode = _resolve_write_mode(write_mode, comm, Path(path))
-    limit = host_buffer_bytes or budget_bytes or DEFAULT_POOL_BYTES
-    snapshot = Snapshotter(tensors.values(), own_everything=async_save, pool_bytes=host_buffer_bytes)
+    # an async save snapshots all it writes before returning: by default nothing bounds that but the rank's share
+    limit = host_buffer_bytes or (_UNBOUNDED if async_save else budget_bytes or DEFAULT_POOL_BYTES)
+    pool = host_buffer_bytes or (_UNBOUNDED if async_save else None)
+    snapshot = Snapshotter(tensors.values(), own_everything=async_save, pool_bytes=pool)
     session = _SaveSession(
         layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files, limit, snapshot
     )

@@ -1,0 +1,77 @@
+"""On a GPU (skipped without CUDA): an async save of CUDA tensors is a snapshot of the values at call time, through
+pinned host buffers that the next save reuses; and 2 NCCL ranks save directly and by gathers, bit for bit."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.io.read import CheckpointReader
+
+pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    with CheckpointReader(path) as reader:
+        keys = reader.keys()
+        return {k: reader.read(k) for k in keys}
+
+
+def test_an_async_save_of_cuda_tensors_holds_the_call_time_values(tmp_path: Path) -> None:
+    from workbench.io.host_pool import host_pool
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    state = {f"w{i}": torch.randn(1024, 1024, device="cuda", generator=gen).to(torch.bfloat16) for i in range(8)}
+    expected = {k: v.cpu().clone() for k, v in state.items()}
+    for attempt in range(2):
+        handle = wb.save_hf(state, tmp_path / f"ckpt{attempt}", async_save=True)
+        for tensor in state.values():
+            tensor.add_(41)  # the optimizer step, at once, on the device
+        result = handle.wait()
+        read = _read(tmp_path / f"ckpt{attempt}")
+        assert all(torch.equal(read[k], expected[k]) for k in expected), attempt
+        assert result.snapshot_bytes == sum(t.numel() * 2 for t in state.values())
+        expected = {k: v.cpu().clone() for k, v in state.items()}
+        if attempt == 0:
+            allocations = host_pool(pinned=True).allocations
+    assert host_pool(pinned=True).allocations == allocations  # the second save reused the pinned buffers
+
+
+def _two_ranks(root: str) -> dict:
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    rank = dist.get_rank()
+    mesh = wb.MeshSpec((2,), ("fsdp",))
+    specs = {"w": wb.LoadSpec.from_placements("w", "model.w", (4096, 1024), mesh, [Shard(0)]),
+             "c": wb.LoadSpec.from_placements("c", "model.c", (64, 1024), mesh, [Shard(1)])}
+    layout = wb.Layout(mesh, specs, {"w": "bfloat16", "c": "float32"})
+    gen = torch.Generator().manual_seed(0)
+    full = {"w": torch.randn(4096, 1024, generator=gen).to(torch.bfloat16), "c": torch.randn(64, 1024, generator=gen)}
+    local = {"w": full["w"][rank * 2048 : (rank + 1) * 2048].cuda(),
+             "c": full["c"][:, rank * 512 : (rank + 1) * 512].cuda()}
+    out = {}
+    for mode in ("direct", "gather"):
+        handle = wb.save_hf(local, Path(root) / mode, layout=layout, write_mode=mode, async_save=True)
+        for t in local.values():
+            t.add_(1)
+        out[mode] = handle.wait().write_mode
+        for t in local.values():
+            t.sub_(1)
+    return out
+
+
+def test_two_nccl_ranks_save_directly_and_by_gathers(tmp_path: Path) -> None:
+    if torch.cuda.device_count() < 2:
+        pytest.skip("needs 2 GPUs")
+    results = wb.launch(_two_ranks, nprocs=2, backend="nccl", args=(str(tmp_path),), timeout=300)
+    assert results[0] == {"direct": "direct", "gather": "gather"}
+    gen = torch.Generator().manual_seed(0)
+    want = {"model.w": torch.randn(4096, 1024, generator=gen).to(torch.bfloat16),
+            "model.c": torch.randn(64, 1024, generator=gen)}
+    for mode in ("direct", "gather"):
+        got = _read(tmp_path / mode)
+        assert all(torch.equal(got[k], want[k]) for k in want), mode
