@@ -27,7 +27,9 @@ from typing import Any
 import torch
 
 from workbench import load_layout
-from workbench.run.simulated import plan_save
+from workbench.plan.load_plan import plan_hf_load
+from workbench.plan.save_plan import plan_hf_save
+from workbench.plan.save_set import plan_save
 from workbench.viz import _style
 from workbench.viz.figures import plot_mesh, plot_schedule, plot_shard_offsets
 from workbench.viz.html import render_html
@@ -78,8 +80,8 @@ def bench_layout(path: Path, repeat: int) -> list[str]:
         seconds, _ = best(fn, repeat)
         rows.append(f"| | | | {name} | {seconds * 1e3:.0f} ms | {seconds / base:.1f}x |")
     objects = {
-        "MeshSpec": layout.mesh, "LoadSpec": spec, "Layout": layout, "HFLoadPlan": spec.plan_hf_load(rank),
-        "HFSavePlan": spec.plan_hf_save(rank), "UnshardSchedule": schedule,
+        "MeshSpec": layout.mesh, "LoadSpec": spec, "Layout": layout, "HFLoadPlan": plan_hf_load(spec, rank),
+        "HFSavePlan": plan_hf_save(spec, rank), "UnshardSchedule": schedule,
     }
     for name, obj in objects.items():
         seconds, text = best(lambda obj=obj: render_html(obj), repeat)

@@ -26,7 +26,7 @@ def test_the_layout_example_runs_and_its_comments_are_true() -> None:
 def test_the_plans_example_runs() -> None:
     import workbench as wb
 
-    block = next(b for b in _blocks() if "plan_hf_load(5)" in b)
+    block = next(b for b in _blocks() if "plan_hf_load(w13, 5)" in b)
     layout = wb.load_layout(README.parent / "sample_meshes" / "toy_expert_tp.toml")
     printed: list[str] = []
     exec(compile(block, "README.md", "exec"), {"wb": wb, "layout": layout, "print": lambda x: printed.append(str(x))})

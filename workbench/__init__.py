@@ -13,7 +13,15 @@ from workbench.layout.layout_file import load_layout
 from workbench.layout.model_layout import Layout
 from workbench.layout.strided import strided_shard
 from workbench.mesh import MeshSpec
-from workbench.plan import HFLoadPlan, HFSavePlan, SavePolicy, UnshardSchedule, schedule_unshard
+from workbench.plan import (
+    HFLoadPlan,
+    HFSavePlan,
+    SavePolicy,
+    UnshardSchedule,
+    plan_hf_load,
+    plan_hf_save,
+    schedule_unshard,
+)
 from workbench.run.guard import LoadFailed, SaveFailed
 from workbench.run.launcher import LaunchError, launch
 from workbench.run.simulated import SimulatedWorld
@@ -50,6 +58,8 @@ __all__ = [
     "launch",
     "load_hf",
     "load_layout",
+    "plan_hf_load",
+    "plan_hf_save",
     "report",
     "save_hf",
     "schedule_unshard",

@@ -15,6 +15,7 @@ from workbench.layout import InterleavedShard
 from workbench.mesh import MeshSpec
 from workbench.plan.load_plan import plan_hf_load
 from workbench.plan.policy import SavePolicy
+from workbench.plan.save_plan import plan_hf_save
 from workbench.plan.schedule import schedule_unshard
 from workbench.run.executor import unshard
 from workbench.run.load_ops import execute_load, reader_from_tensors
@@ -42,12 +43,12 @@ def partial_placement() -> None:
 def misaligned_preserve() -> None:
     # 3 keys of 4 rows over ep=2: chunk 6 -> rank 2 (ep 1) holds rows [6, 12): the second half of key 1
     s = spec("experts.w2", ["d0", "d1", "d2"], (12, 2), MESH, [Shard(0), Replicate()], fused_dim=0)
-    s.plan_hf_save(MESH.rank_at((1, 0)), SavePolicy.preserve("ep"))
+    plan_hf_save(s, MESH.rank_at((1, 0)), SavePolicy.preserve("ep"))
 
 
 def keep_inner_undo_outer() -> None:
     s = spec("experts.w13", E4, (8, 2), MESH, [Shard(0), Shard(0)], fused_dim=0)  # S(0)@ep -> S(0)@tp
-    s.plan_hf_save(0, SavePolicy.gather_only("ep"))
+    plan_hf_save(s, 0, SavePolicy.gather_only("ep"))
 
 
 def world_save_wrong_local() -> None:
@@ -59,7 +60,7 @@ def world_save_wrong_local() -> None:
 
 
 def executor_wrong_local() -> None:
-    plan = spec("mlp.up", "up", (6, 5), MESH, [Shard(0), Shard(1)]).plan_hf_save(2)  # (3, 3)
+    plan = plan_hf_save(spec("mlp.up", "up", (6, 5), MESH, [Shard(0), Shard(1)]), 2)  # (3, 3)
     next(unshard(schedule_unshard([plan]), [plan], {"mlp.up": torch.zeros(3, 2)}))
 
 

@@ -18,7 +18,7 @@ from workbench.layout import InterleavedShard
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
 from workbench.plan.policy import SavePolicy
-from workbench.plan.save_plan import HFSavePlan
+from workbench.plan.save_plan import HFSavePlan, plan_hf_save
 from workbench.plan.schedule import UnshardSchedule, check_schedules, schedule_unshard
 from workbench.run.simulated import plan_save
 
@@ -29,7 +29,7 @@ F32, BF16 = torch.float32, torch.bfloat16
 
 def plans_of(layout: Layout, rank: int, policy: SavePolicy | None = None, **kwargs) -> tuple[HFSavePlan, ...]:
     return tuple(
-        s.plan_hf_save(rank, policy, runtime_dtype=layout.dtype(n), **kwargs) for n, s in layout.specs.items()
+        plan_hf_save(s, rank, policy, runtime_dtype=layout.dtype(n), **kwargs) for n, s in layout.specs.items()
     )
 
 
@@ -217,7 +217,7 @@ def test_sends_are_padded_to_the_group_chunk(length, world, factor, padded, merg
     placement = InterleavedShard(0, factor) if factor > 1 else Shard(0)
     s = spec("w", "w", (length, 3), mesh, [placement])
     for rank in range(world):
-        (call,) = schedule_unshard([s.plan_hf_save(rank)]).calls
+        (call,) = schedule_unshard([plan_hf_save(s, rank)]).calls
         (item,) = call.items
         assert item.padded_shape == (padded, 3) and item.merged_shape == (merged, 3)
         assert item.interleave_factor == factor
@@ -244,16 +244,16 @@ def test_peak_and_bytes_moved_are_exact(case: str, peak: int, moved: int) -> Non
     m = MeshSpec((2,), ("m",))
     m2 = MeshSpec((2, 2), ("ep", "fsdp"))
     if case == "one_dim0":
-        plans, runtime = [spec("x", "x", (8, 4), m, [Shard(0)]).plan_hf_save(0)], None
+        plans, runtime = [plan_hf_save(spec("x", "x", (8, 4), m, [Shard(0)]), 0)], None
     elif case == "two_batched":
-        plans = [spec("x", "x", (8, 4), m, [Shard(0)]).plan_hf_save(0),
-                 spec("y", "y", (4, 6), m, [Shard(1)]).plan_hf_save(0)]
+        plans = [plan_hf_save(spec("x", "x", (8, 4), m, [Shard(0)]), 0),
+                 plan_hf_save(spec("y", "y", (4, 6), m, [Shard(1)]), 0)]
         runtime = None
     elif case == "two_rounds":
-        plans = [spec("x", "x", (8, 2), m2, [SS(0, 2), Shard(0)], mesh_dims=["fsdp", "ep"]).plan_hf_save(0)]
+        plans = [plan_hf_save(spec("x", "x", (8, 2), m2, [SS(0, 2), Shard(0)], mesh_dims=["fsdp", "ep"]), 0)]
         runtime = None
     else:
-        plans = [spec("x", "x", (8, 2), m, [Shard(0)]).plan_hf_save(1, runtime_dtype=BF16, dtype=F32)]
+        plans = [plan_hf_save(spec("x", "x", (8, 2), m, [Shard(0)]), 1, runtime_dtype=BF16, dtype=F32)]
         runtime = {"x": BF16}
     schedule = schedule_unshard(plans, runtime)
     assert (schedule.peak_bytes, schedule.bytes_moved) == (peak, moved)
@@ -350,7 +350,7 @@ def test_check_schedules_catches_unequal_send_shapes_inside_a_group() -> None:
 
 def test_schedule_rejects_repeated_names_and_handles_nothing() -> None:
     mesh = MeshSpec((2,), ("m",))
-    plan = spec("x", "x", (4,), mesh, [Shard(0)]).plan_hf_save(0)
+    plan = plan_hf_save(spec("x", "x", (4,), mesh, [Shard(0)]), 0)
     with pytest.raises(PlanError, match="repeat a parameter name"):
         schedule_unshard([plan, plan])
     empty = schedule_unshard([])

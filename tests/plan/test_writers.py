@@ -12,6 +12,7 @@ from tests.run.support import layout_of, spec
 from workbench import _compat
 from workbench.mesh import MeshSpec
 from workbench.plan.policy import SavePolicy
+from workbench.plan.save_plan import plan_hf_save
 from workbench.plan.writers import assign_writers, key_holders, key_nbytes, writer_pool
 from workbench.run.simulated import SimulatedWorld, plan_save
 
@@ -103,11 +104,11 @@ def test_assignment_does_not_depend_on_dict_order() -> None:
 def test_key_holders_and_key_bytes_from_plans() -> None:
     mesh = MeshSpec((2, 2), ("fsdp", "ep"))
     s = spec("w", [f"k{i}" for i in range(4)], (8, 3), mesh, [SS(0, 2), Shard(0)], fused_dim=0)
-    plans = {r: (s.plan_hf_save(r, SavePolicy.preserve("ep"), runtime_dtype=torch.bfloat16),) for r in range(4)}
+    plans = {r: (plan_hf_save(s, r, SavePolicy.preserve("ep"), runtime_dtype=torch.bfloat16),) for r in range(4)}
     # ep 0 = ranks 0, 2 hold k0, k1; ep 1 = ranks 1, 3 hold k2, k3
     assert key_holders(plans) == {"k0": (0, 2), "k1": (0, 2), "k2": (1, 3), "k3": (1, 3)}
     assert key_nbytes(plans[1][0]) == {"k2": 2 * 3 * 2, "k3": 2 * 3 * 2}
-    full = s.plan_hf_save(0, runtime_dtype=torch.float32, fp32_keys_pattern="k3", dtype=torch.bfloat16)
+    full = plan_hf_save(s, 0, runtime_dtype=torch.float32, fp32_keys_pattern="k3", dtype=torch.bfloat16)
     assert key_nbytes(full) == {"k0": 12, "k1": 12, "k2": 12, "k3": 24}
 
 

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 from pathlib import Path
@@ -96,13 +97,13 @@ def test_heavy_writer_is_flagged() -> None:
     # force every key onto rank 3 but one: rank 3 carries far more than the mean of the two writers
     writers = dict.fromkeys(plan_set.writers, 3)
     writers["model.norm.weight"] = 0
-    forced = type(plan_set)(plan_set.policy, plan_set.plans, plan_set.schedules, writers)
+    forced = dataclasses.replace(plan_set, writers=writers)
     report = summarize_save(toy, forced, ranks=[0])
     kinds = {f.kind: f for f in report.findings}
     assert "heavy_writer" not in kinds  # 2 writers: 332 B vs mean 168 B is under 2x
     writers = {k: (3 if i else i + 1) for i, k in enumerate(plan_set.writers)}
     writers.update({"model.norm.weight": 0, "model.layers.0.self_attn.q_proj.weight": 2})
-    forced = type(plan_set)(plan_set.policy, plan_set.plans, plan_set.schedules, writers)
+    forced = dataclasses.replace(plan_set, writers=writers)
     report = summarize_save(toy, forced, ranks=[0])
     assert [f.kind for f in report.findings] == ["heavy_writer"]
     assert "rank 3:" in report.findings[0].details[0]

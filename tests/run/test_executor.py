@@ -15,7 +15,7 @@ from workbench.errors import PlanError
 from workbench.layout import InterleavedShard
 from workbench.mesh import MeshSpec
 from workbench.plan.policy import SavePolicy
-from workbench.plan.save_plan import HFSavePlan
+from workbench.plan.save_plan import HFSavePlan, plan_hf_save
 from workbench.plan.schedule import schedule_unshard
 from workbench.run.communicator import Communicator, drive
 from workbench.run.executor import GatherRequest, WaveOutput, unshard
@@ -68,7 +68,7 @@ def test_one_batched_call_then_the_dependent_step_alone() -> None:
     mesh = MeshSpec((2, 2), ("a", "b"))
     experts = spec("experts", ["k0", "k1"], (8, 2), mesh, [SS(0, 2), Shard(0)], fused_dim=0)
     gate = spec("gate", "gate", (4, 2), mesh, [Shard(0), Replicate()])
-    plans = [experts.plan_hf_save(0), gate.plan_hf_save(0)]
+    plans = [plan_hf_save(experts, 0), plan_hf_save(gate, 0)]
     requests, outputs, _ = run_scripted(plans, {"experts": torch.ones(2, 2), "gate": torch.ones(2, 2)}, echo)
     assert [[i.padded_shape for i in r.call.items] for r in requests] == [[(2, 2), (2, 2)], [(4, 2)]]
     assert [r.mesh_dim for r in requests] == ["a", "b"]
@@ -79,8 +79,8 @@ def test_one_batched_call_then_the_dependent_step_alone() -> None:
 
 def test_different_dtypes_gather_in_separate_calls() -> None:
     mesh = MeshSpec((2,), ("fsdp",))
-    a = spec("a", "a", (4, 2), mesh, [Shard(0)]).plan_hf_save(0, runtime_dtype=torch.float32)
-    b = spec("b", "b", (4, 2), mesh, [Shard(0)]).plan_hf_save(0, runtime_dtype=torch.float64)
+    a = plan_hf_save(spec("a", "a", (4, 2), mesh, [Shard(0)]), 0, runtime_dtype=torch.float32)
+    b = plan_hf_save(spec("b", "b", (4, 2), mesh, [Shard(0)]), 0, runtime_dtype=torch.float64)
     local = {"a": torch.ones(2, 2), "b": torch.ones(2, 2, dtype=torch.float64)}
     requests, outputs, _ = run_scripted([a, b], local, echo)
     assert [(r.call.dtype, r.send.dtype) for r in requests] == [(torch.float32,) * 2, (torch.float64,) * 2]
@@ -90,7 +90,7 @@ def test_different_dtypes_gather_in_separate_calls() -> None:
 def test_uneven_contiguous_gather_pads_the_send_and_trims_the_result() -> None:
     # (5,) over 3 ranks: 2, 2, 1; rank 2 holds [4] and sends [4, 0]; the gather yields 6, trimmed to 5
     mesh = MeshSpec((3,), ("fsdp",))
-    plan = spec("w", "w", (5,), mesh, [Shard(0)]).plan_hf_save(2)
+    plan = plan_hf_save(spec("w", "w", (5,), mesh, [Shard(0)]), 2)
     requests, outputs, _ = run_scripted([plan], {"w": T([4.0])}, script([[0, 1], [2, 3], [4, 0]]))
     (request,) = requests
     assert torch.equal(request.send, T([4.0, 0.0]))
@@ -101,7 +101,7 @@ def test_uneven_contiguous_gather_pads_the_send_and_trims_the_result() -> None:
 def test_interleaved_gather_puts_runs_back_in_order_then_trims_fp8_padding() -> None:
     # (8,) with origin (6,), IS(0,2) over 2 ranks: rank 0 holds [0,1,4,5], rank 1 [2,3,6,7]; no padding sent
     mesh = MeshSpec((2,), ("etp",))
-    plan = spec("w", "w", (8,), mesh, [InterleavedShard(0, 2)], origin_shape=(6,)).plan_hf_save(0)
+    plan = plan_hf_save(spec("w", "w", (8,), mesh, [InterleavedShard(0, 2)], origin_shape=(6,)), 0)
     requests, outputs, _ = run_scripted([plan], {"w": T([0.0, 1, 4, 5])}, script([[0, 1, 4, 5], [2, 3, 6, 7]]))
     assert [r.send.shape for r in requests] == [torch.Size([4])]
     assert torch.equal(outputs["w"], torch.arange(6.0))  # not the rank concatenation [0,1,4,5,2,3]
@@ -112,7 +112,7 @@ def test_preserve_ep_still_deinterleaves_etp() -> None:
     mesh = MeshSpec((2, 2), ("ep", "etp"))
     s = spec("w", ["k0", "k1", "k2", "k3"], (8,), mesh, [Shard(0), InterleavedShard(0, 2)], fused_dim=0)
     rank = mesh.rank_at((1, 0))
-    plan = s.plan_hf_save(rank, SavePolicy.preserve("ep"))
+    plan = plan_hf_save(s, rank, SavePolicy.preserve("ep"))
     assert plan.hf_keys == ("k2", "k3")
     requests, outputs, _ = run_scripted([plan], {"w": T([4.0, 6])}, script([[4, 6], [5, 7]]))
     assert [r.mesh_dim for r in requests] == ["etp"]
@@ -128,7 +128,7 @@ def test_gather_only_fsdp_keeps_etp_and_trims_the_local_fp8_tail() -> None:
     mesh = MeshSpec((2, 2), ("fsdp", "etp"))
     s = spec("w", "w", (16,), mesh, [SS(0, 2), InterleavedShard(0, 2)], origin_shape=(14,))
     assert s.describe_shards() == "IS(0,2)@etp -> S(0)@fsdp"
-    plan = s.plan_hf_save(mesh.rank_at((1, 1)), SavePolicy.gather_only("fsdp"))
+    plan = plan_hf_save(s, mesh.rank_at((1, 1)), SavePolicy.gather_only("fsdp"))
     assert plan.runtime_output_shape == (8,) and plan.output_shape == (6,)
     requests, outputs, _ = run_scripted([plan], {"w": T([12.0, 13, 14, 15])}, script([[4, 5, 6, 7], [12, 13, 14, 15]]))
     assert [r.mesh_dim for r in requests] == ["fsdp"]
@@ -137,7 +137,7 @@ def test_gather_only_fsdp_keeps_etp_and_trims_the_local_fp8_tail() -> None:
 
 def test_each_wave_is_handed_out_before_the_next_one_gathers() -> None:
     mesh = MeshSpec((2,), ("fsdp",))
-    plans = [spec(n, n, (8, 4), mesh, [Shard(0)]).plan_hf_save(1) for n in ("a", "b", "c")]
+    plans = [plan_hf_save(spec(n, n, (8, 4), mesh, [Shard(0)]), 1) for n in ("a", "b", "c")]
     local = {n: torch.full((4, 4), float(i)) for i, n in enumerate("abc")}
     program = unshard(schedule_unshard(plans, budget_bytes=200), plans, local)  # one tensor per wave
     kinds = []
@@ -154,7 +154,7 @@ def test_each_wave_is_handed_out_before_the_next_one_gathers() -> None:
 
 def test_executor_casts_to_the_gather_dtype_before_sending() -> None:
     mesh = MeshSpec((2,), ("fsdp",))
-    plan = spec("w", ["w.a", "w.norm"], (4, 2), mesh, [Shard(0)], fused_dim=0).plan_hf_save(
+    plan = plan_hf_save(spec("w", ["w.a", "w.norm"], (4, 2), mesh, [Shard(0)], fused_dim=0),
         0, runtime_dtype=torch.bfloat16, fp32_keys_pattern=r"norm"
     )
     local = torch.tensor([[1.5, 2.5], [3.5, 4.5]], dtype=torch.bfloat16)
@@ -166,7 +166,7 @@ def test_executor_casts_to_the_gather_dtype_before_sending() -> None:
 
 def test_local_shape_mismatch_names_parameter_rank_and_shapes() -> None:
     mesh = MeshSpec((2, 2), ("fsdp", "tp"))
-    plan = spec("attn.o", "o", (6, 8), mesh, [Shard(0), Shard(1)]).plan_hf_save(3)
+    plan = plan_hf_save(spec("attn.o", "o", (6, 8), mesh, [Shard(0), Shard(1)]), 3)
     program = unshard(schedule_unshard([plan]), [plan], {"attn.o": torch.zeros(3, 3)})
     with pytest.raises(PlanError, match=r"parameter 'attn.o', rank 3: local tensor has shape \(3, 3\), but the plan "
                                         r"expects \(3, 4\)"):
@@ -175,7 +175,7 @@ def test_local_shape_mismatch_names_parameter_rank_and_shapes() -> None:
 
 def test_a_missing_gather_answer_is_an_error() -> None:
     mesh = MeshSpec((2,), ("fsdp",))
-    plan = spec("w", "w", (4,), mesh, [Shard(0)]).plan_hf_save(0)
+    plan = plan_hf_save(spec("w", "w", (4,), mesh, [Shard(0)]), 0)
     program = unshard(schedule_unshard([plan]), [plan], {"w": torch.zeros(2)})
     assert isinstance(next(program), GatherRequest)
     with pytest.raises(PlanError, match="expected the gathered buffer"):
@@ -208,7 +208,7 @@ def test_drive_answers_requests_through_a_communicator() -> None:
     comm = ScriptedComm()
     assert isinstance(comm, Communicator)
     mesh = MeshSpec((2,), ("fsdp",))
-    plan = spec("w", "w", (4,), mesh, [Shard(0)]).plan_hf_save(1)
+    plan = plan_hf_save(spec("w", "w", (4,), mesh, [Shard(0)]), 1)
     waves: list[WaveOutput] = []
     drive(unshard(schedule_unshard([plan]), [plan], {"w": T([2.0, 3])}), comm, waves.append)
     assert comm.calls == [("fsdp", 2)]
@@ -227,7 +227,7 @@ def test_round_trip_of_a_layout_through_scripted_peers() -> None:
         for run in s.runs(r):
             local[run.local_slices()] = full[run.global_slices()]
         locals_[r] = local
-    plans = {r: [s.plan_hf_save(r)] for r in mesh.all_ranks()}
+    plans = {r: [plan_hf_save(s, r)] for r in mesh.all_ranks()}
     programs = {r: unshard(schedule_unshard(plans[r]), plans[r], {"w": locals_[r]}) for r in mesh.all_ranks()}
     replies: dict[int, Any] = dict.fromkeys(mesh.all_ranks())
     outputs = {}

@@ -208,3 +208,13 @@ def test_a_schedule_that_would_hang_is_reported_as_a_deadlock() -> None:
     locals_by_rank = {0: {"w": torch.zeros(2, 2)}, 1: {"w": torch.zeros(4, 2)}}
     with pytest.raises(PlanError, match=r"would deadlock: 1 rank\(s\) wait .*rank 0 on wave 0 round 0  fsdp"):
         world.run_save(plan_set, locals_by_rank)
+
+
+def test_planning_lives_in_plan_and_run_simulated_re_exports_it() -> None:
+    # io/hf_save.py and older callers import plan_save, SavePlanSet, key_meta and key_sizes from here
+    from workbench.plan import save_set
+    from workbench.run import simulated
+
+    for name in ("plan_save", "SavePlanSet", "key_meta", "key_sizes"):
+        assert getattr(simulated, name) is getattr(save_set, name), name
+        assert getattr(simulated, name).__module__ == "workbench.plan.save_set", name

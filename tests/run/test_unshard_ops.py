@@ -11,6 +11,7 @@ from workbench.errors import PlanError
 from workbench.layout import InterleavedShard
 from workbench.mesh import MeshSpec
 from workbench.plan.policy import SavePolicy
+from workbench.plan.save_plan import plan_hf_save
 from workbench.plan.schedule import GatherItem
 from workbench.run.unshard_ops import finalize, merge, merge_in_place, pack, split_keys, unpack
 
@@ -18,7 +19,8 @@ T = torch.tensor
 
 
 def item(name: str, dim: int, factor: int, padded: tuple[int, ...], merged: tuple[int, ...]) -> GatherItem:
-    return GatherItem(name, 0, dim, factor, padded, merged, 0)
+    return GatherItem(name=name, step=0, dim=dim, interleave_factor=factor, padded_shape=padded, merged_shape=merged,
+                      bound_numel=0)
 
 
 def test_pack_zero_pads_each_tensor_to_its_item_and_concatenates() -> None:
@@ -74,7 +76,7 @@ def test_merge_in_place_only_for_a_contiguous_dim0_cut() -> None:
 
 def test_finalize_checks_the_runtime_shape_and_trims_padding() -> None:
     mesh = MeshSpec((2,), ("fsdp",))
-    plan = spec("w", "w", (4, 3), mesh, [Shard(0)], origin_shape=(3, 2)).plan_hf_save(0)
+    plan = plan_hf_save(spec("w", "w", (4, 3), mesh, [Shard(0)], origin_shape=(3, 2)), 0)
     out = finalize(torch.arange(12.0).reshape(4, 3), plan)
     assert torch.equal(out, T([[0.0, 1], [3, 4], [6, 7]])) and out.is_contiguous()
     with pytest.raises(PlanError, match=r"parameter 'w', rank 0: after unsharding the tensor has shape \(3, 3\), "
@@ -84,13 +86,13 @@ def test_finalize_checks_the_runtime_shape_and_trims_padding() -> None:
 
 def test_split_keys_on_dim_0_and_dim_1_with_per_key_dtypes() -> None:
     mesh = MeshSpec((1,), ("m",))
-    rows = spec("w", ["a", "b", "c"], (3, 2), mesh, [Shard(0)], fused_dim=0).plan_hf_save(
+    rows = plan_hf_save(spec("w", ["a", "b", "c"], (3, 2), mesh, [Shard(0)], fused_dim=0),
         0, runtime_dtype=torch.float32, dtype=torch.bfloat16, fp32_keys_pattern="^b$")
     pieces = split_keys(torch.arange(6.0).reshape(3, 2), rows)
     assert list(pieces) == ["a", "b", "c"]
     assert [p.dtype for p in pieces.values()] == [torch.bfloat16, torch.float32, torch.bfloat16]
     assert pieces["b"].tolist() == [[2.0, 3.0]]
-    cols = spec("qkv", ["q", "k"], (2, 4), mesh, [Shard(1)], fused_dim=1).plan_hf_save(0)
+    cols = plan_hf_save(spec("qkv", ["q", "k"], (2, 4), mesh, [Shard(1)], fused_dim=1), 0)
     pieces = split_keys(torch.arange(8.0).reshape(2, 4), cols)
     assert pieces["q"].tolist() == [[0.0, 1.0], [4.0, 5.0]] and pieces["k"].tolist() == [[2.0, 3.0], [6.0, 7.0]]
     assert all(p.is_contiguous() for p in pieces.values())
@@ -98,7 +100,7 @@ def test_split_keys_on_dim_0_and_dim_1_with_per_key_dtypes() -> None:
 
 def test_split_keys_of_a_preserved_interleave_names_the_local_keys() -> None:
     mesh = MeshSpec((2,), ("etp",))
-    plan = spec("w", ["k0", "k1", "k2", "k3"], (8,), mesh, [InterleavedShard(0, 2)], fused_dim=0).plan_hf_save(
+    plan = plan_hf_save(spec("w", ["k0", "k1", "k2", "k3"], (8,), mesh, [InterleavedShard(0, 2)], fused_dim=0),
         1, SavePolicy.preserve("etp"))
     pieces = split_keys(T([2.0, 3, 6, 7]), plan)
     assert {k: v.tolist() for k, v in pieces.items()} == {"k1": [2.0, 3.0], "k3": [6.0, 7.0]}

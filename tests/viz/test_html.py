@@ -14,6 +14,8 @@ from tests.viz.support import SAMPLES, cases, expert_tp_16, owners_from_runs
 from workbench.io.hf_load import LoadReport
 from workbench.io.hf_save import SaveResult
 from workbench.layout.layout_file import load_layout
+from workbench.plan.load_plan import plan_hf_load
+from workbench.plan.save_plan import plan_hf_save
 from workbench.run.simulated import plan_save
 from workbench.viz._style import rank_colours
 from workbench.viz.html import render_html
@@ -25,7 +27,7 @@ def _objects(layout):
     spec = max(layout.specs.values(), key=lambda s: math.prod(s.global_shape))
     rank = layout.mesh.size - 1
     schedule = plan_save(layout, ranks=[rank], budget_bytes=1 << 30).schedules[rank]
-    return [layout.mesh, spec, layout, spec.plan_hf_load(rank), spec.plan_hf_save(rank), schedule]
+    return [layout.mesh, spec, layout, plan_hf_load(spec, rank), plan_hf_save(spec, rank), schedule]
 
 
 @pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)

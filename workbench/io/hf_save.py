@@ -45,10 +45,10 @@ from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import KeyRegion
 from workbench.layout.model_layout import Layout, local_tensors
 from workbench.plan.policy import SavePolicy
+from workbench.plan.save_set import SavePlanSet, key_meta, layout_fingerprint, plan_save
 from workbench.run.communicator import Communicator
 from workbench.run.executor import WaveOutput, unshard
 from workbench.run.guard import RankProblem, SaveFailed, agree, check_agreement, drive_guarded, problem_from
-from workbench.run.simulated import SavePlanSet, key_meta, plan_save
 from workbench.run.torch_comm import DEFAULT_TIMEOUT
 from workbench.run.unshard_ops import split_keys
 
@@ -319,6 +319,26 @@ def _agree_before_groups(
         raise
 
 
+_META_CACHE: dict[tuple, tuple[dict, tuple[str, ...]]] = {}
+
+
+def _key_meta_and_direct(
+    layout: Layout, dtype: torch.dtype | None, patterns: Sequence[str] | str | None, min_segment: int | None
+) -> tuple[dict, tuple[str, ...]]:
+    """Every key's (save dtype, shape) and the tensors written directly (none when ``min_segment`` is None);
+    cached per layout and options, like the plans, so a repeat save does not redo them."""
+    key = (layout_fingerprint(layout), layout.mesh, dtype, patterns if isinstance(patterns, str | None)
+           else tuple(patterns), min_segment)
+    if key not in _META_CACHE:
+        runtime = {name: layout.dtype(name) for name in layout}
+        meta = key_meta(layout, runtime, dtype, patterns)
+        names = direct_names(layout, meta, min_segment) if min_segment is not None else ()
+        if len(_META_CACHE) >= 16:
+            _META_CACHE.pop(next(iter(_META_CACHE)))
+        _META_CACHE[key] = (meta, names)
+    return _META_CACHE[key]
+
+
 class _SaveSession:
     """One rank's part of a save: plan, gather and write, then agree and publish."""
 
@@ -349,7 +369,7 @@ class _SaveSession:
         self.heartbeat: Heartbeat | None = None
         self.plan_set: SavePlanSet | None = None
         self.file_plan: FilePlan | None = None
-        self.metadata = {"format": "pt", "workbench_version": _version(), "layout": layout.fingerprint()}
+        self.metadata = {"format": "pt", "workbench_version": _version(), "layout": layout_fingerprint(layout)}
         self.problem: RankProblem | None = None
         self.write_problem: RankProblem | None = None
         self.write_mode = "gather"
@@ -404,16 +424,16 @@ class _SaveSession:
         missing = [c for c in self.config_files if not c.is_file()]
         if missing:
             raise CheckpointError(f"config file(s) to copy do not exist: {[str(m) for m in missing]}")
-        runtime = {name: self.layout.dtype(name) for name in self.layout}
-        self.key_meta = key_meta(self.layout, runtime, dtype, fp32_keys_pattern)
+        direct = self.write_mode == "direct" and policy.mode in ("full", "minimal")
+        self.key_meta, self.direct = _key_meta_and_direct(
+            self.layout, dtype, fp32_keys_pattern, self.min_segment_bytes if direct else None
+        )
         for name, spec in self.layout.specs.items():
             local, want = tensors[name], spec.local_shape(self.rank)
             if tuple(local.shape) != tuple(want):
                 raise CheckpointError(
                     f"parameter {name!r}: local tensor has shape {tuple(local.shape)}, the layout says {tuple(want)}"
                 )
-        direct = self.write_mode == "direct" and policy.mode in ("full", "minimal")
-        self.direct = direct_names(self.layout, self.key_meta, self.min_segment_bytes) if direct else ()
         gathered = self.layout
         if self.direct:
             skip = set(self.direct)

@@ -20,14 +20,28 @@ from __future__ import annotations
 
 from workbench.errors import LayoutError
 
-__all__ = ["Interval", "chunk_interval", "chunk_sizes", "interleave_intervals", "local_sizes"]
+__all__ = ["Interval", "chunk_interval", "chunk_length", "chunk_sizes", "gather_chunk", "interleave_intervals",
+           "local_sizes"]
 
 Interval = tuple[int, int]  # [start, stop) in the coordinates of the tensor being cut
 
 
+def chunk_length(n: int, world: int) -> int:
+    """PyTorch's chunk rule: the length of a full chunk when ``n`` elements are cut over ``world`` ranks,
+    ``ceil(n / world)`` (the last chunks may be shorter or empty)."""
+    return -(-n // world)
+
+
+def gather_chunk(n: int, world: int, factor: int = 1) -> int:
+    """What every rank of a group contributes to the all-gather that undoes a cut of ``n`` elements over
+    ``world`` ranks: ``chunk_length(n, world)`` for a contiguous cut (short ranks pad up to it), ``n / world``
+    for an even interleave (``factor > 1``, every rank holds exactly that much)."""
+    return n // world if factor > 1 else chunk_length(n, world)
+
+
 def chunk_interval(n: int, world: int, index: int) -> Interval:
     """``[start, stop)`` that chunk ``index`` of ``world`` holds of ``n`` elements (may be empty)."""
-    chunk = -(-n // world)
+    chunk = chunk_length(n, world)
     start = min(chunk * index, n)
     return start, min(start + chunk, n)
 
@@ -63,7 +77,7 @@ def local_sizes(n: int, world: int, factor: int) -> set[int]:
         return {n // world} if n % (world * factor) == 0 else set()
     if n % world == 0:
         return {n // world}
-    chunk = -(-n // world)
+    chunk = chunk_length(n, world)
     full, rest = divmod(n, chunk)
     sizes = {chunk} | ({rest} if rest else set())
     return sizes | {0} if full + (1 if rest else 0) < world else sizes

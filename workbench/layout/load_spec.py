@@ -1,7 +1,8 @@
 """LoadSpec: the stable facts of one runtime parameter (HF keys, shapes, ordered shard descriptors).
 
-A LoadSpec is the map; plans are routes compiled from it for one rank. It needs no process group:
-every question (``local_shape(rank)``, ``runs(rank)``, ``key_regions(rank)``, ``coverage()``) is
+A LoadSpec is the map; plans are routes compiled from it for one rank by ``workbench.plan``
+(``plan_hf_load(spec, rank)``, ``plan_hf_save(spec, rank, policy)``), a layer above this one. It needs no process
+group: every question (``local_shape(rank)``, ``runs(rank)``, ``key_regions(rank)``, ``coverage()``) is
 answered for any rank from the ``MeshSpec`` alone.
 """
 
@@ -364,18 +365,6 @@ class LoadSpec:
                 local[fd] += lo - start
                 out.append(KeyRegion(self.hf_keys[k], tuple(key_offset), tuple(piece), tuple(local)))
         return tuple(out)
-
-    def plan_hf_load(self, rank: int, key_shapes: Any = None) -> Any:
-        """The ``HFLoadPlan`` of this parameter for ``rank`` (see ``workbench.plan.load_plan``)."""
-        from workbench.plan.load_plan import plan_hf_load
-
-        return plan_hf_load(self, rank, key_shapes)
-
-    def plan_hf_save(self, rank: int, policy: Any = None, **kwargs: Any) -> Any:
-        """The ``HFSavePlan`` of this parameter for ``rank`` under ``policy`` (see ``workbench.plan.save_plan``)."""
-        from workbench.plan.save_plan import plan_hf_save
-
-        return plan_hf_save(self, rank, policy, **kwargs)
 
     def coverage(self) -> CoverageReport:
         """Prove every element is held exactly once per replica group, or list holes and overlaps."""

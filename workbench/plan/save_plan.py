@@ -12,6 +12,7 @@ from dataclasses import dataclass
 import torch
 
 from workbench.errors import PlanError
+from workbench.layout.chunking import gather_chunk
 from workbench.layout.descriptors import ShardDescriptor
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.runs import Segment, dim_segments
@@ -20,7 +21,7 @@ from workbench.plan.policy import SavePolicy
 __all__ = ["HFSavePlan", "SaveShardStep", "gather_dtype", "plan_hf_save", "save_dtypes"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class SaveShardStep:
     """One shard as the save sees it: the cut, the tensor's shape when it is undone, and whether it stays.
 
@@ -42,8 +43,7 @@ class SaveShardStep:
     @property
     def chunk(self) -> int:
         """Per-rank contribution along the cut dim (collective padding included)."""
-        n = self.shape_before[self.descriptor.dim]
-        return n // self.world if self.descriptor.is_interleaved else -(-n // self.world)
+        return self.chunk_of(self.shape_before)
 
     @property
     def padded_shape(self) -> tuple[int, ...]:
@@ -55,8 +55,19 @@ class SaveShardStep:
     @property
     def gathered_shape(self) -> tuple[int, ...]:
         """Shape of the all-gather's output for this tensor (padding included)."""
-        shape = list(self.shape_before)
-        shape[self.descriptor.dim] = self.chunk * self.world
+        return self.gathered_of(self.shape_before)
+
+    def chunk_of(self, merged_shape: Sequence[int]) -> int:
+        """Per-rank contribution along the cut dim when the undone tensor has ``merged_shape``
+        (``layout.chunking.gather_chunk``)."""
+        d = self.descriptor
+        return gather_chunk(merged_shape[d.dim], self.world, d.interleave_factor)
+
+    def gathered_of(self, merged_shape: Sequence[int]) -> tuple[int, ...]:
+        """Shape of the all-gather's output (collective padding included) when the undone tensor has
+        ``merged_shape`` (e.g. ``bound_before``, the largest any rank sees)."""
+        shape = list(merged_shape)
+        shape[self.descriptor.dim] = self.chunk_of(merged_shape) * self.world
         return tuple(shape)
 
     def __str__(self) -> str:
@@ -189,8 +200,8 @@ def plan_hf_save(
         # applied when cut i is undone: every earlier cut, and (for a gathered cut) every kept one
         applied = [j < i or (keep[j] and not keep[i]) for j in range(len(cuts))]
         steps.append(SaveShardStep(
-            d, _shape(spec.global_shape, cuts, applied), world, index, keep[i],
-            _shape(spec.global_shape, [(c, w, 0) for c, w, _ in cuts], applied),
+            descriptor=d, shape_before=_shape(spec.global_shape, cuts, applied), world=world, group_rank=index,
+            preserved=keep[i], bound_before=_shape(spec.global_shape, [(c, w, 0) for c, w, _ in cuts], applied),
         ))
     cur = list(_shape(spec.global_shape, cuts, [True] * len(cuts)))
     _check_order(spec, steps, policy)

@@ -20,6 +20,7 @@ the receive buffer). A tensor's output stays live until its wave ends (it is the
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -28,12 +29,12 @@ import torch
 
 from workbench.errors import PlanError
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
-from workbench.plan.save_plan import HFSavePlan, SaveShardStep
+from workbench.plan.save_plan import HFSavePlan
 
 __all__ = ["GatherCall", "GatherItem", "UnshardSchedule", "check_schedules", "schedule_unshard"]
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GatherItem:
     """One tensor's step inside a call: this rank sends ``padded_shape`` and gets back ``merged_shape``."""
 
@@ -46,7 +47,7 @@ class GatherItem:
     bound_numel: int  # largest gathered numel of this step on any rank (rank-independent)
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class GatherCall:
     """One foreach all-gather over one mesh dim (group) and one dtype."""
 
@@ -86,7 +87,7 @@ class GatherCall:
         )
 
 
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class UnshardSchedule:
     """The all-gather program of a save on one rank, with its predicted cost.
 
@@ -186,7 +187,7 @@ def schedule_unshard(
         The schedule; see the module docstring for its memory model.
     """
     if not save_plans:
-        return UnshardSchedule(-1, (), (), budget_bytes, 0, 0, {})
+        return UnshardSchedule(rank=-1, calls=(), waves=(), budget_bytes=budget_bytes, peak_bytes=0, bytes_moved=0)
     rank = save_plans[0].rank
     if len({p.name for p in save_plans}) != len(save_plans):
         raise PlanError("schedule_unshard: save plans repeat a parameter name")
@@ -213,8 +214,8 @@ def schedule_unshard(
                     f"({reference.signatures.get(name)}); the two ranks would issue different collectives and hang"
                 )
     return UnshardSchedule(
-        rank, tuple(calls), tuple(tuple(t.name for t in wave) for wave in waves), budget_bytes, peak, moved,
-        signatures=signatures,
+        rank=rank, calls=tuple(calls), waves=tuple(tuple(t.name for t in wave) for wave in waves),
+        budget_bytes=budget_bytes, peak_bytes=peak, bytes_moved=moved, signatures=signatures,
     )
 
 
@@ -288,7 +289,7 @@ def check_schedules(schedules: Mapping[int, UnshardSchedule], mesh: MeshSpec) ->
 
 
 # -- internals ---------------------------------------------------------------------------------------
-@dataclass(frozen=True, slots=True)
+@dataclass(frozen=True, slots=True, kw_only=True)
 class _Tensor:
     name: str
     dtype: torch.dtype
@@ -306,31 +307,23 @@ class _Tensor:
         if shared is None or shared[0] is not plan.steps:
             steps = tuple(
                 (s.descriptor.mesh_dim, s.world, s.descriptor.dim, s.descriptor.interleave_factor, s.padded_shape,
-                 s.shape_before, math.prod(_gathered(s.bound_before or s.shape_before, s)))
+                 s.shape_before, math.prod(s.gathered_of(s.bound_before or s.shape_before)))
                 for s in plan.pending
             )
             shared = memo[key] = (plan.steps, steps, math.prod(plan.local_shape),
                                              math.prod(plan.runtime_output_shape))
         _, steps, local_numel, output_numel = shared
         items = tuple(
-            (ref, world, GatherItem(plan.name, k, dim, factor, padded, before, bound))
+            (ref, world, GatherItem(name=plan.name, step=k, dim=dim, interleave_factor=factor, padded_shape=padded,
+                                    merged_shape=before, bound_numel=bound))
             for k, (ref, world, dim, factor, padded, before, bound) in enumerate(steps)
         )
-        return cls(plan.name, plan.gather_dtype, runtime_dtype, local_numel, output_numel, items)
+        return cls(name=plan.name, dtype=plan.gather_dtype, runtime_dtype=runtime_dtype, local_numel=local_numel,
+                   output_numel=output_numel, items=items)
 
     def signature(self) -> tuple:
         """What the calls depend on: dtype and the (mesh dim, group size) of every pending step."""
         return (self.dtype, tuple((ref, world) for ref, world, _ in self.items))
-
-
-def _gathered(shape: tuple[int, ...], step: SaveShardStep) -> tuple[int, ...]:
-    """Shape of the all-gather output (collective padding included) when the merged shape is ``shape``."""
-    d = step.descriptor
-    n = shape[d.dim]
-    chunk = n // step.world if d.is_interleaved else -(-n // step.world)
-    out = list(shape)
-    out[d.dim] = chunk * step.world
-    return tuple(out)
 
 
 def _simulate(wave: list[_Tensor], wave_index: int = 0) -> tuple[int, list[GatherCall]]:
@@ -359,12 +352,12 @@ def _simulate(wave: list[_Tensor], wave_index: int = 0) -> tuple[int, list[Gathe
             live = live - freed + (out if in_place else merged)
             for i in items:
                 held[i.name] = i.bound_numel * size
-            calls.append(GatherCall(wave_index, rnd, ref, world, dtype, items))
+            calls.append(GatherCall(wave=wave_index, round=rnd, mesh_dim=ref, world=world, dtype=dtype, items=items))
     return peak, calls
 
 
 def _replace_oversized(call: GatherCall) -> GatherCall:
-    return GatherCall(call.wave, call.round, call.mesh_dim, call.world, call.dtype, call.items, oversized=True)
+    return dataclasses.replace(call, oversized=True)
 
 
 def _describe(structure: tuple, index: int) -> str:
