@@ -1,0 +1,136 @@
+"""The launcher kernel end to end: 2 gloo ranks started by torch's elastic agent, driven over Jupyter's protocol.
+
+One kernel serves the whole module (start-up costs seconds); tests run in file order and the last ones stop and
+restart it.
+"""
+
+from __future__ import annotations
+
+import threading
+import time
+from collections.abc import Iterator
+from pathlib import Path
+from typing import Any
+
+import pytest
+
+from tests.kernel.support import execute, jupyter_path
+from workbench.run.kernel.spec import install_kernel
+
+pytestmark = pytest.mark.slow
+
+
+@pytest.fixture(scope="module")
+def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]]:
+    from jupyter_client.manager import start_new_kernel
+
+    prefix = tmp_path_factory.mktemp("jupyter-prefix")
+    install_kernel(nprocs=2, backend="gloo", name="wb-test-2", prefix=str(prefix))
+    with jupyter_path(Path(prefix)):
+        manager, client = start_new_kernel(kernel_name="wb-test-2", startup_timeout=120)
+        try:
+            yield manager, client
+        finally:
+            client.stop_channels()
+            manager.shutdown_kernel(now=False)
+
+
+def test_state_persists_and_text_is_folded(kernel: tuple[Any, Any]) -> None:
+    _, client = kernel
+    out = execute(client, "x = 10 * rank\nprint('same on both')\nprint('I am rank', rank, 'of', world_size)")
+    assert out.reply["status"] == "ok", out.error_text
+    assert out.streams["stdout"] == "same on both\n[0] I am rank 0 of 2\n[1] I am rank 1 of 2\n"
+    out = execute(client, "x + rank")  # rank 0's value: 0 (rank 1 would give 11)
+    assert out.result == "0"
+
+
+def test_ranks_magic_runs_a_subset_and_shows_its_lowest_rank(kernel: tuple[Any, Any]) -> None:
+    _, client = kernel
+    out = execute(client, "%%ranks 1\nx += 1\nprint('x is', x)\nx")
+    assert out.streams["stdout"] == "x is 11\n" and out.result == "11"
+    assert execute(client, "x").result == "0"  # rank 0 did not run the cell
+
+
+def test_rank_output_modes(kernel: tuple[Any, Any]) -> None:
+    _, client = kernel
+    code = "print('same')\nprint(rank)"
+    execute(client, "%rank_output all")
+    lines = execute(client, code).streams["stdout"].splitlines()  # every rank's lines, in arrival order
+    assert sorted(lines) == ["[0] 0", "[0] same", "[1] 1", "[1] same"]
+    assert lines.index("[0] same") < lines.index("[0] 0") and lines.index("[1] same") < lines.index("[1] 1")
+    execute(client, "%rank_output 0")
+    assert execute(client, code).streams["stdout"] == "same\n0\n"
+    execute(client, "%rank_output folded")
+    assert execute(client, code).streams["stdout"] == "same\n[0] 0\n[1] 1\n"
+
+
+def test_rich_output_and_result_come_from_rank_0(kernel: tuple[Any, Any]) -> None:
+    _, client = kernel
+    out = execute(client, "from IPython.display import HTML, display\ndisplay(HTML(f'<b>rank {rank}</b>'))\n"
+                          "{'rank': rank}")
+    assert [d["text/html"] for d in out.displays] == ["<b>rank 0</b>"]
+    assert out.result == "{'rank': 0}"
+
+
+def test_a_collective_across_ranks(kernel: tuple[Any, Any]) -> None:
+    _, client = kernel
+    out = execute(client, "t = torch.full((3,), float(rank + 1))\ndist.all_reduce(t)\nt.tolist()")
+    assert out.result == "[3.0, 3.0, 3.0]"  # 1 + 2 on every element
+
+
+def test_exception_on_one_rank_names_it_and_state_survives(kernel: tuple[Any, Any]) -> None:
+    _, client = kernel
+    out = execute(client, "y = rank\nif rank == 1:\n    raise ValueError(f'bad shard on {rank}')\n'fine'")
+    assert out.reply["status"] == "error" and out.reply["ename"] == "ValueError"
+    assert out.reply["evalue"] == "[rank 1] bad shard on 1"
+    lines = out.error_text.splitlines()
+    assert lines[0] == "[rank 1] ValueError on rank 1 (its own traceback):"
+    assert "raise ValueError" in out.error_text and "rank(s) 0 finished the cell" in out.error_text
+    assert execute(client, "%%ranks 1\n(x, y)").result == "(11, 1)"
+
+
+def test_a_failed_rank_does_not_leave_peers_waiting_in_a_collective(kernel: tuple[Any, Any]) -> None:
+    _, client = kernel
+    start = time.monotonic()
+    out = execute(client, "if rank == 1:\n    raise KeyError('missing key')\ndist.all_reduce(torch.ones(1))",
+                  timeout=90)
+    assert time.monotonic() - start < 60
+    # the root cause is rank 1's error, not rank 0's "connection closed" symptom
+    assert out.reply["ename"] == "KeyError" and out.reply["evalue"].startswith("[rank 1]")
+    assert "wait in a collective for rank(s) that failed" in out.streams["stderr"]
+    assert "process groups re-created on every rank" in out.streams["stderr"]
+    again = execute(client, "t = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\nt.tolist()")
+    assert again.result == "[3.0, 3.0]" and execute(client, "x").result == "0"
+
+
+def test_hang_report_then_interrupt_then_the_next_cell_works(kernel: tuple[Any, Any]) -> None:
+    manager, client = kernel
+    execute(client, "%hang_timeout 2")
+    reported = threading.Event()
+
+    def watch(msg: dict) -> None:
+        if msg["msg_type"] == "stream" and "still running after" in msg["content"]["text"]:
+            reported.set()
+            manager.interrupt_kernel()  # what JupyterLab's stop button sends (SIGINT to the kernel)
+
+    out = execute(client, "import time\nif rank == 1:\n    time.sleep(600)\ndist.barrier()", timeout=120,
+                  on_output=watch)
+    execute(client, "%hang_timeout off")
+    assert reported.is_set()
+    stderr = out.streams["stderr"]
+    assert "rank 1: busy outside any collective at" in stderr and "time.sleep(600)" in stderr
+    assert "rank 0: waiting in a collective, called at" in stderr and "dist.barrier()" in stderr
+    assert stderr.index("rank 1: busy") < stderr.index("rank 0: waiting")  # the culprit first
+    assert out.reply["ename"] == "KeyboardInterrupt" and out.reply["evalue"].startswith("[rank 1]")
+    again = execute(client, "t = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), x)")
+    assert again.result == "(2.0, 0)"  # collectives work again, and the state survived
+
+
+def test_a_crashed_rank_is_reported_and_restart_restarts_every_rank(kernel: tuple[Any, Any]) -> None:
+    manager, client = kernel
+    out = execute(client, "%%ranks 1\nimport os\nos._exit(3)", timeout=120)
+    assert out.reply["ename"] == "RanksStopped" and "Restart the kernel" in out.reply["evalue"]
+    manager.restart_kernel(now=False)
+    client.wait_for_ready(timeout=120)
+    out = execute(client, "('x' in globals(), world_size, dist.is_initialized())")
+    assert out.result == "(False, 2, True)"

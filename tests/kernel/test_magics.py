@@ -1,0 +1,52 @@
+"""The kernel's magics: what each asks for, and errors that name the bad argument."""
+
+from __future__ import annotations
+
+import pytest
+
+from workbench.run.kernel.magics import MagicError, parse_cell, parse_ranks
+
+
+@pytest.mark.parametrize(
+    ("text", "ranks"),
+    [("0,2", (0, 2)), ("1-3", (1, 2, 3)), ("3, 0-1", (0, 1, 3)), ("2,2", (2,))],
+)
+def test_parse_ranks(text: str, ranks: tuple[int, ...]) -> None:
+    assert parse_ranks(text, 4) == ranks
+
+
+@pytest.mark.parametrize(
+    ("text", "message"),
+    [("4", "rank(s) [4] out of range; this kernel has world_size 4"), ("a", "'a' is not a rank"),
+     ("", "needs ranks")],
+)
+def test_parse_ranks_errors(text: str, message: str) -> None:
+    with pytest.raises(MagicError) as info:
+        parse_ranks(text, 4)
+    assert message in str(info.value)
+
+
+def test_cell_magics_are_stripped_and_the_rest_runs() -> None:
+    d = parse_cell("%%ranks 0,2\nx = 1\nprint(x)", 4)
+    assert d.ranks == (0, 2) and d.code == "x = 1\nprint(x)" and d.output is None and not d.timeout_given
+
+
+def test_line_magics_before_code() -> None:
+    d = parse_cell("%rank_output all\n%hang_timeout 5 interrupt\n\nrun()", 2)
+    assert (d.output, d.hang_timeout, d.hang_action, d.timeout_given, d.code) == ("all", 5.0, "interrupt", True,
+                                                                                  "run()")
+    assert parse_cell("%hang_timeout off", 2).hang_timeout is None
+
+
+def test_ipython_magics_are_left_to_the_ranks() -> None:
+    assert parse_cell("%time x = 1", 2).code == "%time x = 1"
+
+
+@pytest.mark.parametrize(
+    ("cell", "message"),
+    [("%rank_output 3", "'3': use one of folded, 0, all"), ("%hang_timeout soon", "'soon': give seconds"),
+     ("%hang_timeout 5 kill", "action 'kill' must be report or interrupt"), ("%hang_timeout -1", "must be > 0")],
+)
+def test_magic_errors(cell: str, message: str) -> None:
+    with pytest.raises(MagicError, match=message):
+        parse_cell(cell, 2)

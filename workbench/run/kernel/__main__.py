@@ -1,0 +1,19 @@
+"""``python -m workbench.run.kernel install|list|remove``: the ``workbench kernel`` command on its own."""
+
+from __future__ import annotations
+
+import argparse
+import sys
+
+from workbench.run.kernel.cli import register
+
+
+def _main() -> int:
+    parser = argparse.ArgumentParser(prog="python -m workbench.run.kernel")
+    register(parser.add_subparsers(dest="command"))
+    args = parser.parse_args(["kernel", *sys.argv[1:]])
+    return args.func(args)
+
+
+if __name__ == "__main__":
+    sys.exit(_main())

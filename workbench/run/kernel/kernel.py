@@ -1,0 +1,493 @@
+"""The launcher kernel: a Jupyter kernel whose every cell runs on every rank of a torch.distributed job.
+
+Jupyter talks to ``SPMDKernel`` (an ipykernel wrapper kernel) exactly as to a Python kernel; the kernel sends each
+cell to its ranks (``RankSet``) and turns what they send back into one cell's output:
+
+* text from all ranks is folded (``fold.Folder``): a line every rank printed appears once, other lines carry the
+  ranks that printed them, ``[1,3] ...``; ``%rank_output 0|all|folded`` changes that;
+* rank 0's rich output (figures, HTML, widgets) and its ``execute_result`` are shown (the lowest rank of a
+  ``%%ranks`` subset when rank 0 is not in it);
+* an exception on any rank fails the cell with that rank's own traceback first, labelled with its rank;
+* a cell running longer than the hang timeout is reported with every rank's Python stack, ranks outside any
+  collective first (they are the ones the others wait for);
+* an interrupt reaches every rank; ranks left waiting in a collective for a rank that failed or was interrupted
+  are released (their process groups destroyed, then re-created), so no rank waits forever and the next cell
+  works; restart restarts every rank.
+
+Configuration comes from the kernelspec's environment (``workbench kernel install`` writes it): see ``_Config``.
+"""
+
+from __future__ import annotations
+
+import os
+import sys
+import time
+import uuid
+from dataclasses import dataclass, field
+from typing import Any
+
+from ipykernel.kernelbase import Kernel
+
+from workbench.run.kernel.fold import Folder, format_ranks
+from workbench.run.kernel.magics import MagicError, parse_cell
+from workbench.run.kernel.ranks import RankSet
+
+__all__ = ["SPMDKernel"]
+
+_GRACE = 2.0  # seconds a rank may take to return after an interrupt or a peer's error before we look at stacks
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class _Config:
+    """Kernel settings, read from WORKBENCH_KERNEL_* environment variables set by the kernelspec."""
+
+    nprocs: int
+    backend: str
+    listen: str | None
+    hang_timeout: float | None
+    hang_action: str
+    startup_timeout: float
+
+    @classmethod
+    def from_env(cls) -> _Config:
+        env = os.environ
+        timeout = env.get("WORKBENCH_KERNEL_HANG_TIMEOUT", "")
+        return cls(nprocs=int(env.get("WORKBENCH_KERNEL_NPROCS", "2")),
+                   backend=env.get("WORKBENCH_KERNEL_BACKEND", "gloo"),
+                   listen=env.get("WORKBENCH_KERNEL_LISTEN") or None,
+                   hang_timeout=float(timeout) if timeout not in ("", "off") else None,
+                   hang_action=env.get("WORKBENCH_KERNEL_HANG_ACTION", "report"),
+                   startup_timeout=float(env.get("WORKBENCH_KERNEL_STARTUP_TIMEOUT", "300")))
+
+
+@dataclass
+class _Cell:
+    """The state of one cell while it runs on the ranks."""
+
+    id: str
+    ranks: tuple[int, ...]
+    primary: int
+    mode: str
+    silent: bool
+    start: float = field(default_factory=time.monotonic)
+    pending: set[int] = field(default_factory=set)
+    done: dict[int, dict[str, Any]] = field(default_factory=dict)
+    folders: dict[str, Folder] = field(default_factory=dict)
+    partial: dict[tuple[int, str], str] = field(default_factory=dict)
+    interrupted_at: float | None = None
+    first_error_at: float | None = None
+    hang_reported: bool = False
+    stuck_checked: bool = False
+    release: bool = False
+    released_at: float | None = None
+    release_warned: bool = False
+
+
+class SPMDKernel(Kernel):
+    """A Jupyter kernel that runs every cell on every rank (see the module docstring)."""
+
+    implementation = "workbench-spmd"
+    implementation_version = "0.1"
+    language = "python"
+    language_version = sys.version.split()[0]
+    language_info = {  # noqa: RUF012 (ipykernel reads a class attribute)
+        "name": "python", "version": sys.version.split()[0], "mimetype": "text/x-python",
+        "codemirror_mode": {"name": "ipython", "version": 3}, "pygments_lexer": "ipython3",
+        "nbconvert_exporter": "python", "file_extension": ".py",
+    }
+    banner = "workbench SPMD kernel: every cell runs on every rank (torch.distributed initialized)"
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.config_ = _Config.from_env()
+        self.output_mode = "folded"
+        self.hang_timeout = self.config_.hang_timeout
+        self.hang_action = self.config_.hang_action
+        self.generation = 0
+        self.rankset = RankSet(nprocs=self.config_.nprocs, backend=self.config_.backend, listen=self.config_.listen)
+        for msg_type in ("comm_open", "comm_msg", "comm_close"):
+            self.shell_handlers[msg_type] = self._forward_comm
+        self._last_ping = 0.0
+        self._released: set[int] = set()
+        self._pump_callback: Any = None
+
+    @property
+    def kernel_info(self) -> dict:
+        """ipykernel's kernel_info, without debugger or subshells (cells reach the ranks one at a time)."""
+        info = dict(super().kernel_info)
+        info["supported_features"] = []
+        return info
+
+    # -- Jupyter handlers ---------------------------------------------------------------------------------------
+    def start(self) -> None:
+        """Start serving Jupyter, plus a pump that shows rank messages arriving between cells (widgets)."""
+        super().start()
+        from tornado.ioloop import PeriodicCallback
+
+        self._pump_callback = PeriodicCallback(self._pump, 200)
+        self._pump_callback.start()
+
+    async def do_execute(self, code: str, silent: bool, store_history: bool = True,
+                         user_expressions: dict | None = None, allow_stdin: bool = False, **_: Any) -> dict:
+        """Run the cell on the ranks; fold their output; report errors and hangs (see module docstring)."""
+        try:
+            return self._execute(code, silent, store_history)
+        except MagicError as exc:
+            return self._fail("MagicError", str(exc), [f"MagicError: {exc}"], silent)
+        except _RanksGone as exc:
+            message = (f"the ranks stopped: torch's elastic agent exited with code {exc.args[0]} (a rank crashed or "
+                       f"was killed, and the agent stopped the others). Restart the kernel. Their log "
+                       f"({self.rankset.log_path}) ends:\n{self.rankset.log_tail()}")
+            return self._fail("RanksStopped", message, [message], silent)
+
+    def _execute(self, code: str, silent: bool, store_history: bool) -> dict:
+        world = self.rankset.world_size or 1
+        directives = parse_cell(code, world)
+        if directives.output is not None:
+            self.output_mode = directives.output
+            self._stream("stdout", f"rank output: {self.output_mode}\n", silent)
+        if directives.timeout_given:
+            self.hang_timeout = directives.hang_timeout
+            self.hang_action = directives.hang_action or self.hang_action
+            when = "off" if self.hang_timeout is None else f"{self.hang_timeout:g} s, then {self.hang_action}"
+            self._stream("stdout", f"hang timeout: {when}\n", silent)
+        body = directives.code
+        if body.strip() == "%ranks_connect":
+            self._stream("stdout", self._connect_help(), silent)
+            return self._ok()
+        if not body.strip():
+            return self._ok()
+        problem = self._wait_for_ranks()
+        if problem:
+            return self._fail("RanksNotReady", problem, [problem], silent)
+        ranks = directives.ranks or tuple(range(self.rankset.world_size or 0))
+        cell = _Cell(id=uuid.uuid4().hex, ranks=ranks, primary=min(ranks), mode=self.output_mode, silent=silent)
+        cell.pending = set(ranks)
+        cell.folders = {name: Folder(ranks) for name in ("stdout", "stderr")}
+        for rank in ranks:
+            self.rankset.send(rank, {
+                "op": "execute", "id": cell.id, "code": body, "execution_count": self.execution_count,
+                "silent": silent, "store_history": store_history,
+                "streams": cell.mode != "0" or rank == cell.primary,
+                "display": rank == cell.primary or cell.mode == "all",
+            })
+        self._wait(cell)
+        return self._finish(cell)
+
+    async def do_complete(self, code: str, cursor_pos: int) -> dict:
+        """Tab completion from rank 0's namespace."""
+        reply = {"status": "ok", "matches": [], "cursor_start": cursor_pos, "cursor_end": cursor_pos,
+                 "metadata": {}}
+        if not self.rankset.ready:
+            return reply
+        request = uuid.uuid4().hex
+        self.rankset.send(0, {"op": "complete", "id": request, "code": code, "cursor_pos": cursor_pos})
+        deadline = time.monotonic() + 3.0
+        while time.monotonic() < deadline:
+            got = self.rankset.recv(deadline - time.monotonic())
+            if got and got[1]["op"] == "complete" and got[1].get("id") == request:
+                m = got[1]
+                return {**reply, "matches": m["matches"], "cursor_start": m["cursor_start"],
+                        "cursor_end": m["cursor_end"]}
+        return reply
+
+    async def do_shutdown(self, restart: bool) -> dict:
+        """Stop every rank (a restart starts a new kernel process, hence new ranks)."""
+        if self._pump_callback is not None:
+            self._pump_callback.stop()
+        self.rankset.stop()
+        return {"status": "ok", "restart": restart}
+
+    def _forward_comm(self, stream: Any, ident: Any, parent: dict) -> None:
+        """Widget messages from the frontend go to rank 0, where the widgets live."""
+        import base64
+
+        if 0 in self.rankset.ranks:
+            self.rankset.send(0, {"op": "comm", "msg_type": parent["header"]["msg_type"], "content": parent["content"],
+                                  "metadata": parent.get("metadata", {}),
+                                  "buffers": [base64.b64encode(bytes(b)).decode() for b in parent.get("buffers", [])]})
+
+    # -- waiting for ranks ----------------------------------------------------------------------------------------
+    def _wait_for_ranks(self) -> str | None:
+        if self.rankset.ready:
+            return None
+        local = self.config_.nprocs > 0
+        deadline = time.monotonic() + (self.config_.startup_timeout if local else 5.0)
+        while not self.rankset.ready and time.monotonic() < deadline:
+            code = self.rankset.agent_exit_code()
+            if code is not None:
+                return (f"the local ranks exited (torch elastic agent exit code {code}) before joining; "
+                        f"their log ({self.rankset.log_path}) ends:\n{self.rankset.log_tail()}")
+            got = self.rankset.recv(0.2)
+            if got:
+                self._route(None, *got)
+        if self.rankset.ready:
+            return None
+        have = sorted(self.rankset.ranks)
+        if local:
+            return (f"only ranks {have} of {self.config_.nprocs} joined within {self.config_.startup_timeout:g} s; "
+                    f"log: {self.rankset.log_path}")
+        return f"ranks joined so far: {have or 'none'}.\n" + self._connect_help()
+
+    def _connect_help(self) -> str:
+        joined = sorted(self.rankset.ranks)
+        return (f"ranks joined: {format_ranks(joined) if joined else 'none'} (world size "
+                f"{self.rankset.world_size or 'not known yet'}). Start ranks that join this kernel with:\n"
+                f"  {self.rankset.torchrun_command()}\n")
+
+    # -- one cell ---------------------------------------------------------------------------------------------------
+    def _wait(self, cell: _Cell) -> None:
+        while cell.pending:
+            try:
+                self._wait_step(cell)
+            except KeyboardInterrupt:  # Jupyter's interrupt (SIGINT to the kernel): pass it to every rank
+                if cell.interrupted_at is None:
+                    cell.interrupted_at = time.monotonic()
+                self.rankset.broadcast({"op": "interrupt", "cell": cell.id}, sorted(cell.pending))
+
+    def _wait_step(self, cell: _Cell) -> None:
+        now = time.monotonic()
+        self._ping(now)
+        code = self.rankset.agent_exit_code()
+        if code is not None:
+            raise _RanksGone(code)
+        got = self.rankset.recv(0.1)
+        if got:
+            self._route(cell, *got)
+        for name, folder in cell.folders.items():
+            self._stream(name, folder.flush_stale(), cell.silent)
+        elapsed = time.monotonic() - cell.start
+        if self.hang_timeout is not None and not cell.hang_reported and elapsed > self.hang_timeout and cell.pending:
+            cell.hang_reported = True
+            self._report_hang(cell, elapsed)
+            if self.hang_action == "interrupt" and cell.interrupted_at is None:
+                self._stream("stderr", "hang timeout: interrupting every rank\n", cell.silent)
+                raise KeyboardInterrupt
+        if cell.released_at is not None and not cell.release_warned and cell.pending and (
+                time.monotonic() - cell.released_at > 3 * _GRACE):
+            cell.release_warned = True
+            self._stream("stderr", f"workbench kernel: rank(s) {format_ranks(sorted(cell.pending))} still wait in a "
+                         "collective: live objects (device meshes, FSDP modules, DTensors) hold the process groups "
+                         "on the other ranks, so those could not be closed. Restart the kernel, or `del` such objects "
+                         "before a cell that may hang.\n", cell.silent)
+        trouble = min((t for t in (cell.interrupted_at, cell.first_error_at) if t is not None), default=None)
+        if trouble is not None and not cell.stuck_checked and time.monotonic() - trouble > _GRACE and cell.pending:
+            cell.stuck_checked = True
+            self._release_if_stuck(cell)
+
+    def _route(self, cell: _Cell | None, rank: int, message: dict[str, Any]) -> None:
+        op = message["op"]
+        current = cell is not None and message.get("id") == cell.id
+        if op == "comm" and rank == 0:
+            import base64
+
+            buffers = [base64.b64decode(b) for b in message.get("buffers", [])]
+            self.session.send(self.iopub_socket, message["msg_type"], message["content"],
+                              parent=self.get_parent("shell"), metadata=message.get("metadata"), buffers=buffers)
+        elif op == "released":
+            self._released.add(rank)
+        elif not current or cell is None:
+            return  # late output of an earlier cell, or a hello/reply we do not wait for
+        elif op == "stream":
+            self._on_stream(cell, rank, message["name"], message["text"])
+        elif op == "display" and not cell.silent:
+            if cell.mode == "all" and rank != cell.primary:
+                self._stream("stdout", f"[{rank}] display:\n", False)
+            msg_type = "update_display_data" if message.get("update") else "display_data"
+            self.send_response(self.iopub_socket, msg_type, {"data": message["data"], "metadata": message["metadata"],
+                                                            "transient": message.get("transient", {})})
+        elif op == "clear_output" and not cell.silent:
+            self.send_response(self.iopub_socket, "clear_output", {"wait": message.get("wait", False)})
+        elif op == "done":
+            cell.done[rank] = message
+            cell.pending.discard(rank)
+            if message["status"] == "error" and cell.first_error_at is None:
+                cell.first_error_at = time.monotonic()
+            for name, folder in cell.folders.items():
+                self._stream(name, folder.finish(rank), cell.silent)
+            for (r, name), text in list(cell.partial.items()):
+                if r == rank and text:
+                    self._stream(name, [f"[{rank}] {text}"], cell.silent)
+                    cell.partial[(r, name)] = ""
+
+    def _on_stream(self, cell: _Cell, rank: int, name: str, text: str) -> None:
+        if cell.mode == "folded":
+            self._stream(name, cell.folders[name].push(rank, text), cell.silent)
+        elif cell.mode == "0":
+            if rank == cell.primary:
+                self._stream(name, text, cell.silent)
+        else:
+            buffered = cell.partial.get((rank, name), "") + text
+            *lines, cell.partial[(rank, name)] = buffered.split("\n")
+            self._stream(name, [f"[{rank}] {line}" for line in lines], cell.silent)
+
+    def _stream(self, name: str, text: str | list[str], silent: bool) -> None:
+        if isinstance(text, list):
+            if not text:
+                return
+            text = "\n".join(text) + "\n"
+        if text and not silent:
+            self.send_response(self.iopub_socket, "stream", {"name": name, "text": text})
+
+    def _ping(self, now: float) -> None:
+        if now - self._last_ping > 2.0:
+            self._last_ping = now
+            self.rankset.broadcast({"op": "ping"})
+
+    def _pump(self) -> None:
+        """Between cells: deliver widget messages from rank 0 and keep remote ranks' heartbeat."""
+        self._ping(time.monotonic())
+        while True:
+            got = self.rankset.recv(0)
+            if not got:
+                return
+            self._route(None, *got)
+
+    # -- forensics ------------------------------------------------------------------------------------------------
+    def _stacks(self, cell: _Cell, ranks: list[int], timeout: float = 3.0) -> dict[int, dict[str, Any]]:
+        request = uuid.uuid4().hex
+        self.rankset.broadcast({"op": "stacks", "id": request}, ranks)
+        answers: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(ranks) and time.monotonic() < deadline:
+            got = self.rankset.recv(deadline - time.monotonic())
+            if not got:
+                break
+            rank, message = got
+            if message["op"] == "stacks" and message.get("id") == request:
+                answers[rank] = message
+            else:
+                self._route(cell, rank, message)
+        return answers
+
+    def _report_hang(self, cell: _Cell, elapsed: float) -> None:
+        running = sorted(cell.pending)
+        stacks = self._stacks(cell, running)
+        finished = sorted(set(cell.ranks) - set(running))
+        lines = [f"workbench kernel: the cell is still running after {elapsed:.0f} s on rank(s) "
+                 f"{format_ranks(running)}" + (f" (rank(s) {format_ranks(finished)} finished it)" if finished else "")
+                 + "; ranks outside any collective first (the others are waiting for them):"]
+        order = sorted(running, key=lambda r: (r in stacks and stacks[r]["in_collective"], r))
+        for rank in order:
+            s = stacks.get(rank)
+            if s is None:
+                native = self.rankset.signal_local(rank, _sigusr1())
+                lines.append(f"  rank {rank}: did not answer (holding the GIL in native code?)"
+                             + (f"; native stacks dumped to {self.rankset.log_path}" if native else ""))
+            elif s["in_collective"]:
+                lines.append(f"  rank {rank}: waiting in a collective, called at {s['where']}")
+            else:
+                lines.append(f"  rank {rank}: busy outside any collective at {s['where']}")
+        for rank in order:
+            if rank in stacks:
+                lines.append(f"--- rank {rank} Python stack (innermost last):")
+                lines.extend(entry.rstrip() for entry in stacks[rank]["stack"])
+        action = ("interrupt (Kernel > Interrupt) to stop every rank" if self.hang_action == "report"
+                  else "interrupting now")
+        lines.append(f"(hang timeout {self.hang_timeout:g} s; {action})")
+        self._stream("stderr", lines, cell.silent)
+
+    def _release_if_stuck(self, cell: _Cell) -> None:
+        """After an interrupt or a rank's error: free ranks left waiting in a collective for a rank that left it."""
+        running = sorted(cell.pending)
+        stacks = self._stacks(cell, running)
+        stuck = [r for r in running if r in stacks and stacks[r]["in_collective"]]
+        elsewhere = [r for r in running if r not in stuck]
+        if elsewhere:
+            where = "; ".join(f"rank {r} at {stacks[r]['where']}" if r in stacks else f"rank {r} (no answer)"
+                              for r in elsewhere)
+            self._stream("stderr", f"workbench kernel: still running outside any collective after "
+                         f"{_GRACE:g} s: {where}; interrupt again, or restart the kernel\n", cell.silent)
+            cell.stuck_checked = False  # look again after the next interrupt
+            cell.interrupted_at = cell.first_error_at = None
+        if stuck and not elsewhere:
+            cell.release = True
+            why = "was interrupted" if cell.interrupted_at is not None else "failed"
+            self._stream("stderr", f"workbench kernel: rank(s) {format_ranks(stuck)} wait in a collective for "
+                         f"rank(s) that {why}; destroying the process groups so they return (new ones follow)\n",
+                         cell.silent)
+            self._released.clear()
+            cell.released_at = time.monotonic()
+            self.rankset.broadcast({"op": "release"})
+
+    # -- after the cell ------------------------------------------------------------------------------------------
+    def _finish(self, cell: _Cell) -> dict:
+        for name, folder in cell.folders.items():
+            self._stream(name, folder.drain(), cell.silent)
+        note = self._reinit() if cell.release else None
+        errors = {r: d["error"] or {"ename": "Error", "evalue": "", "traceback": [], "time": 0.0}
+                  for r, d in cell.done.items() if d["status"] == "error"}
+        if note:
+            self._stream("stderr", note, cell.silent)
+        if errors:
+            return self._error_reply(cell, errors)
+        result = cell.done.get(cell.primary, {}).get("result")
+        if result and not cell.silent:
+            self.send_response(self.iopub_socket, "execute_result", {
+                "execution_count": self.execution_count, "data": result["data"], "metadata": result["metadata"]})
+        return self._ok()
+
+    def _reinit(self) -> str:
+        """Every rank destroyed its process groups (release); build the next generation everywhere."""
+        world = sorted(self.rankset.ranks)
+        deadline = time.monotonic() + 60
+        while not self._released.issuperset(world) and time.monotonic() < deadline:
+            got = self.rankset.recv(0.2)
+            if got:
+                self._route(None, *got)
+        self._released.clear()
+        self.generation += 1
+        self.rankset.broadcast({"op": "reinit", "generation": self.generation})
+        done: dict[int, Any] = {}
+        deadline = time.monotonic() + 120
+        while len(done) < len(world) and time.monotonic() < deadline:
+            got = self.rankset.recv(0.2)
+            if got and got[1]["op"] == "reinit_done":
+                done[got[0]] = got[1]["error"]
+        failed = {r: e for r, e in done.items() if e} | {r: "no answer" for r in world if r not in done}
+        if failed:
+            return (f"workbench kernel: could not re-create the process groups ({failed}); restart the kernel\n")
+        return ("workbench kernel: process groups re-created on every rank (generation "
+                f"{self.generation}); meshes and groups made before are gone, build them again\n")
+
+    def _error_reply(self, cell: _Cell, errors: dict[int, dict[str, Any]]) -> dict:
+        from workbench.run.launcher import _PEER_FAILURE
+
+        def rank_key(rank: int) -> tuple:
+            e = errors[rank]
+            symptom = any(s in e["evalue"] for s in _PEER_FAILURE) or "Connection closed by peer" in e["evalue"]
+            return (symptom, e["ename"] == "KeyboardInterrupt", e.get("time", 0.0), rank)
+
+        order = sorted(errors, key=rank_key)
+        root = order[0]
+        first = errors[root]
+        ok = sorted(r for r in cell.ranks if r not in errors)
+        header = f"\x1b[1;31m[rank {root}]\x1b[0m {first['ename']} on rank {root} (its own traceback):"
+        tail = [f"[rank {r}] {errors[r]['ename']}: {errors[r]['evalue']}" for r in order[1:]]
+        if ok:
+            tail.append(f"rank(s) {format_ranks(ok)} finished the cell; every rank's state is kept")
+        traceback = [header, *first["traceback"], *(["other ranks:", *tail] if tail else [])]
+        content = {"ename": first["ename"], "evalue": f"[rank {root}] {first['evalue']}", "traceback": traceback}
+        if not cell.silent:
+            self.send_response(self.iopub_socket, "error", content)
+        return {"status": "error", "execution_count": self.execution_count, **content}
+
+    def _ok(self) -> dict:
+        return {"status": "ok", "execution_count": self.execution_count, "payload": [], "user_expressions": {}}
+
+    def _fail(self, ename: str, evalue: str, traceback: list[str], silent: bool) -> dict:
+        content = {"ename": ename, "evalue": evalue, "traceback": traceback}
+        if not silent:
+            self.send_response(self.iopub_socket, "error", content)
+        return {"status": "error", "execution_count": self.execution_count, **content}
+
+
+class _RanksGone(RuntimeError):
+    pass
+
+
+def _sigusr1() -> int:
+    import signal
+
+    return int(signal.SIGUSR1)
+

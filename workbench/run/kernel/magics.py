@@ -1,0 +1,106 @@
+"""The kernel's own magics, read off the top of a cell before the rest runs on the ranks.
+
+=========================  ==================================================================================
+``%%ranks 0,2``            run this cell on ranks 0 and 2 only (``0-3``, ``1,4-7``; other ranks are untouched)
+``%rank_output MODE``      from now on show ``folded`` text (default), rank ``0``'s output only, or ``all``
+                           ranks' lines, each prefixed with its rank
+``%hang_timeout S [MODE]`` report every rank's stack when a cell runs longer than S seconds (``off``: never);
+                           MODE ``report`` (default) keeps waiting, ``interrupt`` then interrupts every rank
+=========================  ==================================================================================
+
+They are handled by the kernel, not by IPython on the ranks, so they may stand on lines of their own at the top
+of any cell; the lines after them run as usual.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+__all__ = ["OUTPUT_MODES", "CellDirectives", "MagicError", "parse_cell", "parse_ranks"]
+
+OUTPUT_MODES = ("folded", "0", "all")
+
+
+class MagicError(ValueError):
+    """A kernel magic was given arguments it cannot use."""
+
+
+@dataclass(frozen=True, slots=True)
+class CellDirectives:
+    """What the kernel magics at the top of a cell asked for, and the code left to run."""
+
+    code: str
+    ranks: tuple[int, ...] | None = None
+    output: str | None = None
+    hang_timeout: float | None = None
+    hang_action: str | None = None
+    timeout_given: bool = False
+
+
+def parse_ranks(text: str, world_size: int) -> tuple[int, ...]:
+    """``"0,2"`` / ``"0-3"`` / ``"1,4-7"`` -> sorted ranks, each checked against ``world_size``."""
+    ranks: set[int] = set()
+    for part in (p.strip() for p in text.replace(" ", ",").split(",")):
+        if not part:
+            continue
+        try:
+            if "-" in part:
+                lo, hi = (int(x) for x in part.split("-", 1))
+                ranks.update(range(lo, hi + 1))
+            else:
+                ranks.add(int(part))
+        except ValueError:
+            raise MagicError(f"%%ranks: {part!r} is not a rank or a range like 0-3") from None
+    if not ranks:
+        raise MagicError("%%ranks needs ranks, e.g. %%ranks 0,2 or %%ranks 0-3")
+    bad = sorted(r for r in ranks if not 0 <= r < world_size)
+    if bad:
+        raise MagicError(f"%%ranks: rank(s) {bad} out of range; this kernel has world_size {world_size} "
+                         f"(ranks 0-{world_size - 1})")
+    return tuple(sorted(ranks))
+
+
+def parse_cell(code: str, world_size: int) -> CellDirectives:
+    """Strip the kernel magics off the top of ``code`` and say what they asked for."""
+    lines = code.split("\n")
+    ranks = output = action = None
+    timeout: float | None = None
+    timeout_given = False
+    i = 0
+    while i < len(lines):
+        stripped = lines[i].strip()
+        if not stripped:
+            i += 1
+            continue
+        word, _, rest = stripped.partition(" ")
+        rest = rest.strip()
+        if word == "%%ranks":
+            ranks = parse_ranks(rest, world_size)
+        elif word == "%rank_output":
+            if rest not in OUTPUT_MODES:
+                raise MagicError(f"%rank_output {rest!r}: use one of {', '.join(OUTPUT_MODES)}")
+            output = rest
+        elif word == "%hang_timeout":
+            args = rest.split()
+            if not args or len(args) > 2:
+                raise MagicError("%hang_timeout needs seconds (or off) and optionally report|interrupt, "
+                                 "e.g. %hang_timeout 30 interrupt")
+            timeout_given = True
+            if args[0] == "off":
+                timeout = None
+            else:
+                try:
+                    timeout = float(args[0])
+                except ValueError:
+                    raise MagicError(f"%hang_timeout {args[0]!r}: give seconds, e.g. %hang_timeout 30") from None
+                if timeout <= 0:
+                    raise MagicError(f"%hang_timeout {args[0]}: seconds must be > 0 (or off)")
+            if len(args) == 2:
+                if args[1] not in ("report", "interrupt"):
+                    raise MagicError(f"%hang_timeout: action {args[1]!r} must be report or interrupt")
+                action = args[1]
+        else:
+            break
+        i += 1
+    return CellDirectives(code="\n".join(lines[i:]), ranks=ranks, output=output, hang_timeout=timeout,
+                          hang_action=action, timeout_given=timeout_given)

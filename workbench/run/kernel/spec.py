@@ -1,0 +1,101 @@
+"""Install, list and remove the launcher kernel's Jupyter kernelspecs (through jupyter_client)."""
+
+from __future__ import annotations
+
+import json
+import sys
+import tempfile
+from dataclasses import dataclass
+from pathlib import Path
+
+__all__ = ["KernelSpecInfo", "install_kernel", "list_kernels", "remove_kernel"]
+
+_MARK = "workbench"  # kernelspec metadata key that marks our kernels
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class KernelSpecInfo:
+    """An installed workbench kernel: its name, where it lives, and the ranks it starts."""
+
+    name: str
+    path: str
+    display_name: str
+    nprocs: int
+    backend: str
+    listen: str | None
+
+    def __str__(self) -> str:
+        ranks = f"{self.nprocs} local rank(s)" if self.nprocs else f"ranks join at {self.listen}"
+        return f"{self.name:<28} {ranks}, {self.backend}  ({self.path})"
+
+
+def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = None, user: bool = False,
+                   prefix: str | None = None, listen: str | None = None, hang_timeout: float | None = None,
+                   hang_action: str = "report", display_name: str | None = None) -> str:
+    """Write a kernelspec that starts ``nprocs`` local ranks (or waits for ranks at ``listen``); return its path.
+
+    Installs into ``prefix`` (``PREFIX/share/jupyter/kernels/NAME``), the user's Jupyter directory (``user``), or
+    by default this Python environment (``sys.prefix``), where a JupyterLab of the same environment finds it.
+    """
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    if backend not in ("gloo", "nccl"):
+        raise ValueError(f"backend {backend!r}: use gloo (CPU) or nccl (GPU)")
+    if nprocs < 0 or (nprocs == 0 and not listen):
+        raise ValueError(f"nprocs {nprocs}: give >= 1 local ranks, or 0 with listen=HOST:PORT for ranks a "
+                         "scheduler starts")
+    if user and prefix:
+        raise ValueError("give user=True or prefix=DIR, not both")
+    if hang_action not in ("report", "interrupt"):
+        raise ValueError(f"hang_action {hang_action!r}: use report or interrupt")
+    name = name or (f"workbench-{backend}-{nprocs}" if nprocs else f"workbench-{backend}-remote")
+    where = f"{nprocs} ranks" if nprocs else "remote ranks"
+    env = {"WORKBENCH_KERNEL_NPROCS": str(nprocs), "WORKBENCH_KERNEL_BACKEND": backend,
+           "WORKBENCH_KERNEL_HANG_ACTION": hang_action}
+    if listen:
+        env["WORKBENCH_KERNEL_LISTEN"] = listen
+    if hang_timeout is not None:
+        env["WORKBENCH_KERNEL_HANG_TIMEOUT"] = f"{hang_timeout:g}"
+    spec = {
+        "argv": [sys.executable, "-m", "workbench.run.kernel.app", "-f", "{connection_file}"],
+        "display_name": display_name or f"workbench SPMD ({where}, {backend})",
+        "language": "python",
+        "interrupt_mode": "signal",
+        "env": env,
+        "metadata": {_MARK: {"nprocs": nprocs, "backend": backend, "listen": listen}, "debugger": False},
+    }
+    with tempfile.TemporaryDirectory() as tmp:
+        (Path(tmp) / "kernel.json").write_text(json.dumps(spec, indent=1))
+        return KernelSpecManager().install_kernel_spec(
+            tmp, kernel_name=name, user=user, prefix=None if user else (prefix or sys.prefix))
+
+
+def _manager(prefix: str | None):
+    from jupyter_client.kernelspec import KernelSpecManager
+
+    manager = KernelSpecManager()
+    if prefix:
+        manager.kernel_dirs.insert(0, str(Path(prefix) / "share" / "jupyter" / "kernels"))
+    return manager
+
+
+def list_kernels(prefix: str | None = None) -> list[KernelSpecInfo]:
+    """The workbench kernels Jupyter can see (plus those under ``prefix``)."""
+    out = []
+    for name, entry in sorted(_manager(prefix).get_all_specs().items()):
+        spec = entry["spec"]
+        mark = spec.get("metadata", {}).get(_MARK)
+        if mark is not None:
+            out.append(KernelSpecInfo(name=name, path=entry["resource_dir"], display_name=spec["display_name"],
+                                      nprocs=int(mark["nprocs"]), backend=mark["backend"], listen=mark.get("listen")))
+    return out
+
+
+def remove_kernel(name: str, prefix: str | None = None) -> str:
+    """Remove an installed workbench kernel; return the directory removed. Refuses kernels that are not ours."""
+    manager = _manager(prefix)
+    ours = {k.name: k for k in list_kernels(prefix)}
+    if name not in ours:
+        known = ", ".join(sorted(ours)) or "none installed"
+        raise KeyError(f"no workbench kernel named {name!r} (workbench kernels: {known})")
+    return manager.remove_kernel_spec(name)

@@ -1,0 +1,427 @@
+"""One rank of the launcher kernel: run the kernel's cells in an IPython shell and send back what happened.
+
+Started by torch's elastic agent, never by hand::
+
+    torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
+        -m workbench.run.kernel.worker --connect tcp://KERNEL_HOST:PORT#TOKEN
+
+(the kernel starts its local ranks the same way). Every rank initializes the default process group, then
+serves the kernel: a background thread owns the ZMQ socket (answers stack requests and interrupts at once, even
+while a cell hangs) and hands cells to the main thread, which runs them in an IPython shell whose namespace
+holds ``dist``, ``rank``, ``world_size``, ``local_rank`` and ``device``.
+"""
+
+from __future__ import annotations
+
+import argparse
+import base64
+import contextlib
+import io
+import os
+import queue
+import signal
+import socket
+import sys
+import threading
+import time
+import traceback
+from collections.abc import Sequence
+from typing import Any
+
+from workbench.run.kernel.protocol import ENV_CONNECT, ENV_KERNEL_PID, Connection, decode, encode
+
+__all__ = ["main", "stack_report"]
+
+# frames of the machinery between the rank's main loop and the user's cell, left out of stack reports
+_MACHINERY = ("/IPython/", "/workbench/run/kernel/", "runpy", "/threading.py", "/torch/distributed/elastic/")
+
+
+def stack_report(frame: Any) -> dict[str, Any]:
+    """A main-thread stack as the kernel shows it: the frames from the cell in, and whether it is in a collective."""
+    from workbench.run.launcher import _innermost_user_frame
+
+    stack = [entry for entry in traceback.format_stack(frame) if not any(m in entry for m in _MACHINERY[:4])]
+    in_collective = bool(stack) and "/torch/distributed/" in stack[-1]
+    return {"stack": stack, "in_collective": in_collective, "where": _innermost_user_frame(stack) if stack else ""}
+
+
+class _Worker:
+    """The rank's side of the kernel connection (one per process)."""
+
+    def __init__(self, connection: Connection, backend: str) -> None:
+        import zmq
+
+        self.rank = int(os.environ["RANK"])
+        self.world_size = int(os.environ["WORLD_SIZE"])
+        self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
+        self.backend = backend
+        self.connection = connection
+        self.generation = 0
+        self.main_ident = threading.main_thread().ident
+        self.busy = False
+        self.cell: str | None = None
+        self.send_streams = True
+        self.send_display = self.rank == 0
+        self.error: dict[str, Any] | None = None
+        self.result: dict[str, Any] | None = None
+        self.tasks: queue.Queue[dict[str, Any]] = queue.Queue()
+        self._outbox: queue.SimpleQueue[bytes] = queue.SimpleQueue()
+        self._wake_r, self._wake_w = socket.socketpair()
+        self._wake_r.setblocking(False)
+        self._context = zmq.Context()
+        self._socket = self._context.socket(zmq.DEALER)
+        self._socket.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
+        self._socket.setsockopt(zmq.LINGER, 1000)
+        self._socket.connect(connection.address)
+        self._store: Any = None
+        self._streams: dict[str, _RankStream] = {}
+
+    # -- outbound (any thread) --------------------------------------------------------------------------
+    def send(self, message: dict[str, Any]) -> None:
+        """Queue a message for the kernel; the I/O thread sends it (ZMQ sockets stay on one thread)."""
+        self._outbox.put(encode(message))
+        with contextlib.suppress(OSError):
+            self._wake_w.send(b"x")
+
+    # -- process group ----------------------------------------------------------------------------------
+    def init_process_group(self) -> None:
+        """Join the default process group of this generation (a fresh store prefix each time)."""
+        from datetime import timedelta
+
+        import torch
+        import torch.distributed as dist
+
+        if self.backend == "nccl":
+            torch.cuda.set_device(self.local_rank)
+        if self._store is None:
+            self._store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
+        store = dist.PrefixStore(f"workbench-kernel/gen{self.generation}", self._store)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size)
+
+    def destroy_process_groups(self) -> None:
+        """Destroy every process group so that peers blocked in a collective with this rank get an error."""
+        import gc
+
+        import torch.distributed as dist
+
+        with contextlib.suppress(Exception):
+            if dist.is_initialized():
+                dist.destroy_process_group()
+        gc.collect()
+
+    # -- threads ----------------------------------------------------------------------------------------
+    def io_loop(self) -> None:
+        """Own the socket: send queued messages, answer stacks/interrupts at once, queue cells for main."""
+        import zmq
+
+        poller = zmq.Poller()
+        poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._wake_r, zmq.POLLIN)
+        kernel_pid = int(os.environ.get(ENV_KERNEL_PID, "0"))
+        last_check = time.monotonic()
+        while True:
+            events = dict(poller.poll(1000))
+            if self._wake_r.fileno() in events or self._wake_r in events:
+                with contextlib.suppress(BlockingIOError, OSError):
+                    while self._wake_r.recv(4096):
+                        pass
+            while True:
+                try:
+                    frame = self._outbox.get_nowait()
+                except queue.Empty:
+                    break
+                self._socket.send(frame)
+            if self._socket in events:
+                while self._socket.poll(0):
+                    try:
+                        message = decode(self._socket.recv())
+                    except ValueError:
+                        continue
+                    if self._handle_now(message):
+                        return
+            if kernel_pid and time.monotonic() - last_check > 1.0:
+                last_check = time.monotonic()
+                try:
+                    os.kill(kernel_pid, 0)
+                except ProcessLookupError:  # the kernel died without telling us: do not linger
+                    os._exit(0)
+                except PermissionError:
+                    pass
+
+    def _handle_now(self, message: dict[str, Any]) -> bool:
+        op = message["op"]
+        if op == "stacks":
+            frame = sys._current_frames().get(self.main_ident)
+            report = stack_report(frame) if frame is not None else {"stack": [], "in_collective": False, "where": ""}
+            self._socket.send(encode({"op": "stacks", "id": message.get("id"), "rank": self.rank,
+                                      "busy": self.busy, "cell": self.cell, **report}))
+        elif op == "interrupt":
+            if self.busy and message.get("cell") in (None, self.cell):
+                signal.pthread_kill(self.main_ident, signal.SIGINT)
+        elif op == "release" and self.backend == "nccl" and self.busy:
+            import torch.distributed as dist
+
+            with contextlib.suppress(Exception):  # NCCL: abort the communicators a hung kernel waits on
+                dist.group.WORLD.abort()
+            self.tasks.put(message)
+        elif op == "exit":
+            self.tasks.put(message)
+            return True
+        else:
+            self.tasks.put(message)
+        return False
+
+    def serve(self) -> None:
+        """Main thread: run what the kernel sends until it says exit."""
+        self._streams = {name: _RankStream(self, name, getattr(sys, name)) for name in ("stdout", "stderr")}
+        sys.stdout, sys.stderr = self._streams["stdout"], self._streams["stderr"]
+        shell = _make_shell(self)
+        self.shell = shell
+        self._refresh_namespace()
+        threading.Thread(target=self.io_loop, name="workbench-kernel-io", daemon=True).start()
+        import torch
+
+        self.send({"op": "hello", "token": self.connection.token, "rank": self.rank, "world_size": self.world_size,
+                   "local_rank": self.local_rank, "host": socket.gethostname(), "pid": os.getpid(),
+                   "backend": self.backend, "torch": torch.__version__, "generation": self.generation})
+        while True:
+            try:
+                message = self.tasks.get()
+                op = message["op"]
+                if op == "exit":
+                    break
+                if op == "execute":
+                    self._execute(message)
+                elif op == "release":
+                    self.destroy_process_groups()
+                    self.send({"op": "released", "rank": self.rank})
+                elif op == "reinit":
+                    self._reinit(int(message["generation"]))
+                elif op == "complete":
+                    self._complete(message)
+                elif op == "comm":
+                    self._comm_in(message)
+            except KeyboardInterrupt:  # an interrupt that arrived just after its cell ended
+                continue
+        self._flush_streams()
+        self.send({"op": "bye", "rank": self.rank})
+        time.sleep(0.2)
+
+    # -- work on the main thread --------------------------------------------------------------------------
+    def _execute(self, message: dict[str, Any]) -> None:
+        self.cell, self.error, self.result = message["id"], None, None
+        self.send_streams = bool(message.get("streams", True))
+        self.send_display = bool(message.get("display", self.rank == 0))
+        status = "ok"
+        if message.get("execution_count"):
+            self.shell.execution_count = int(message["execution_count"])
+        try:
+            try:
+                self.busy = True
+                outcome = self.shell.run_cell(message["code"], store_history=bool(message.get("store_history", True)),
+                                              silent=bool(message.get("silent", False)))
+            finally:
+                self.busy = False
+            if not outcome.success:
+                status = "error"
+        except KeyboardInterrupt:
+            status = "error"
+            self.error = self.error or {"ename": "KeyboardInterrupt", "evalue": "", "time": time.time(),
+                                        "traceback": ["KeyboardInterrupt (between cells)"]}
+        self._flush_streams()
+        self.send({"op": "done", "id": self.cell, "rank": self.rank, "status": status, "error": self.error,
+                   "result": self.result if self.send_display else None, "time": time.time()})
+        self.cell = None
+
+    def _reinit(self, generation: int) -> None:
+        error = None
+        try:
+            self.destroy_process_groups()
+            self.generation = generation
+            self.init_process_group()
+            self._refresh_namespace()
+        except Exception as exc:
+            error = f"{type(exc).__name__}: {exc}"
+        self.send({"op": "reinit_done", "rank": self.rank, "generation": generation, "error": error})
+
+    def _refresh_namespace(self) -> None:
+        import torch
+        import torch.distributed as dist
+
+        device = torch.device("cuda", self.local_rank) if self.backend == "nccl" else torch.device("cpu")
+        self.shell.user_ns.update(dist=dist, torch=torch, rank=self.rank, world_size=self.world_size,
+                                  local_rank=self.local_rank, device=device)
+
+    def _complete(self, message: dict[str, Any]) -> None:
+        code, pos = message["code"], int(message["cursor_pos"])
+        try:
+            text, matches = self.shell.complete("", code, pos)
+            start = pos - len(text)
+        except Exception:
+            matches, start = [], pos
+        self.send({"op": "complete", "id": message["id"], "matches": list(matches), "cursor_start": start,
+                   "cursor_end": pos})
+
+    def _comm_in(self, message: dict[str, Any]) -> None:
+        import comm
+
+        manager = comm.get_comm_manager()
+        msg = {"content": message["content"], "metadata": message.get("metadata", {}),
+               "buffers": [base64.b64decode(b) for b in message.get("buffers", [])],
+               "header": {"msg_type": message["msg_type"]}}
+        handler = getattr(manager, message["msg_type"], None)
+        if handler is not None:
+            with contextlib.suppress(Exception):
+                handler(None, None, msg)
+        self._flush_streams()
+
+    def _flush_streams(self) -> None:
+        for stream in self._streams.values():
+            stream.flush()
+
+    def record_error(self, etype: type, evalue: BaseException, stb: Sequence[str]) -> None:
+        """Called by the shell when a cell raised: keep the rank's own traceback for the kernel."""
+        self.error = {"ename": getattr(etype, "__name__", str(etype)), "evalue": str(evalue),
+                      "traceback": list(stb), "time": time.time()}
+
+
+class _RankStream(io.TextIOBase):
+    """sys.stdout / sys.stderr of a rank: whole lines go to the kernel while a cell runs, else to the log."""
+
+    def __init__(self, worker: _Worker, name: str, original: Any) -> None:
+        self._worker, self._name, self._original = worker, name, original
+        self._buffer = ""
+        self._lock = threading.Lock()
+
+    @property
+    def encoding(self) -> str:  # type: ignore[override]
+        return "utf-8"
+
+    def fileno(self) -> int:
+        return self._original.fileno()
+
+    def isatty(self) -> bool:
+        return False
+
+    def writable(self) -> bool:
+        return True
+
+    def write(self, text: str) -> int:
+        if self._worker.cell is None:
+            self._original.write(text)
+            return len(text)
+        with self._lock:
+            self._buffer += text
+            head, sep, tail = self._buffer.rpartition("\n")
+            if sep:
+                self._buffer = tail
+                self._emit(head + "\n")
+        return len(text)
+
+    def flush(self) -> None:
+        with self._lock:
+            text, self._buffer = self._buffer, ""
+        if text:
+            self._emit(text)
+        with contextlib.suppress(Exception):
+            self._original.flush()
+
+    def _emit(self, text: str) -> None:
+        if self._worker.send_streams and self._worker.cell is not None:
+            self._worker.send({"op": "stream", "id": self._worker.cell, "rank": self._worker.rank,
+                               "name": self._name, "text": text})
+        elif self._worker.cell is None:
+            self._original.write(text)
+
+
+def _make_shell(worker: _Worker) -> Any:
+    """An IPython shell whose results, displays, tracebacks and comms go to the kernel."""
+    import comm
+    from comm.base_comm import BaseComm
+    from IPython.core.displayhook import DisplayHook
+    from IPython.core.displaypub import DisplayPublisher
+    from IPython.core.interactiveshell import InteractiveShell
+
+    class Publisher(DisplayPublisher):
+        def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs) -> None:
+            worker._flush_streams()
+            if worker.send_display and worker.cell is not None:
+                worker.send({"op": "display", "id": worker.cell, "rank": worker.rank, "data": data,
+                             "metadata": metadata or {}, "transient": transient or {}, "update": update})
+
+        def clear_output(self, wait: bool = False) -> None:
+            if worker.send_display and worker.cell is not None:
+                worker.send({"op": "clear_output", "id": worker.cell, "wait": wait})
+
+    class Hook(DisplayHook):
+        def write_output_prompt(self) -> None:
+            pass
+
+        def write_format_data(self, format_dict, md_dict=None) -> None:
+            worker.result = {"data": format_dict, "metadata": md_dict or {}}
+
+        def finish_displayhook(self) -> None:
+            worker._flush_streams()
+
+    class Shell(InteractiveShell):
+        def _showtraceback(self, etype, evalue, stb) -> None:
+            worker.record_error(etype, evalue, stb)
+
+        def enable_gui(self, gui=None) -> None:
+            pass
+
+    class Comm(BaseComm):
+        def publish_msg(self, msg_type, data=None, metadata=None, buffers=None, **keys) -> None:
+            if worker.rank != 0:  # widgets live on rank 0, the rank whose displays are shown
+                return
+            content = {"data": data or {}, "comm_id": self.comm_id, **keys}
+            worker.send({"op": "comm", "msg_type": msg_type, "content": content, "metadata": metadata or {},
+                         "buffers": [base64.b64encode(bytes(b)).decode() for b in buffers or []]})
+
+    comm.create_comm = lambda *args, **kwargs: Comm(*args, **kwargs)
+    from traitlets.config import Config
+
+    config = Config({"HistoryManager": {"enabled": False}})  # no sqlite write per cell on every rank
+    shell = Shell.instance(displayhook_class=Hook, display_pub_class=Publisher, colors="linux", config=config)
+    shell.displayhook.shell = shell
+    return shell
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    """Entry point of ``python -m workbench.run.kernel.worker`` (under torchrun)."""
+    parser = argparse.ArgumentParser(
+        prog="python -m workbench.run.kernel.worker",
+        description="Join a running workbench kernel as one rank; start it with torchrun, e.g.\n"
+        "  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29400 \\\n"
+        "      -m workbench.run.kernel.worker --connect tcp://login-node:5555#TOKEN",
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
+    parser.add_argument("--connect", default=os.environ.get(ENV_CONNECT),
+                        help="the kernel's connection string tcp://HOST:PORT#TOKEN (%%ranks_connect prints it)")
+    parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
+                        help="process group backend (auto: nccl when CUDA is available, else gloo)")
+    args = parser.parse_args(argv)
+    if not args.connect:
+        parser.error("--connect is required (the kernel's tcp://HOST:PORT#TOKEN)")
+    missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
+    if missing:
+        parser.error(f"environment variable(s) {', '.join(missing)} not set: start this module with torchrun "
+                     "(torch's elastic agent), which sets them for every rank")
+    backend = args.backend
+    if backend == "auto":
+        import torch
+
+        backend = "nccl" if torch.cuda.is_available() else "gloo"
+    os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
+    import faulthandler
+
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # native stacks on demand, into the rank's log
+    worker = _Worker(Connection.parse(args.connect), backend)
+    worker.init_process_group()
+    worker.serve()
+    worker.destroy_process_groups()
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())
