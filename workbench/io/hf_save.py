@@ -382,6 +382,11 @@ class _SaveSession:
         self.closed = False
         self.prepared = False  # rank 0 made the temporary directory (only then may it remove it)
         self.stopped = False  # the save failed or ended: queued writes are skipped
+        # writes start once the snapshot is taken (an async save: the copies then have the machine to themselves,
+        # so the caller is blocked for less), or at once for a sync save, or when the queue must drain
+        self.gate = threading.Event()
+        if not snapshot.own_everything:
+            self.gate.set()
         _IN_FLIGHT.add(self.target)
 
     # -- stages ------------------------------------------------------------------------------------------------
@@ -517,6 +522,7 @@ class _SaveSession:
                 self.snapshot.settle()
             except Exception as exc:
                 self.problem = problem_from(exc, self.rank, "taking the snapshot")
+        self.gate.set()
         self.blocked_seconds = time.perf_counter() - self.start
         agree(self.comm, self.problem, what=f"async save to {self.path}", on_failure=self._abort)
 
@@ -526,6 +532,7 @@ class _SaveSession:
             self.blocked_seconds = time.perf_counter() - self.start
         problem = self.problem
         self.stopped = problem is not None
+        self.gate.set()
         for future, _ in self.pending:
             try:
                 future.result()
@@ -635,6 +642,7 @@ class _SaveSession:
     def _queue(self, nbytes: int, job: Any, copy: HostCopy, key: str) -> None:
         """Hand ``job`` to a writer thread; past ``in_flight_bytes`` queued, wait for the oldest writes first."""
         while self.pending and self.queued_bytes + nbytes > self.in_flight_bytes:
+            self.gate.set()
             future, size = self.pending.pop(0)
             futures.wait([future])
             self.queued_bytes -= size
@@ -644,6 +652,7 @@ class _SaveSession:
     def _run_write(self, job: Any, copy: HostCopy, key: str) -> int:
         """A writer thread's job. A failure is recorded (the gathers poll it), never raised."""
         try:
+            self.gate.wait()
             if self.write_problem is not None or self.stopped:
                 return 0  # the save has failed: do not keep writing
             fault_point("write", self.rank)
@@ -677,6 +686,7 @@ class _SaveSession:
         if self.closed:
             return
         self.closed = self.stopped = True
+        self.gate.set()
         _IN_FLIGHT.discard(self.target)
         if abandon:
             self.write_problem = self.write_problem or RankProblem(self.rank, "exiting", "abandoned")
