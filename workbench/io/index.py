@@ -252,6 +252,9 @@ def read_header(path: Path | str) -> tuple[dict[str, KeyInfo], dict[str, str], l
 
 
 def _parse_entry(path: Path, name: str, key: str, entry: object, problems: list[str]) -> KeyInfo | None:
+    fast = _parse_well_formed(name, key, entry)  # one pass for the common case; the checks below name a problem
+    if fast is not None:
+        return fast
     if not isinstance(entry, dict):
         problems.append(f"{path}: corrupt header: key {key!r} has entry {entry!r:.120}, expected an object")
         return None
@@ -278,6 +281,27 @@ def _parse_entry(path: Path, name: str, key: str, entry: object, problems: list[
         )
         return None
     return KeyInfo(hf_key=key, file=name, dtype=dtype, shape=tuple(shape), data_offsets=(offsets[0], offsets[1]))
+
+
+def _parse_well_formed(name: str, key: str, entry: object) -> KeyInfo | None:
+    """The KeyInfo of an entry with nothing wrong, or None (the caller then finds and names the problem)."""
+    if type(entry) is not dict:
+        return None
+    dtype, shape, offsets = entry.get("dtype"), entry.get("shape"), entry.get("data_offsets")
+    if type(dtype) is not str or type(shape) is not list or type(offsets) is not list or len(offsets) != 2:
+        return None
+    bits = _DTYPE_BITS.get(dtype)
+    begin, end = offsets
+    if bits is None or type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+        return None
+    n = 1
+    for size in shape:
+        if type(size) is not int or size < 0:
+            return None
+        n *= size
+    if end - begin != (n * bits + 7) // 8:
+        return None
+    return KeyInfo(hf_key=key, file=name, dtype=dtype, shape=tuple(shape), data_offsets=(begin, end))
 
 
 def _locate(path: Path) -> tuple[Path, Path | None, Path | None, list[str]]:
