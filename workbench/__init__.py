@@ -5,6 +5,8 @@ The public API (DESIGN.md section 4); everything else is reachable through its s
 
 from workbench import report, viz
 from workbench.debug import Finding, Report, diagnose, diff_checkpoints, inspect_checkpoint
+from workbench.io.dcp import DCPLoadPlanner, DCPSavePlanner
+from workbench.io.dcp_convert import dcp_to_hf
 from workbench.io.hf_load import LoadReport, load_hf
 from workbench.io.hf_save import AsyncSave, SaveResult, save_hf
 from workbench.io.ownership import clean_incomplete, latest_checkpoint
@@ -30,6 +32,8 @@ __version__ = "0.1.0"
 
 __all__ = [
     "AsyncSave",
+    "DCPLoadPlanner",
+    "DCPSavePlanner",
     "Finding",
     "HFLoadPlan",
     "HFSavePlan",
@@ -51,6 +55,7 @@ __all__ = [
     "__version__",
     "clean_incomplete",
     "compute_runs",
+    "dcp_to_hf",
     "diagnose",
     "diff_checkpoints",
     "inspect_checkpoint",

@@ -173,9 +173,13 @@ def test_save_hf_from_ep_etp_fsdp_loads_in_transformers_and_reshards(tmp_path: P
     assert len(writers) >= 4, writers
     assert (out_dir / "config.json").is_file() and not (tmp_path / ".saved.incomplete").exists()
 
-    # every rank read exactly what it owns, counted at the file layer against its local shards' bytes
+    # counted at the file layer: the whole world read every byte of the checkpoint exactly once (each rank its own
+    # shards; a parameter replicated over ep x etp is read by one replica and broadcast to the other three)
+    data_bytes = sum(info.nbytes for info in read_checkpoint(out_dir).keys.values())
+    assert sum(r["read2"] for r in results.values()) == data_bytes
     for r in results.values():
-        assert r["first"].ok and r["read2"] == r["owned2"] > 0, (r["rank"], r["read2"], r["owned2"])
+        assert r["first"].ok and 0 < r["read2"] <= r["owned2"], (r["rank"], r["read2"], r["owned2"])
+        assert r["second"].bytes_received == r["owned2"] - r["read2"], r["rank"]
 
     # EP1 x ETP4 x FSDP2: every rank's local shards are the reference weights, cut by hand in the rank
     for r in results.values():

@@ -40,6 +40,7 @@ __all__ = [
     "CheckpointFiles",
     "KeySlot",
     "direct_names",
+    "replicating_dims",
     "segment_starts",
     "writes_piece",
 ]
@@ -68,7 +69,7 @@ def segment_starts(key_shape: Sequence[int], key_offset: Sequence[int], sizes: S
     return starts, run
 
 
-def _replicating_dims(spec: LoadSpec) -> tuple[int, ...]:
+def replicating_dims(spec: LoadSpec) -> tuple[int, ...]:
     """Indices of the mesh dims no cut of ``spec`` uses: ranks differing only there hold the same data."""
     used: set[str] = set()
     for d in spec.shards:
@@ -78,7 +79,7 @@ def _replicating_dims(spec: LoadSpec) -> tuple[int, ...]:
 
 def writes_piece(spec: LoadSpec, mesh: MeshSpec, rank: int, key_index: int) -> bool:
     """True when ``rank`` writes its piece of the key with global index ``key_index`` (see the module doc)."""
-    dims = _replicating_dims(spec)
+    dims = replicating_dims(spec)
     if not dims:
         return True
     coord = mesh.coordinate(rank)

@@ -11,11 +11,14 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
+from workbench.io.direct import replicating_dims
 from workbench.io.read import CheckpointReader
 from workbench.layout.key_map import KeyMap
+from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, local_tensors
+from workbench.mesh import MeshDimRef, format_mesh_dim
 from workbench.plan.load_plan import Adapter, expected_key_shape, plan_hf_load
-from workbench.run.guard import LoadFailed, agree, problem_from
+from workbench.run.guard import LoadFailed, RankProblem, agree, problem_from
 from workbench.run.load_ops import execute_load
 from workbench.run.torch_comm import DEFAULT_TIMEOUT, ControlChannel
 
@@ -32,14 +35,17 @@ class LoadReport:
     bytes_read: int
     bytes_owned: int
     seconds: float
+    bytes_received: int = 0
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[str, ...] = ()
 
     @property
     def read_ratio(self) -> float:
-        """Bytes read / bytes owned (1.0: not a byte more than needed)."""
-        return self.bytes_read / self.bytes_owned if self.bytes_owned else 1.0
+        """Bytes read / bytes this rank had to read (1.0: not a byte more than needed). Replicated parameters read
+        by another replica and received from it (``bytes_received``) do not count."""
+        assigned = self.bytes_owned - self.bytes_received
+        return self.bytes_read / assigned if assigned else 1.0
 
     @property
     def ok(self) -> bool:
@@ -49,7 +55,9 @@ class LoadReport:
     def __str__(self) -> str:
         lines = [
             f"loaded {self.parameters} parameters from {self.path} on rank {self.rank}: read {self.bytes_read} "
-            f"bytes for {self.bytes_owned} owned ({self.read_ratio:.3f}x) in {self.seconds:.2f} s"
+            f"bytes for {self.bytes_owned} owned ({self.read_ratio:.3f}x"
+            + (f"; {self.bytes_received} received from replicas" if self.bytes_received else "")
+            + f") in {self.seconds:.2f} s"
         ]
         for what, keys in (("missing", self.missing), ("unexpected", self.unexpected), ("mis-shaped", self.mismatched)):
             if keys:
@@ -72,6 +80,7 @@ def load_hf(
     strict: bool = True,
     adapters: Mapping[str, Adapter] | None = None,
     cast: bool = False,
+    read_replicas_once: bool = True,
     timeout: float = DEFAULT_TIMEOUT,
     rank: int | None = None,
 ) -> LoadReport:
@@ -87,6 +96,9 @@ def load_hf(
         strict: every missing, unexpected, mis-shaped or differently typed key is an error (else those
             parameters are skipped and listed in the report).
         cast: convert a key whose checkpoint dtype differs from the model's (else that is a mismatch).
+        read_replicas_once: a parameter replicated over mesh dims (HSDP's replicas, a replicated norm) is read by
+            one replica of each group (replicas take turns over the parameters) and broadcast to the others,
+            instead of being read by every replica.
         timeout: seconds to wait for a peer at an agreement before failing.
         rank: the rank to load for (default: this process's rank).
 
@@ -117,24 +129,34 @@ def load_hf(
         _agree(channel, mine, rank, "checking the checkpoint against the layout", what)
         assert reader is not None
         problem = None
-        loaded = owned = 0
+        loaded = owned = received = 0
+        bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
+        wanted = {n: s for n, s in layout.specs.items() if not bad.intersection(s.hf_keys)}
+        replicas = (
+            replica_readers(layout, wanted, rank) if read_replicas_once and rank == channel.rank and _live() else {}
+        )
         try:
-            bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
-            for name, spec in layout.specs.items():
-                if bad.intersection(spec.hf_keys):
-                    continue
-                fault_point("load.read", rank)
+            for name, spec in wanted.items():
                 plan = plan_hf_load(spec, rank)
-                execute_load(plan, reader.read, targets[name], adapters)
-                owned += sum(
-                    r.numel * reader.dtype(r.hf_key).itemsize
-                    for r in plan.reads
+                nbytes = sum(
+                    r.numel * reader.dtype(r.hf_key).itemsize for r in plan.reads
                     if not (adapters and r.hf_key in adapters)
                 )
+                owned += nbytes
                 loaded += 1
-            fault_point("load.status", rank)
+                if name in replicas and not replicas[name].reads:
+                    received += nbytes
+                    continue
+                fault_point("load.read", rank)
+                execute_load(plan, reader.read, targets[name], adapters)
         except Exception as exc:
             problem = problem_from(exc, rank, "reading its slices")
+        if replicas:
+            problem = _share_replicas(layout, replicas, targets, timeout, problem)
+        try:
+            fault_point("load.status", rank)
+        except Exception as exc:
+            problem = problem or problem_from(exc, rank, "reporting its status")
         agree(channel, problem, what=what, error=LoadFailed, outcome="the model's values must not be used")
         return LoadReport(
             path=Path(path),
@@ -142,6 +164,7 @@ def load_hf(
             parameters=loaded,
             bytes_read=reader.bytes_read,
             bytes_owned=owned,
+            bytes_received=received,
             seconds=time.perf_counter() - start,
             missing=missing,
             unexpected=unexpected,
@@ -150,6 +173,84 @@ def load_hf(
     finally:
         if reader is not None:
             reader.close()
+
+
+@dataclass(frozen=True, slots=True)
+class ReplicaRead:
+    """How one replicated parameter is loaded on this rank: the replicating mesh dims (one flattened group), the
+    group rank that reads it, and whether that is this rank."""
+
+    mesh_dim: MeshDimRef
+    reader: int
+    reads: bool
+
+
+def _live() -> bool:
+    import torch.distributed as dist
+
+    return dist.is_initialized() and dist.get_world_size() > 1 and str(dist.get_backend()) != "fake"
+
+
+def replica_readers(layout: Layout, specs: Mapping[str, LoadSpec], rank: int) -> dict[str, ReplicaRead]:
+    """For every parameter replicated over some mesh dims, who reads it in this rank's replica group: the member
+    whose index equals the parameter's index modulo the group size (rank-independent: every member agrees)."""
+    out = {}
+    for index, (name, spec) in enumerate(specs.items()):
+        dims = tuple(layout.mesh.dim_names[i] for i in replicating_dims(spec))
+        if not dims:
+            continue
+        ref: MeshDimRef = dims[0] if len(dims) == 1 else dims
+        size = layout.mesh.group_size(ref)
+        if size == 1:
+            continue
+        reader = index % size
+        out[name] = ReplicaRead(ref, reader, layout.mesh.group_rank(rank, ref) == reader)
+    return out
+
+
+def _share_replicas(
+    layout: Layout,
+    replicas: Mapping[str, ReplicaRead],
+    targets: Mapping[str, torch.Tensor],
+    timeout: float,
+    problem: RankProblem | None,
+) -> RankProblem | None:
+    """Broadcast every replicated parameter from its reader to its replica group, batched per (group, reader,
+    dtype, device). Before each batch the group exchanges a "failed" flag, so a reader that could not read never
+    leaves its replicas waiting; returns this rank's problem (a peer's failure is a secondary one)."""
+    from workbench.run.torch_comm import TorchCommunicator
+
+    comm = TorchCommunicator(layout.mesh, {r.mesh_dim for r in replicas.values()}, timeout=timeout)
+    batches: dict[tuple, list[str]] = {}
+    for name, r in replicas.items():
+        t = targets[name]
+        batches.setdefault((format_mesh_dim(r.mesh_dim), r.reader, str(t.dtype), str(t.device)), []).append(name)
+    for names in batches.values():
+        first = replicas[names[0]]
+        try:
+            stop = comm.any_flag(first.mesh_dim, problem is not None)
+        except Exception as exc:
+            return problem or problem_from(exc, comm.rank, "sharing replicated parameters", broken=True)
+        if stop:
+            problem = problem or RankProblem(
+                comm.rank, "sharing replicated parameters",
+                f"a peer in its {format_mesh_dim(first.mesh_dim)} replica group failed", secondary=True,
+            )
+            continue
+        tensors = [targets[n] for n in names]
+        flat = torch.cat([t.reshape(-1) for t in tensors]) if first.reads else torch.empty(
+            sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device
+        )
+        try:
+            comm.broadcast(flat, first.mesh_dim, first.reader)
+        except Exception as exc:
+            return problem or problem_from(exc, comm.rank, "sharing replicated parameters", broken=True)
+        if not first.reads:
+            offset = 0
+            for t in tensors:
+                t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+                offset += t.numel()
+    return problem
 
 
 def _check(

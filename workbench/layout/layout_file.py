@@ -92,7 +92,7 @@ def parse_layout(text: str, *, source: str = "<string>") -> Layout:
     except tomllib.TOMLDecodeError as exc:
         raise LayoutFileError(f"{source}: not valid TOML: {exc}") from None
     header_lines = [i + 1 for i, line in enumerate(text.splitlines()) if line.strip() == "[[param]]"]
-    unknown = set(doc) - {"name", "description", "mesh", "param", "defaults", "notes"}
+    unknown = set(doc) - {"name", "description", "mesh", "param", "defaults", "notes", "pipeline"}
     if unknown:
         raise LayoutFileError(f"{source}: unknown top-level field(s) {sorted(unknown)}")
     mesh_doc = doc.get("mesh")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
@@ -11,9 +12,9 @@ from workbench.errors import LayoutError
 from workbench.layout.coverage import CoverageReport
 from workbench.layout.key_map import KeyMap, clean_name, resolve_key_map
 from workbench.layout.load_spec import LoadSpec
-from workbench.mesh import MeshSpec
+from workbench.mesh import MeshDimRef, MeshSpec
 
-__all__ = ["Layout", "local_tensors"]
+__all__ = ["Layout", "local_tensors", "sub_mesh_refs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -67,7 +68,10 @@ class Layout:
 
         Reads only metadata: each DTensor's mesh, placements and global shape, checked against its local
         tensor. Every tensor must be on one root mesh (sub-meshes are matched by dim name); plain tensors are
-        replicated. The key map gives each (cleaned) name its HF key(s); a name it maps to None is not part of
+        replicated. A sub-mesh dim flattened from several root dims (torchtitan's ``dp_shard_cp``, made by
+        ``mesh["dp_shard", "cp"]._flatten()``) becomes the flattened ref ``("dp_shard", "cp")``, found from its
+        ranks; HSDP (``Replicate`` on the replica dim, FSDP's shard on the other) replicates over the first.
+        The key map gives each (cleaned) name its HF key(s); a name it maps to None is not part of
         the checkpoint.
 
         Raises:
@@ -89,9 +93,9 @@ class Layout:
                 if key_map is not None and not callable(key_map):
                     unmapped.append(param)
                 continue
-            specs[param] = LoadSpec.from_tensor(
-                param, keys.keys, tensor, fused_dim=keys.fused_dim, mesh=mesh,
-                origin_shape=(origin_shapes or {}).get(param), fsdp_mesh_dims=fsdp_dims,
+            specs[param] = _spec_of(
+                param, keys.keys, tensor, mesh, fused_dim=keys.fused_dim,
+                origin_shape=(origin_shapes or {}).get(param), fsdp_dims=fsdp_dims,
             )
             dtypes[param] = str(tensor.dtype).removeprefix("torch.")
         if unmapped:
@@ -217,16 +221,110 @@ def _root_mesh(tensors: Iterable[torch.Tensor]) -> MeshSpec:
 
 
 def _fits(root: MeshSpec, sub: object) -> bool:
-    """True when ``sub`` (a DeviceMesh) is a slice of ``root`` along its dim names, around this rank."""
+    """True when ``sub`` (a DeviceMesh) is a slice of ``root`` along its dim names (flattened dims resolved to the
+    root dims they span), around this rank."""
     spec = MeshSpec.from_device_mesh(sub)
-    if not set(spec.dim_names) <= set(root.dim_names):
-        return False
-    if spec.shape != tuple(root.shape[root.mesh_dim_index(n)] for n in spec.dim_names):
-        return False
     rank = sub.get_rank()
     if rank not in root.all_ranks() or rank not in spec.all_ranks():
         return False
-    return root.group_ranks(rank, spec.dim_names if spec.ndim > 1 else spec.dim_names[0]) == spec.all_ranks()
+    refs = sub_mesh_refs(root, spec, rank)
+    if refs is None:
+        return False
+    dims = tuple(n for ref in refs for n in ((ref,) if isinstance(ref, str) else ref))
+    if len(set(dims)) != len(dims):
+        return False
+    return root.group_ranks(rank, dims if len(dims) > 1 else dims[0]) == spec.all_ranks()
+
+
+def sub_mesh_refs(root: MeshSpec, sub: MeshSpec, rank: int) -> tuple[MeshDimRef, ...] | None:
+    """The root mesh dim ref of every dim of a sub-mesh around ``rank``: its own name when the root has it, else the
+    root dims it was flattened from (None when some dim is neither).
+
+    A flattened dim is matched by its ranks: the root dims whose row-major group through ``rank`` lists exactly the
+    sub-mesh dim's ranks. torch names a flattened dim ``"_".join(dims)`` unless told otherwise, so the dims spelled
+    by the name are tried first; then the fewest root dims of size > 1 (size-1 dims change no group).
+
+    ====================  =====================  =====================================
+    root mesh             sub-mesh dim           ref
+    ====================  =====================  =====================================
+    (dp_shard=2, cp=2)    dp_shard_cp (4 ranks)  ("dp_shard", "cp")
+    (rep=2, shard=2)      shard                  "shard"
+    (a=2, b=1, c=2)       flat (ranks of a, c)   ("a", "c")
+    ====================  =====================  =====================================
+    """
+    refs: list[MeshDimRef] = []
+    for name in sub.dim_names:
+        along = sub.group_ranks(rank, name)
+        if name in root.dim_names:
+            if root.group_size(name) != len(along):  # same name, other size: a slice of another mesh
+                return None
+            refs.append(name)
+            continue
+        ref = _flattened_ref(root, name, along, rank)
+        if ref is None:
+            return None
+        refs.append(ref)
+    return tuple(refs)
+
+
+def _flattened_ref(root: MeshSpec, name: str, along: tuple[int, ...], rank: int) -> MeshDimRef | None:
+    import itertools
+
+    def matches(dims: tuple[str, ...]) -> bool:
+        if math.prod(root.group_size(d) for d in dims) != len(along):
+            return False
+        return root.group_ranks(rank, dims if len(dims) > 1 else dims[0]) == along
+
+    names = root.dim_names
+    spelled = [names[i:j] for i in range(len(names)) for j in range(i + 2, len(names) + 1)
+               if "_".join(names[i:j]) == name]
+    wide = [n for n in names if root.group_size(n) > 1]
+    searched = [c for k in range(1, len(wide) + 1) for c in itertools.combinations(wide, k)]
+    for dims in [*spelled, *searched]:
+        if matches(dims):
+            return dims if len(dims) > 1 else dims[0]
+    return None
+
+
+def _spec_of(
+    name: str,
+    keys: Sequence[str],
+    tensor: torch.Tensor,
+    mesh: MeshSpec,
+    *,
+    fused_dim: int | None,
+    origin_shape: Sequence[int] | None,
+    fsdp_dims: Sequence[str],
+) -> LoadSpec:
+    """``LoadSpec.from_tensor`` on the root mesh, with a DTensor's flattened sub-mesh dims resolved to root refs."""
+    from workbench import _compat
+
+    if not _compat.is_dtensor(tensor):
+        return LoadSpec.from_tensor(name, keys, tensor, fused_dim=fused_dim, mesh=mesh, origin_shape=origin_shape)
+    device_mesh = tensor.device_mesh
+    own = MeshSpec.from_device_mesh(device_mesh)
+    if set(own.dim_names) <= set(mesh.dim_names):
+        return LoadSpec.from_tensor(name, keys, tensor, fused_dim=fused_dim, mesh=mesh, origin_shape=origin_shape,
+                                    fsdp_mesh_dims=fsdp_dims)
+    rank = device_mesh.get_rank()
+    refs = sub_mesh_refs(mesh, own, rank)
+    if refs is None:
+        raise LayoutError(
+            f"parameter {name!r}: its DTensor mesh dims {own.dim_names} (ranks {own.all_ranks()}) are neither dims "
+            f"of the root {mesh!r} nor flattened from them around rank {rank}; pass mesh="
+        )
+    spec = LoadSpec.from_placements(
+        name, keys, tuple(tensor.shape), mesh, tuple(tensor.placements), fused_dim=fused_dim,
+        origin_shape=origin_shape, mesh_dims=refs, fsdp_mesh_dims=fsdp_dims,
+    )
+    local, expected = tuple(_compat.dtensor_local(tensor).shape), spec.local_shape(rank)
+    if local != expected:
+        raise LayoutError(
+            f"parameter {name!r}: rank {rank} holds a local tensor of shape {local}, but placements "
+            f"{tuple(str(p) for p in tensor.placements)} over {tuple(map(str, refs))} give {expected} for global "
+            f"shape {spec.global_shape} ({spec.describe_shards()})"
+        )
+    return spec
 
 
 def _renamed(report: CoverageReport, name: str) -> CoverageReport:

@@ -144,10 +144,21 @@ class TorchCommunicator:
         ref, world = self._check(mesh_dim)
         if world == 1:
             return send
+        if send.dtype.itemsize == 1 and send.dtype.is_floating_point:  # gloo has no float8: gather the bytes
+            return self.all_gather(send.contiguous().view(torch.uint8), mesh_dim).view(send.dtype)
         send = send.contiguous()
         out = send.new_empty(world * send.numel())
         _compat.all_gather_flat(out, send, self._groups[ref])
         return out
+
+    def broadcast(self, tensor: torch.Tensor, mesh_dim: MeshDimRef, src: int) -> torch.Tensor:
+        """``tensor`` of group rank ``src`` on every rank of this rank's group along ``mesh_dim`` (in place)."""
+        ref, world = self._check(mesh_dim)
+        if world == 1:
+            return tensor
+        group = self._groups[ref]
+        dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
+        return tensor
 
     def any_flag(self, mesh_dim: MeshDimRef, flag: bool) -> bool:
         """True on every rank of this rank's group along ``mesh_dim`` when any of them passes True (gloo, CPU)."""

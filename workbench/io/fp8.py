@@ -1,0 +1,132 @@
+"""FP8 weights at run time: block dequantization, float8-safe gathers, and a dequantized state to save as bf16.
+
+* ``dequantize_blocks(weight, scale_inv, block)``: ``weight * scale_inv`` broadcast over blocks, in float32, then
+  cast (DeepSeek-V3's ``weight_dequant``, on any device, no kernel).
+* ``Float8Communicator(inner)``: gloo has no float8 type ("Invalid scalar type"); this wraps any communicator and
+  gathers 1-byte float dtypes as their bytes (``uint8``), bit for bit. Pass it to ``save_hf(..., comm=...)``.
+* ``dequantized_state(model, layout, block)``: every float8 weight dequantized with its scale *on its own rank*
+  (``workbench.layout.fp8`` proved each rank's scale rows are the blocks of its weight rows), the scales dropped,
+  with the matching layout: ``save_hf(state, path, layout=layout)`` writes a bf16 checkpoint.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping, Sequence
+from typing import Any
+
+import torch
+
+from workbench.errors import LayoutError
+from workbench.layout.fp8 import DEFAULT_BLOCK, SCALE_SUFFIX, fp8_scale_names, with_fp8_scales
+from workbench.layout.model_layout import Layout, local_tensors
+from workbench.mesh import MeshDimRef
+
+__all__ = ["Float8Communicator", "dequantize_blocks", "dequantized_state"]
+
+_BYTE_FLOATS = frozenset(d for d in (getattr(torch, n, None) for n in (
+    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz", "float8_e8m0fnu")) if d is not None)
+
+
+def dequantize_blocks(
+    weight: torch.Tensor, scale_inv: torch.Tensor, block: Sequence[int] = DEFAULT_BLOCK,
+    dtype: torch.dtype = torch.bfloat16,
+) -> torch.Tensor:
+    """``weight[i, j] * scale_inv[i // bm, j // bn]`` computed in float32, returned in ``dtype``.
+
+    Raises:
+        LayoutError: the scale's shape is not ``ceil(weight.shape / block)``.
+    """
+    want = tuple(-(-s // b) for s, b in zip(weight.shape, block))
+    if len(block) != weight.dim() or tuple(scale_inv.shape) != want:
+        raise LayoutError(f"a weight of shape {tuple(weight.shape)} in blocks of {tuple(block)} needs scales of shape "
+                          f"{want}, got {tuple(scale_inv.shape)}")
+    scale = scale_inv.float()
+    for dim, size in enumerate(block):
+        scale = scale.repeat_interleave(size, dim=dim).narrow(dim, 0, weight.shape[dim])
+    return (weight.float() * scale).to(dtype)
+
+
+class Float8Communicator:
+    """A communicator that gathers float8 tensors as bytes (``uint8`` views) and forwards everything else.
+
+    gloo's all-gather refuses float8 ("Invalid scalar type"); the bytes gathered are the same either way.
+    """
+
+    def __init__(self, inner: Any) -> None:
+        self.inner = inner
+        self.rank = inner.rank
+
+    def all_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef) -> torch.Tensor:
+        """``inner.all_gather`` on the bytes of a float8 tensor, viewed back as float8."""
+        if send.dtype in _BYTE_FLOATS:
+            return self.inner.all_gather(send.contiguous().view(torch.uint8), mesh_dim).view(send.dtype)
+        return self.inner.all_gather(send, mesh_dim)
+
+    def any_flag(self, mesh_dim: MeshDimRef, flag: bool) -> bool:
+        """As the wrapped communicator."""
+        return self.inner.any_flag(mesh_dim, flag)
+
+    def barrier(self) -> None:
+        """As the wrapped communicator."""
+        self.inner.barrier()
+
+    def all_gather_object(self, obj: Any) -> list[Any]:
+        """As the wrapped communicator."""
+        return self.inner.all_gather_object(obj)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.inner, name)
+
+
+def dequantized_state(
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+    layout: Layout,
+    *,
+    block: Sequence[int] = DEFAULT_BLOCK,
+    dtype: torch.dtype = torch.bfloat16,
+    suffix: str = SCALE_SUFFIX,
+) -> tuple[dict[str, torch.Tensor], Layout]:
+    """This rank's local tensors with every float8 weight dequantized (scales dropped), and their layout.
+
+    Every rank calls it; no communication. Pass both to ``save_hf(state, path, layout=layout)``.
+
+    Raises:
+        LayoutError: a float8 weight has no scale in ``layout``, or a cut falls inside a block.
+    """
+    checked = with_fp8_scales(layout, block=block, suffix=suffix)
+    scales = fp8_scale_names(layout, suffix=suffix)
+    missing = [s for s in scales.values() if s not in layout.specs]
+    if missing:
+        raise LayoutError(f"float8 weight(s) without a scale in the layout: {missing[:3]} (expected names ending "
+                          f"in {suffix!r})")
+    locals_ = local_tensors(model, checked)
+    me = _rank(checked)
+    state, specs, dtypes = {}, {}, {}
+    dropped = set(scales.values())
+    for name, spec in checked.specs.items():
+        if name in dropped:
+            continue
+        local = locals_[name]
+        if name in scales:
+            scale_local = locals_[scales[name]]
+            want = checked.specs[scales[name]].local_shape(me)
+            if tuple(scale_local.shape) != want:
+                raise LayoutError(f"parameter {scales[name]!r}: rank {me} holds {tuple(scale_local.shape)}, its layout "
+                                  f"says {want}")
+            local = dequantize_blocks(local, scale_local, block, dtype)
+            dtypes[name] = str(dtype).removeprefix("torch.")
+        else:
+            dtypes[name] = checked.dtypes.get(name, "float32")
+        state[name] = local
+        specs[name] = spec
+    return state, Layout(checked.mesh, specs, dtypes, name=checked.name)
+
+
+def _rank(layout: Layout) -> int:
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized():
+        return dist.get_rank()
+    if layout.mesh.size != 1:
+        raise LayoutError(f"{layout.mesh!r} has {layout.mesh.size} ranks but torch.distributed is not initialized")
+    return layout.mesh.all_ranks()[0]
