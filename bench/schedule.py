@@ -5,7 +5,8 @@ receives, next to the baseline of the same run without a budget (one call per (g
 over the whole model: XTuner's behaviour), and checks the targets:
 
 * predicted peak <= budget + largest tensor;
-* calls within 2x of the fewest the budget allows (per (mesh dim, dtype): total gathered bytes / budget);
+* calls within 2x of the fewest the budget allows (per (mesh dim, dtype): total gathered bytes / budget), with
+  look-ahead batching (the default) next to the same budget without it (``lookahead=False``), in the same run;
 * one rank's whole save plan (plans, schedule, writer map) under ``minimal``, what every rank of ``save_hf``
   runs, well under a second; with ``--slow-baseline`` next to the path it replaced (every rank x every
   parameter planned to find each key's holders), timed in the same run, and checked to give the same writers;
@@ -30,7 +31,7 @@ from workbench.layout.model_layout import Layout
 from workbench.plan.policy import SavePolicy
 from workbench.plan.save_plan import plan_hf_save
 from workbench.plan.save_set import SavePlanSet, clear_plan_cache, key_sizes, plan_save
-from workbench.plan.schedule import UnshardSchedule
+from workbench.plan.schedule import UnshardSchedule, schedule_unshard
 from workbench.plan.writers import assign_writers, key_holders
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -102,9 +103,9 @@ def bench_layout(path: Path, world_ranks: int | None, slow_baseline: bool) -> li
     layout = load_layout(path)
     rank = 0
     rows = [f"### {layout.name}: {layout.mesh!r}, {len(layout)} tensors, {len(layout.hf_keys)} HF keys", ""]
-    rows.append("| budget | waves | calls | min calls | calls / min | predicted peak | budget + largest | "
-                "peak target | receives / rank |")
-    rows.append("|---|---|---|---|---|---|---|---|---|")
+    rows.append("| budget | waves | calls | min calls | calls / min | without look-ahead: calls (/ min) | "
+                "predicted peak | budget + largest | peak target | receives / rank |")
+    rows.append("|---|---|---|---|---|---|---|---|---|---|")
     for budget in (None, *BUDGETS):
         t0 = time.perf_counter()
         plan_set = plan_save(layout, ranks=[rank], budget_bytes=budget, cache=False)
@@ -112,13 +113,17 @@ def bench_layout(path: Path, world_ranks: int | None, slow_baseline: bool) -> li
         s = plan_set.schedules[rank]
         big = largest_tensor(plan_set, rank)
         if budget is None:
-            rows.append(f"| none (baseline) | {len(s.waves)} | {s.num_calls} | — | — | {gib(s.peak_bytes)} | — | — | "
-                        f"{gib(s.bytes_moved)} |")
+            rows.append(f"| none (baseline) | {len(s.waves)} | {s.num_calls} | — | — | — | {gib(s.peak_bytes)} | — | "
+                        f"— | {gib(s.bytes_moved)} |")
             continue
+        runtime = {n: layout.dtype(n) for n in layout}
+        plain = schedule_unshard(plan_set.plans[rank], runtime, budget, lookahead=False)  # the same run, no look-ahead
+        assert plain.bytes_moved == s.bytes_moved
         low = min_calls(s, budget)
         ok = s.peak_bytes <= budget + big
         rows.append(
             f"| {budget // MiB} MiB | {len(s.waves)} | {s.num_calls} | {low} | {s.num_calls / low:.2f} | "
+            f"{plain.num_calls} ({plain.num_calls / min_calls(plain, budget):.2f}) | "
             f"{gib(s.peak_bytes)} | {gib(budget + big)} | {'met' if ok else 'MISSED'} | {gib(s.bytes_moved)} |"
         )
     rows.append("")

@@ -455,6 +455,8 @@ class _SaveSession:
             dtype=dtype,
             fp32_keys_pattern=fp32_keys_pattern,
             max_writers=max_writers,
+            # on CPU, tensors waiting for a writer are host memory the save holds (on GPU: pinned copies)
+            queued_bytes=self.in_flight_bytes if all(t.device.type == "cpu" for t in tensors.values()) else 0,
         )
         sizes = {k: math.prod(shape) * d.itemsize for k, (d, shape) in self.key_meta.items()}
         writers = dict(self.plan_set.writers)

@@ -202,6 +202,7 @@ def plan_save(
     dtype: torch.dtype | None = None,
     fp32_keys_pattern: Sequence[str] | str | None = None,
     max_writers: int | None = None,
+    queued_bytes: int = 0,
     cache: bool = True,
 ) -> SavePlanSet:
     """Save plans, unshard schedules and writer assignment of a layout, for ``ranks`` (default: all).
@@ -210,6 +211,8 @@ def plan_save(
     ranks plans in a fraction of a second and the whole world in seconds. With ``cache`` (the default) the
     result is kept in a bounded LRU keyed on ``layout.fingerprint()``, the mesh and every option, so a repeated
     save of the same model costs no planning.
+
+    ``queued_bytes`` is the writer-queue bound the schedules' predicted peak counts (``schedule_unshard``).
 
     .. note:: every rank of a save must call it with the same layout and options (not the same ``ranks``):
        the writer map and the schedules' structure depend only on those, which ``save_hf`` checks at run time.
@@ -223,11 +226,12 @@ def plan_save(
     patterns = _patterns(fp32_keys_pattern)
     key = None
     if cache:
-        key = (layout_fingerprint(layout), layout.mesh, ranks, policy, budget_bytes, dtype, patterns, max_writers)
+        key = (layout_fingerprint(layout), layout.mesh, ranks, policy, budget_bytes, dtype, patterns, max_writers,
+               queued_bytes)
         hit = _PLANS.get(key)
         if hit is not None:
             return hit
-    result = _plan_save(layout, ranks, policy, budget_bytes, dtype, patterns, max_writers)
+    result = _plan_save(layout, ranks, policy, budget_bytes, dtype, patterns, max_writers, queued_bytes)
     if key is not None:
         _PLANS.put(key, result)
     return result
@@ -241,6 +245,7 @@ def _plan_save(
     dtype: torch.dtype | None,
     patterns: tuple[str, ...],
     max_writers: int | None,
+    queued_bytes: int = 0,
 ) -> SavePlanSet:
     runtime = {name: layout.dtype(name) for name in layout}
     groups = _geometry_groups(layout, runtime)
@@ -272,9 +277,10 @@ def _plan_save(
         if r not in plans:
             plans[r] = plans_of(r, templates)
         try:
-            schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes, reference=reference)
+            schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes, reference=reference,
+                                            queued_bytes=queued_bytes)
         except PlanError:  # its steps differ from the first rank's (another dtype, say): pack its own waves
-            schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes)
+            schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes, queued_bytes=queued_bytes)
             diverged = True
         reference = reference or schedules[r]
         classes[key] = schedules[r]

@@ -6,16 +6,27 @@ A save undoes each tensor's pending shard steps (inner first). The scheduler
    (a tensor whose own peak exceeds the budget forms a wave alone and is flagged ``oversized``);
 2. inside a wave, runs *rounds*: round k takes every tensor's k-th pending step (so an outer gather
    always sees the output of the inner one), and batches the steps of one (mesh dim, dtype) into one
-   foreach all-gather *call*.
+   foreach all-gather *call*;
+3. looks ahead: a wave's round-0 call also takes the first (inner, e.g. FSDP) step of tensors of later
+   waves on the same (mesh dim, dtype), in plan order, while every wave from this one to theirs stays
+   within the budget. Their intermediate outputs (1/W of the tensor, for an outer cut of W ranks) are kept
+   until their own wave, whose round 0 then has fewer items or no call at all. Waves are packed leaving
+   0 to 50% of the budget for this, and the packing with the fewest calls is kept.
 
 Every byte count that decides the batching is rank-independent (the largest chunk any rank of the group
 sends), so every rank computes the same calls in the same order: the SPMD contract that keeps
 collectives from hanging. ``check_schedules`` verifies it across ranks.
 
-Memory model of one call, per rank (the executors free in this order): allocate the flat send buffer,
-drop the intermediate inputs, allocate the receive buffer (``W x`` send), drop the send buffer, allocate
-the merged outputs, drop the receive buffer. A single contiguous dim-0 gather merges in place (a view of
-the receive buffer). A tensor's output stays live until its wave ends (it is then written and freed).
+Memory model, per rank: every allocation the executor (``run.executor``) makes, in its order, under the
+drivers (``drive``, ``drive_guarded``), which keep the last gathered buffer until the executor's next
+request. A wave casts its tensors to the gather dtype (a look-ahead tensor: at its call). A call packs the
+flat send buffer (inputs and the previous reply still alive), drops its inputs, receives ``W x`` send, drops
+the send buffer, merges each tensor into one new buffer (a single contiguous dim-0 gather merges in place: a
+view of the receive buffer), then the receive buffer goes with the next request. A wave's outputs (trimmed
+of FP8 tails: a copy unless the trim is a contiguous view) are handed out at its end and freed when the
+executor resumes, except what the writer queue keeps (``queued_bytes``, at most the outputs handed out so
+far). Byte counts use each step's largest chunk on any rank, so the model is exact on the rank holding the
+largest chunks and an upper bound elsewhere.
 """
 
 from __future__ import annotations
@@ -96,8 +107,12 @@ class UnshardSchedule:
         calls: every call in execution order.
         waves: tensor names of each wave, in order.
         budget_bytes: the memory budget it was built for (None: unbounded).
-        peak_bytes: predicted peak of the memory the save allocates on this rank.
+        peak_bytes: predicted peak of the memory the save allocates on this rank (the writer queue included).
         bytes_moved: bytes this rank receives from other ranks.
+        early: ``{name: wave}`` of the tensors whose first step is gathered ahead, by an earlier wave's call
+            (look-ahead); their intermediate output is kept until their own wave.
+        queued_bytes: the writer-queue bound the peak counts (see ``schedule_unshard``).
+        wave_peaks: modeled peak of the gathers of each wave (without the writer queue).
     """
 
     rank: int
@@ -106,6 +121,9 @@ class UnshardSchedule:
     budget_bytes: int | None
     peak_bytes: int
     bytes_moved: int
+    early: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
+    queued_bytes: int = 0
+    wave_peaks: tuple[int, ...] = field(default=(), repr=False, compare=False)
     signatures: Mapping[str, tuple] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -171,6 +189,8 @@ def schedule_unshard(
     budget_bytes: int | None = None,
     *,
     reference: UnshardSchedule | None = None,
+    lookahead: bool = True,
+    queued_bytes: int = 0,
 ) -> UnshardSchedule:
     """Build the all-gather schedule of one rank's save plans (every rank passes its own, same order).
 
@@ -178,33 +198,47 @@ def schedule_unshard(
         save_plans: this rank's plans, in the model's order (the same names, in the same order, on every
             rank).
         dtypes: runtime dtype of each tensor, to count the cast to the gather dtype (default: no cast).
-        budget_bytes: bound on the modeled peak memory of a wave (None: one wave, XTuner's behaviour).
-        reference: another rank's schedule of the same save. Wave packing only uses rank-independent
-            bounds, so its waves are reused (planning a whole world packs once); the calls are rebuilt from
-            this rank's plans and must match the reference's structure.
+        budget_bytes: bound on the modeled peak memory of the gathers (None: one wave, XTuner's behaviour).
+        reference: another rank's schedule of the same save. Wave packing and look-ahead only use
+            rank-independent bounds, so its waves and look-ahead are reused (planning a whole world packs once);
+            the calls are rebuilt from this rank's plans and must match the reference's structure.
+        lookahead: batch the first (inner) step of tensors of later waves into an earlier wave's call on the
+            same (mesh dim, dtype) while every wave in between stays within the budget (fewer calls).
+        queued_bytes: bytes of finished outputs the save may still hold while later waves gather (its writer
+            queue: ``save_hf``'s ``host_buffer_bytes`` when outputs stay in the memory the gathers use, i.e.
+            on CPU; 0 when they are copied elsewhere, e.g. device outputs snapshotted to host). Counted in
+            ``peak_bytes``, not in the budget, which bounds the gathers.
 
     Returns:
         The schedule; see the module docstring for its memory model.
     """
+    if queued_bytes < 0:
+        raise PlanError(f"schedule_unshard: queued_bytes must be >= 0, got {queued_bytes}")
     if not save_plans:
-        return UnshardSchedule(rank=-1, calls=(), waves=(), budget_bytes=budget_bytes, peak_bytes=0, bytes_moved=0)
+        return UnshardSchedule(rank=-1, calls=(), waves=(), budget_bytes=budget_bytes, peak_bytes=0, bytes_moved=0,
+                               queued_bytes=queued_bytes)
     rank = save_plans[0].rank
     if len({p.name for p in save_plans}) != len(save_plans):
         raise PlanError("schedule_unshard: save plans repeat a parameter name")
     memo: dict[tuple, tuple] = {}
     tensors = [_Tensor.of(p, (dtypes or {}).get(p.name, p.gather_dtype), memo) for p in save_plans]
-    waves = _pack_waves(tensors, budget_bytes) if reference is None else _reuse_waves(tensors, reference)
-    calls: list[GatherCall] = []
+    if reference is None:
+        waves, early = _pack(tensors, budget_bytes, lookahead)
+    else:
+        waves, early = _reuse_waves(tensors, reference), dict(reference.early)
+    state = _State()
+    peaks, calls = _run(waves, early, state=state)
+    oversized_waves = {
+        w for w, wave in enumerate(waves) if budget_bytes is not None and len(wave) == 1 and peaks[w] > budget_bytes
+    }
+    if oversized_waves:
+        calls = [_replace_oversized(c) if c.wave in oversized_waves else c for c in calls]
+    done = 0  # bytes of outputs handed out before each wave: what the writer queue may still hold
     peak = 0
-    moved = 0
-    for w, wave in enumerate(waves):
-        wave_peak, wave_calls = _simulate(wave, wave_index=w)
-        oversized = budget_bytes is not None and len(wave) == 1 and wave_peak > budget_bytes
-        if oversized:
-            wave_calls = [_replace_oversized(c) for c in wave_calls]
-        calls.extend(wave_calls)
-        peak = max(peak, wave_peak)
-        moved += sum(c.bytes_out - c.bytes_in for c in wave_calls)
+    for w, handed in enumerate(state.handed):
+        peak = max(peak, peaks[w] + min(queued_bytes, done))
+        done += handed
+    moved = sum(c.bytes_out - c.bytes_in for c in calls)
     signatures = {t.name: t.signature() for t in tensors}
     if reference is not None:
         for name, signature in signatures.items():
@@ -215,8 +249,34 @@ def schedule_unshard(
                 )
     return UnshardSchedule(
         rank=rank, calls=tuple(calls), waves=tuple(tuple(t.name for t in wave) for wave in waves),
-        budget_bytes=budget_bytes, peak_bytes=peak, bytes_moved=moved, signatures=signatures,
+        budget_bytes=budget_bytes, peak_bytes=peak, bytes_moved=moved, early=early, queued_bytes=queued_bytes,
+        wave_peaks=tuple(peaks), signatures=signatures,
     )
+
+
+# Wave packing leaves this share of the budget free for look-ahead outputs; the fewest calls wins.
+_RESERVES = (0.0, 0.125, 0.25, 0.375, 0.5)
+_MAX_SPAN = 32  # the farthest wave a look-ahead item may come from
+
+
+def _pack(
+    tensors: list[_Tensor], budget_bytes: int | None, lookahead: bool
+) -> tuple[list[list[_Tensor]], dict[str, int]]:
+    """Waves and look-ahead (``{name: wave whose call gathers its first step}``) with the fewest calls."""
+    if budget_bytes is None or not lookahead:
+        return _pack_waves(tensors, budget_bytes), {}
+    best: tuple | None = None
+    for reserve in _RESERVES:
+        waves = _pack_waves(tensors, int(budget_bytes * (1 - reserve)))
+        early = _look_ahead(waves, budget_bytes)
+        peaks, calls = _run(waves, early)
+        score = (len(calls), max(peaks, default=0))
+        if best is None or score < best[0]:
+            best = (score, waves, early)
+        if not early:  # no slack to use: a larger reserve only splits more waves
+            break
+    assert best is not None
+    return best[1], best[2]
 
 
 def _pack_waves(tensors: list[_Tensor], budget_bytes: int | None) -> list[list[_Tensor]]:
@@ -234,10 +294,70 @@ def _pack_waves(tensors: list[_Tensor], budget_bytes: int | None) -> list[list[_
     return waves
 
 
+def _look_ahead(waves: list[list[_Tensor]], budget: int) -> dict[str, int]:
+    """Greedy: each wave's round-0 calls take, in plan order, the first steps of later tensors on the same (mesh
+    dim, dtype), while the modeled peak of every wave from this one to the item's own stays within ``budget``.
+    Per call, the longest prefix of the candidates (within ``_MAX_SPAN`` waves) that fits is found by bisection,
+    then cut back to whole source waves (taking part of a wave's call saves no call); every kept choice is
+    checked by running the model over the waves it spans."""
+    early: dict[str, int] = {}
+    by_name = {t.name: t for wave in waves for t in wave}
+    wave_of = {t.name: v for v, wave in enumerate(waves) for t in wave}
+    state = _State()
+    for w, wave in enumerate(waves):
+        start = state.copy()
+        keys = dict.fromkeys((t.items[0][0], t.dtype) for t in wave if t.items and t.name not in early)
+        for key in keys:
+            candidates = [
+                t.name for v in range(w + 1, min(len(waves), w + 1 + _MAX_SPAN)) for t in waves[v]
+                if t.items and t.name not in early and (t.items[0][0], t.dtype) == key
+            ]
+            context = {"host": w, "start": start, "wave_of": wave_of, "by_name": by_name, "budget": budget}
+            low, high = 0, len(candidates)  # fits(low) holds (nothing taken), find the largest such prefix
+            while low < high:
+                mid = (low + high + 1) // 2
+                if _fits(waves, early, candidates[:mid], **context):
+                    low = mid
+                else:
+                    high = mid - 1
+            k = low
+            if k < len(candidates):  # the wave the prefix ends in keeps its call: take none of it
+                last = wave_of[candidates[k - 1]] if k else -1
+                if k and wave_of[candidates[k]] == last:
+                    k = next(i for i, name in enumerate(candidates) if wave_of[name] == last)
+                    if k and not _fits(waves, early, candidates[:k], **context):  # (should not happen: take none)
+                        k = 0
+            early.update(dict.fromkeys(candidates[:k], w))
+        _run(waves, early, state=state, lo=w, hi=w + 1, by_name=by_name)
+    return early
+
+
+def _fits(
+    waves: list[list[_Tensor]],
+    early: Mapping[str, int],
+    names: list[str],
+    *,
+    host: int,
+    start: _State,
+    wave_of: Mapping[str, int],
+    by_name: Mapping[str, _Tensor],
+    budget: int,
+) -> bool:
+    """Whether taking ``names``' first steps into wave ``host``'s calls keeps every wave up to theirs in budget."""
+    if not names:
+        return True
+    trial = {**early, **dict.fromkeys(names, host)}
+    hi = wave_of[names[-1]] + 1
+    return _run(waves, trial, state=start.copy(), lo=host, hi=hi, by_name=by_name, budget=budget)[0] != []
+
+
 def _reuse_waves(tensors: list[_Tensor], reference: UnshardSchedule) -> list[list[_Tensor]]:
     by_name = {t.name: t for t in tensors}
     try:
         waves = [[by_name.pop(name) for name in wave] for wave in reference.waves]
+        own_wave = {t.name: w for w, wave in enumerate(waves) for t in wave}
+        if any(own_wave[name] <= host for name, host in reference.early.items()):
+            raise PlanError(f"reference schedule of rank {reference.rank} gathers a tensor ahead into a later wave")
     except KeyError as exc:
         raise PlanError(
             f"reference schedule of rank {reference.rank} names {exc}, which this rank does not plan"
@@ -297,6 +417,12 @@ class _Tensor:
     local_numel: int
     output_numel: int
     items: tuple[tuple[MeshDimRef, int, GatherItem], ...]  # (mesh dim, world, item) per pending step
+    trim_bytes: int = 0  # bytes of the trimmed copy ``finalize`` makes (FP8 tail off a dim > 0), else 0
+
+    @property
+    def cast_bytes(self) -> int:
+        """Bytes of the copy in the gather dtype (0: the local tensor is sent as it is)."""
+        return self.local_numel * self.dtype.itemsize if self.dtype != self.runtime_dtype else 0
 
     @classmethod
     def of(cls, plan: HFSavePlan, runtime_dtype: torch.dtype, memo: dict[tuple, tuple] | None = None) -> _Tensor:
@@ -311,49 +437,138 @@ class _Tensor:
                 for s in plan.pending
             )
             shared = memo[key] = (plan.steps, steps, math.prod(plan.local_shape),
-                                             math.prod(plan.runtime_output_shape))
-        _, steps, local_numel, output_numel = shared
+                                  math.prod(plan.runtime_output_shape), _trim_numel(plan))
+        _, steps, local_numel, output_numel, trim_numel = shared
         items = tuple(
             (ref, world, GatherItem(name=plan.name, step=k, dim=dim, interleave_factor=factor, padded_shape=padded,
                                     merged_shape=before, bound_numel=bound))
             for k, (ref, world, dim, factor, padded, before, bound) in enumerate(steps)
         )
         return cls(name=plan.name, dtype=plan.gather_dtype, runtime_dtype=runtime_dtype, local_numel=local_numel,
-                   output_numel=output_numel, items=items)
+                   output_numel=output_numel, items=items, trim_bytes=trim_numel * plan.gather_dtype.itemsize)
 
     def signature(self) -> tuple:
         """What the calls depend on: dtype and the (mesh dim, group size) of every pending step."""
         return (self.dtype, tuple((ref, world) for ref, world, _ in self.items))
 
 
-def _simulate(wave: list[_Tensor], wave_index: int = 0) -> tuple[int, list[GatherCall]]:
-    """Peak bytes (rank-independent bound) and the calls of one wave."""
-    live = sum(t.local_numel * t.dtype.itemsize for t in wave if t.dtype != t.runtime_dtype)
-    peak = live
-    held = {t.name: (t.local_numel * t.dtype.itemsize if t.dtype != t.runtime_dtype else 0) for t in wave}
+def _trim_numel(plan: HFSavePlan) -> int:
+    """Elements of the copy ``finalize`` makes to trim FP8 tails (0: none, or the trimmed view is contiguous)."""
+    if plan.output_shape == plan.runtime_output_shape:
+        return 0
+    view = torch.empty(plan.runtime_output_shape, device="meta")[tuple(slice(0, s) for s in plan.output_shape)]
+    return 0 if view.is_contiguous() else math.prod(plan.output_shape)
+
+
+class _State:
+    """What the save holds between calls: bytes alive, each started tensor's current bytes, the last reply."""
+
+    __slots__ = ("handed", "held", "live", "reply")
+
+    def __init__(self) -> None:
+        self.live = 0
+        self.held: dict[str, int] = {}
+        self.reply = 0  # the driver keeps the last gathered buffer until the executor asks for the next call
+        self.handed: list[int] = []  # bytes of outputs each wave hands out (allocated by the save)
+
+    def copy(self) -> _State:
+        out = _State()
+        out.live, out.held, out.reply = self.live, dict(self.held), self.reply
+        return out
+
+
+def _simulate(wave: list[_Tensor]) -> tuple[int, list[GatherCall]]:
+    """Peak bytes (rank-independent bound) and the calls of one wave on its own (no look-ahead)."""
+    peaks, calls = _run([wave], {})
+    return peaks[0], calls
+
+
+def _run(
+    waves: Sequence[Sequence[_Tensor]],
+    early: Mapping[str, int],
+    *,
+    state: _State | None = None,
+    lo: int = 0,
+    hi: int | None = None,
+    by_name: Mapping[str, _Tensor] | None = None,
+    budget: int | None = None,
+) -> tuple[list[int], list[GatherCall]]:
+    """Run the memory model over waves ``lo..hi`` (from ``state``, which it updates): each wave's peak and calls.
+    With ``budget``, stop at the first wave over it and return no peaks (a feasibility check).
+
+    Order of one wave (what ``run.executor`` does): cast the wave's tensors not started yet; then round by
+    round, each call casts its look-ahead tensors, packs the send buffer (the last reply is still held by the
+    driver), drops its inputs, receives ``W x`` send, drops the send buffer, merges (in place: no copy), and keeps
+    the outputs; a look-ahead output stays until its own wave. At the end the outputs are trimmed (FP8 tails)
+    and handed out; they are freed when the executor resumes (unless the writer queue keeps them).
+    """
+    state = _State() if state is None else state
+    hi = len(waves) if hi is None else hi
+    if by_name is None:
+        by_name = {t.name: t for wave in waves for t in wave} if early else {}
+    pulled: dict[int, list[_Tensor]] = {}
+    for name, host in early.items():
+        if lo <= host < hi:
+            pulled.setdefault(host, []).append(by_name[name])
+    if pulled:
+        order = {t.name: i for i, t in enumerate(t for wave in waves for t in wave)}
+        for members in pulled.values():
+            members.sort(key=lambda t: order[t.name])
+    held = state.held
+    peaks: list[int] = []
     calls: list[GatherCall] = []
-    depth = max((len(t.items) for t in wave), default=0)
-    for rnd in range(depth):
-        batches: dict[tuple[MeshDimRef, torch.dtype], list[tuple[int, GatherItem]]] = {}
+    for w in range(lo, hi):
+        wave = waves[w]
+        state.reply = 0  # a wave output was handed out: the driver dropped its last reply
         for t in wave:
-            if rnd < len(t.items):
+            if t.name not in held:
+                held[t.name] = t.cast_bytes
+                state.live += t.cast_bytes
+        peak = state.live
+        foreign = pulled.get(w, [])
+        depth = max((len(t.items) for t in wave), default=0)
+        for rnd in range(depth):
+            batches: dict[tuple[MeshDimRef, torch.dtype], list[tuple[_Tensor, int, GatherItem]]] = {}
+            members = [t for t in wave if rnd < len(t.items) and not (rnd == 0 and t.name in early)]
+            if rnd == 0:
+                members += foreign
+            for t in members:
                 ref, world, item = t.items[rnd]
-                batches.setdefault((ref, t.dtype), []).append((world, item))
-        for (ref, dtype), members in batches.items():
-            world = members[0][0]
-            items = tuple(item for _, item in members)
-            size = dtype.itemsize
-            out = sum(i.bound_numel for i in items) * size
-            send = out // world
-            freed = sum(held[i.name] for i in items)
-            in_place = len(items) == 1 and items[0].dim == 0 and items[0].interleave_factor == 1
-            merged = 0 if in_place else sum(i.bound_numel for i in items) * size
-            peak = max(peak, live + send, live - freed + send + out, live - freed + out + merged)
-            live = live - freed + (out if in_place else merged)
-            for i in items:
-                held[i.name] = i.bound_numel * size
-            calls.append(GatherCall(wave=wave_index, round=rnd, mesh_dim=ref, world=world, dtype=dtype, items=items))
-    return peak, calls
+                batches.setdefault((ref, t.dtype), []).append((t, world, item))
+            for (ref, dtype), batch in batches.items():
+                world = batch[0][1]
+                items = tuple(item for _, _, item in batch)
+                for t, _, _ in batch:  # look-ahead tensors are cast when their call packs them
+                    if t.name not in held:
+                        held[t.name] = t.cast_bytes
+                        state.live += t.cast_bytes
+                size = dtype.itemsize
+                out = sum(i.bound_numel for i in items) * size
+                send = out // world
+                freed = sum(held[i.name] for i in items)
+                in_place = len(items) == 1 and items[0].dim == 0 and items[0].interleave_factor == 1
+                merged = 0 if in_place else out
+                live = state.live
+                peak = max(peak, live + state.reply + send, live - freed + send + out, live - freed + out + merged)
+                state.live = live - freed + (out if in_place else merged)
+                state.reply = 0 if in_place else out
+                for i in items:
+                    held[i.name] = i.bound_numel * size
+                calls.append(GatherCall(wave=w, round=rnd, mesh_dim=ref, world=world, dtype=dtype, items=items))
+        for t in wave:  # FP8 tails: the trimmed copy is made while the untrimmed output is alive
+            if t.trim_bytes:
+                peak = max(peak, state.live + state.reply + t.trim_bytes)
+                state.live += t.trim_bytes - held[t.name]
+                held[t.name] = t.trim_bytes
+        handed = 0
+        for t in wave:
+            handed += held[t.name]
+            state.live -= held.pop(t.name)
+        state.handed.append(handed)
+        if budget is not None and peak > budget:
+            return [], calls
+        peaks.append(peak)
+    return peaks, calls
 
 
 def _replace_oversized(call: GatherCall) -> GatherCall:

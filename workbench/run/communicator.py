@@ -48,6 +48,7 @@ def drive(
             request = program.send(reply)
         except StopIteration:
             return
+        reply = None  # the executor owns the gathered buffer now; do not keep it through the next call
         if isinstance(request, GatherRequest):
             reply = comm.all_gather(request.send, request.mesh_dim)
         else:

@@ -48,19 +48,36 @@ def unpack(gathered: torch.Tensor, items: Sequence[GatherItem], world: int) -> l
 
 
 def merge(chunks: Sequence[torch.Tensor], item: GatherItem) -> torch.Tensor:
-    """Undo one cut from every rank's (padded) chunk, in group-rank order.
+    """Undo one cut from every rank's (padded) chunk, in group-rank order, into one new tensor (no temporaries).
 
-    Contiguous: concatenate along the dim, then drop the collective padding (narrow to the length before
-    the cut). Interleaved: rank ``r`` holds runs ``r, r + W, ...``, so the runs are put back run-major.
+    Contiguous: rank ``r``'s chunk goes to rows ``r * chunk, ...`` along the dim, cut short at the length before
+    the cut (the collective padding is dropped). Interleaved: rank ``r`` holds runs ``r, r + W, ...``, so the
+    runs are put back run-major.
     """
     dim, n = item.dim, item.merged_shape[item.dim]
     world = len(chunks)
+    first = chunks[0]
+    shape = (*first.shape[:dim], n, *first.shape[dim + 1:])
+    out = torch.empty(shape, dtype=first.dtype, device=first.device)
     if item.interleave_factor == 1:
-        return torch.cat(list(chunks), dim=dim).narrow(dim, 0, n).contiguous()
+        offset = 0
+        for chunk in chunks:
+            take = min(chunk.shape[dim], n - offset)
+            if take <= 0:
+                break
+            out.narrow(dim, offset, take).copy_(chunk.narrow(dim, 0, take))
+            offset += take
+        if offset != n:
+            raise PlanError(f"gathered chunks of {item.name!r} hold {offset} of {n} rows along dim {dim}")
+        return out
     factor = item.interleave_factor
     run = n // (world * factor)
-    pieces = [chunks[r].narrow(dim, j * run, run) for j in range(factor) for r in range(world)]
-    return torch.cat(pieces, dim=dim)
+    offset = 0
+    for j in range(factor):
+        for r in range(world):
+            out.narrow(dim, offset, run).copy_(chunks[r].narrow(dim, j * run, run))
+            offset += run
+    return out
 
 
 def merge_in_place(gathered: torch.Tensor, item: GatherItem, world: int) -> torch.Tensor | None:
