@@ -32,6 +32,11 @@ def test_install_list_remove_in_a_prefix(tmp_path: Path, capsys: pytest.CaptureF
     assert spec["env"]["WORKBENCH_KERNEL_NPROCS"] == "4" and spec["env"]["WORKBENCH_KERNEL_BACKEND"] == "gloo"
     assert spec["env"]["WORKBENCH_KERNEL_HANG_TIMEOUT"] == "30" and spec["language"] == "python"
     assert spec["display_name"] == "workbench SPMD (4 ranks, gloo)"
+    assert "WORKBENCH_KERNEL_CLOSE_SOCKETS" not in spec["env"]  # by default stuck ranks are freed by closing
+    assert _run(["kernel", "install", "--nprocs", "2", "--name", "keep", "--prefix", str(tmp_path),
+                 "--keep-sockets"]) == 0
+    kept = json.loads((tmp_path / "share" / "jupyter" / "kernels" / "keep" / "kernel.json").read_text())
+    assert kept["env"]["WORKBENCH_KERNEL_CLOSE_SOCKETS"] == "0"
     capsys.readouterr()
     assert _run(["kernel", "list", "--prefix", str(tmp_path)]) == 0
     listed = capsys.readouterr().out

@@ -97,7 +97,7 @@ def test_a_failed_rank_does_not_leave_peers_waiting_in_a_collective(kernel: tupl
     assert time.monotonic() - start < 60
     # the root cause is rank 1's error, not rank 0's "connection closed" symptom
     assert out.reply["ename"] == "KeyError" and out.reply["evalue"].startswith("[rank 1]")
-    assert "wait in a collective for rank(s) that failed" in out.streams["stderr"]
+    assert "rank(s) 0 wait in a collective that the other ranks left (rank 1 failed)" in out.streams["stderr"]
     assert "process groups re-created on every rank" in out.streams["stderr"]
     again = execute(client, "t = torch.ones(2) * (rank + 1)\ndist.all_reduce(t)\nt.tolist()")
     assert again.result == "[3.0, 3.0]" and execute(client, "x").result == "0"
@@ -124,6 +124,69 @@ def test_hang_report_then_interrupt_then_the_next_cell_works(kernel: tuple[Any, 
     assert out.reply["ename"] == "KeyboardInterrupt" and out.reply["evalue"].startswith("[rank 1]")
     again = execute(client, "t = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), x)")
     assert again.result == "(2.0, 0)"  # collectives work again, and the state survived
+
+
+def test_a_widget_lives_on_rank_0_and_its_comm_goes_both_ways(kernel: tuple[Any, Any]) -> None:
+    _, client = kernel
+    seen: list[dict] = []
+    out = execute(client, "import ipywidgets\ns = ipywidgets.IntSlider(value=3 + rank)\ns",
+                  on_output=lambda m: seen.append(m) if m["msg_type"].startswith("comm_") else None)
+    assert out.reply["status"] == "ok", out.error_text
+    opens = [m["content"] for m in seen if m["msg_type"] == "comm_open"]
+    sliders = [c for c in opens if c["data"]["state"].get("_model_name") == "IntSliderModel"]
+    assert len(sliders) == 1 and sliders[0]["target_name"] == "jupyter.widget"  # rank 1's widget stays there
+    assert sliders[0]["data"]["state"]["value"] == 3  # rank 0's
+    model_id = out.results[0]["application/vnd.jupyter.widget-view+json"]["model_id"]
+    assert model_id == sliders[0]["comm_id"]
+    # what the browser sends when the user drags the slider to 7
+    message = client.session.msg("comm_msg", {"comm_id": model_id, "data": {
+        "method": "update", "state": {"value": 7}, "buffer_paths": []}})
+    client.shell_channel.send(message)
+    deadline = time.monotonic() + 10
+    while execute(client, "s.value").result != "7" and time.monotonic() < deadline:
+        time.sleep(0.2)
+    assert execute(client, "s.value").result == "7"
+    assert execute(client, "%%ranks 1\ns.value").result == "4"  # the widget on rank 1 was not touched
+    seen.clear()
+    execute(client, "s.value = 9", on_output=lambda m: seen.append(m) if m["msg_type"] == "comm_msg" else None)
+    updates = [m["content"]["data"] for m in seen]  # the kernel side's change reaches the browser
+    assert {"method": "update", "state": {"value": 9}, "buffer_paths": []} in updates
+
+
+MESH = ("from torch.distributed.device_mesh import init_device_mesh\n"
+        "from torch.distributed.tensor import Shard, distribute_tensor\n"
+        "mesh = init_device_mesh('cpu', (2,))\n"
+        "dt = distribute_tensor(torch.arange(4.0), mesh, [Shard(0)])\n"
+        "dt.to_local().tolist()")
+
+
+def test_an_interrupted_collective_is_freed_while_a_device_mesh_holds_the_groups(kernel: tuple[Any, Any]) -> None:
+    # A live DeviceMesh (and a DTensor on it) keeps the gloo process group alive on the idle rank, so destroying
+    # the group there does not close its connections: the rank left in the collective must still be freed.
+    manager, client = kernel
+    assert execute(client, MESH).result == "[0.0, 1.0]"  # rank 0's shard of [0, 1, 2, 3]
+    execute(client, "%hang_timeout 2")
+    reported = threading.Event()
+
+    def watch(msg: dict) -> None:
+        if msg["msg_type"] == "stream" and "still running after" in msg["content"]["text"] and not reported.is_set():
+            reported.set()
+            manager.interrupt_kernel()
+
+    start = time.monotonic()
+    out = execute(client, "if rank == 0:\n    dist.all_reduce(torch.ones(1))\n'done'", timeout=60, on_output=watch)
+    elapsed = time.monotonic() - start
+    execute(client, "%hang_timeout off")
+    assert reported.is_set() and elapsed < 30, elapsed
+    stderr = out.streams["stderr"]
+    assert "rank 0: waiting in a collective, called at" in stderr and "dist.all_reduce" in stderr
+    assert "rank(s) 0 wait in a collective that the other ranks left (rank 1 finished the cell)" in stderr
+    assert "process groups re-created on every rank" in stderr
+    assert out.reply["status"] == "error" and out.reply["evalue"].startswith("[rank 0]")
+    assert "rank(s) 1 finished the cell" in out.error_text
+    again = execute(client, MESH.replace("(2,))", "(2,))\nt = torch.ones(1)\ndist.all_reduce(t)") + ", t.item(), x")
+    assert again.reply["status"] == "ok", again.error_text
+    assert again.result == "([0.0, 1.0], 2.0, 0)"  # a new mesh and collectives work; the state survived
 
 
 def test_a_crashed_rank_is_reported_and_restart_restarts_every_rank(kernel: tuple[Any, Any]) -> None:

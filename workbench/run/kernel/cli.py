@@ -44,6 +44,10 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="report every rank's stack when a cell runs longer (default: never)")
     install.add_argument("--hang-action", choices=("report", "interrupt"), default="report",
                          help="after the hang report: keep waiting (report) or interrupt every rank")
+    install.add_argument("--keep-sockets", action="store_true",
+                         help="to free ranks stuck in a gloo collective, only destroy the process groups, without "
+                         "closing the ranks' TCP connections (ranks whose groups a device mesh holds then need a "
+                         "restart)")
     install.add_argument("--display-name", default=None, help="name shown in JupyterLab's launcher")
     install.set_defaults(func=_install)
     listing = sub.add_parser(
@@ -70,7 +74,8 @@ def _install(args: argparse.Namespace) -> int:
     try:
         path = install_kernel(nprocs=args.nprocs, backend=args.backend, name=args.name, user=args.user,
                               prefix=args.prefix, listen=args.listen, hang_timeout=args.hang_timeout,
-                              hang_action=args.hang_action, display_name=args.display_name)
+                              hang_action=args.hang_action, display_name=args.display_name,
+                              close_sockets=not args.keep_sockets)
     except ValueError as exc:
         print(f"workbench: error: {exc}", file=sys.stderr)
         return 2

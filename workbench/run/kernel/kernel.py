@@ -10,9 +10,12 @@ cell to its ranks (``RankSet``) and turns what they send back into one cell's ou
 * an exception on any rank fails the cell with that rank's own traceback first, labelled with its rank;
 * a cell running longer than the hang timeout is reported with every rank's Python stack, ranks outside any
   collective first (they are the ones the others wait for);
-* an interrupt reaches every rank; ranks left waiting in a collective for a rank that failed or was interrupted
-  are released (their process groups destroyed, then re-created), so no rank waits forever and the next cell
-  works; restart restarts every rank.
+* an interrupt reaches every rank; ranks left waiting in a collective that the other ranks left (they failed,
+  were interrupted or finished the cell) are released: every rank closes its process groups' gloo connections
+  (``sever``: live device meshes, FSDP modules and DTensors hold the groups, so destroying them is not enough)
+  and destroys its groups, then new ones are created, so the next cell works and every rank's state is kept;
+* if a stuck rank still does not return, the cell ends with an error naming it (the kernel never goes silent),
+  later cells are refused until it returns, and restart restarts every rank.
 
 Configuration comes from the kernelspec's environment (``workbench kernel install`` writes it): see ``_Config``.
 """
@@ -47,6 +50,7 @@ class _Config:
     hang_timeout: float | None
     hang_action: str
     startup_timeout: float
+    close_sockets: bool
 
     @classmethod
     def from_env(cls) -> _Config:
@@ -57,7 +61,8 @@ class _Config:
                    listen=env.get("WORKBENCH_KERNEL_LISTEN") or None,
                    hang_timeout=float(timeout) if timeout not in ("", "off") else None,
                    hang_action=env.get("WORKBENCH_KERNEL_HANG_ACTION", "report"),
-                   startup_timeout=float(env.get("WORKBENCH_KERNEL_STARTUP_TIMEOUT", "300")))
+                   startup_timeout=float(env.get("WORKBENCH_KERNEL_STARTUP_TIMEOUT", "300")),
+                   close_sockets=env.get("WORKBENCH_KERNEL_CLOSE_SOCKETS", "1") not in ("0", "off", "false"))
 
 
 @dataclass
@@ -80,7 +85,7 @@ class _Cell:
     stuck_checked: bool = False
     release: bool = False
     released_at: float | None = None
-    release_warned: bool = False
+    stuck: tuple[int, ...] = ()
 
 
 class SPMDKernel(Kernel):
@@ -109,6 +114,7 @@ class SPMDKernel(Kernel):
             self.shell_handlers[msg_type] = self._forward_comm
         self._last_ping = 0.0
         self._released: set[int] = set()
+        self._abandoned: tuple[str, set[int]] | None = None  # (cell id, ranks still in it) after giving up
         self._pump_callback: Any = None
 
     @property
@@ -157,7 +163,7 @@ class SPMDKernel(Kernel):
             return self._ok()
         if not body.strip():
             return self._ok()
-        problem = self._wait_for_ranks()
+        problem = self._wait_for_ranks() or self._check_abandoned()
         if problem:
             return self._fail("RanksNotReady", problem, [problem], silent)
         ranks = directives.ranks or tuple(range(self.rankset.world_size or 0))
@@ -229,6 +235,24 @@ class SPMDKernel(Kernel):
                     f"log: {self.rankset.log_path}")
         return f"ranks joined so far: {have or 'none'}.\n" + self._connect_help()
 
+    def _check_abandoned(self) -> str | None:
+        """After a cell was given up on: None once its stuck ranks came back (groups re-created), else why not."""
+        if self._abandoned is None:
+            return None
+        for _ in range(50):  # take what arrived since (a stuck rank's late "done")
+            got = self.rankset.recv(0)
+            if not got:
+                break
+            self._route(None, *got)
+        stuck = self._abandoned[1]
+        if stuck:
+            return (f"rank(s) {format_ranks(sorted(stuck))} are still stuck in a collective of an earlier cell "
+                    "and cannot run this one: restart the kernel (Kernel > Restart Kernel)")
+        self._abandoned = None
+        note = self._reinit()
+        self._stream("stderr", note, False)
+        return None if "re-created" in note else note
+
     def _connect_help(self) -> str:
         joined = sorted(self.rankset.ranks)
         return (f"ranks joined: {format_ranks(joined) if joined else 'none'} (world size "
@@ -263,13 +287,9 @@ class SPMDKernel(Kernel):
             if self.hang_action == "interrupt" and cell.interrupted_at is None:
                 self._stream("stderr", "hang timeout: interrupting every rank\n", cell.silent)
                 raise KeyboardInterrupt
-        if cell.released_at is not None and not cell.release_warned and cell.pending and (
-                time.monotonic() - cell.released_at > 3 * _GRACE):
-            cell.release_warned = True
-            self._stream("stderr", f"workbench kernel: rank(s) {format_ranks(sorted(cell.pending))} still wait in a "
-                         "collective: live objects (device meshes, FSDP modules, DTensors) hold the process groups "
-                         "on the other ranks, so those could not be closed. Restart the kernel, or `del` such objects "
-                         "before a cell that may hang.\n", cell.silent)
+        if cell.released_at is not None and cell.pending and time.monotonic() - cell.released_at > 3 * _GRACE:
+            self._give_up(cell)
+            return
         trouble = min((t for t in (cell.interrupted_at, cell.first_error_at) if t is not None), default=None)
         if trouble is not None and not cell.stuck_checked and time.monotonic() - trouble > _GRACE and cell.pending:
             cell.stuck_checked = True
@@ -286,6 +306,8 @@ class SPMDKernel(Kernel):
                               parent=self.get_parent("shell"), metadata=message.get("metadata"), buffers=buffers)
         elif op == "released":
             self._released.add(rank)
+        elif op == "done" and self._abandoned is not None and message.get("id") == self._abandoned[0]:
+            self._abandoned[1].discard(rank)
         elif not current or cell is None:
             return  # late output of an earlier cell, or a hello/reply we do not wait for
         elif op == "stream":
@@ -402,13 +424,41 @@ class SPMDKernel(Kernel):
             cell.interrupted_at = cell.first_error_at = None
         if stuck and not elsewhere:
             cell.release = True
-            why = "was interrupted" if cell.interrupted_at is not None else "failed"
-            self._stream("stderr", f"workbench kernel: rank(s) {format_ranks(stuck)} wait in a collective for "
-                         f"rank(s) that {why}; destroying the process groups so they return (new ones follow)\n",
+            by_how: dict[str, list[int]] = {}
+            for r in sorted(cell.done):
+                by_how.setdefault(self._left_how(cell, r), []).append(r)
+            left = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)} {how}" for how, rs in by_how.items())
+            sever = self.config_.close_sockets and self.config_.backend == "gloo"
+            how = ("closing every rank's process-group connections and destroying the groups" if sever
+                   else "destroying the process groups")
+            self._stream("stderr", f"workbench kernel: rank(s) {format_ranks(stuck)} wait in a collective that the "
+                         f"other ranks left ({left or 'none finished'}); {how} so they return (new ones follow)\n",
                          cell.silent)
             self._released.clear()
             cell.released_at = time.monotonic()
-            self.rankset.broadcast({"op": "release"})
+            self.rankset.broadcast({"op": "release", "close_sockets": self.config_.close_sockets})
+
+    @staticmethod
+    def _left_how(cell: _Cell, rank: int) -> str:
+        done = cell.done[rank]
+        if done["status"] != "error":
+            return "finished the cell"
+        return "was interrupted" if (done.get("error") or {}).get("ename") == "KeyboardInterrupt" else "failed"
+
+    def _give_up(self, cell: _Cell) -> None:
+        """Released ranks that still do not return: end the cell (never leave the client without an answer)."""
+        stacks = self._stacks(cell, sorted(cell.pending))
+        cell.stuck = tuple(sorted(cell.pending))
+        lines = [f"workbench kernel: rank(s) {format_ranks(list(cell.stuck))} still wait in a collective "
+                 f"{3 * _GRACE:g} s after their peers' connections were closed; giving up on this cell."]
+        for rank in cell.stuck:
+            where = stacks[rank]["where"] if rank in stacks else "(no answer)"
+            lines.append(f"  rank {rank}: {where}")
+        lines.append("The kernel refuses new cells until they return: restart it (Kernel > Restart Kernel).")
+        self._stream("stderr", lines, cell.silent)
+        self._abandoned = (cell.id, set(cell.stuck))
+        cell.pending.clear()
+        cell.release = False
 
     # -- after the cell ------------------------------------------------------------------------------------------
     def _finish(self, cell: _Cell) -> dict:
@@ -417,6 +467,10 @@ class SPMDKernel(Kernel):
         note = self._reinit() if cell.release else None
         errors = {r: d["error"] or {"ename": "Error", "evalue": "", "traceback": [], "time": 0.0}
                   for r, d in cell.done.items() if d["status"] == "error"}
+        for rank in cell.stuck:
+            errors[rank] = {"ename": "RankStuck", "evalue": f"rank {rank} is stuck in a collective; restart the "
+                            "kernel", "traceback": [f"rank {rank} did not return from a collective"],
+                            "time": float("inf")}
         if note:
             self._stream("stderr", note, cell.silent)
         if errors:
@@ -430,7 +484,7 @@ class SPMDKernel(Kernel):
     def _reinit(self) -> str:
         """Every rank destroyed its process groups (release); build the next generation everywhere."""
         world = sorted(self.rankset.ranks)
-        deadline = time.monotonic() + 60
+        deadline = time.monotonic() + 30
         while not self._released.issuperset(world) and time.monotonic() < deadline:
             got = self.rankset.recv(0.2)
             if got:

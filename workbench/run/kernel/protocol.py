@@ -5,10 +5,11 @@ JSON objects with an ``op`` (never pickles: a rank's port may face a cluster net
 carries the address and the kernel's token, which a rank must present before the kernel talks to it:
 ``tcp://10.0.0.5:5555#3f9c...``.
 
-kernel -> rank: ``execute`` (code, ranks shown), ``stacks``, ``interrupt``, ``release`` (destroy process groups
-so peers stuck in a collective get an error), ``reinit`` (new process groups), ``complete``, ``exit``.
+kernel -> rank: ``execute`` (code, ranks shown), ``stacks``, ``interrupt``, ``release`` (close the process groups'
+connections and destroy the groups, so peers stuck in a collective get an error), ``reinit`` (new process
+groups), ``complete``, ``exit``.
 rank -> kernel: ``hello``, ``stream``, ``display``, ``clear_output``, ``comm``, ``done``, ``stacks``,
-``complete``.
+``complete``, ``released``, ``reinit_done``.
 """
 
 from __future__ import annotations

@@ -31,8 +31,12 @@ class KernelSpecInfo:
 
 def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = None, user: bool = False,
                    prefix: str | None = None, listen: str | None = None, hang_timeout: float | None = None,
-                   hang_action: str = "report", display_name: str | None = None) -> str:
+                   hang_action: str = "report", display_name: str | None = None, close_sockets: bool = True) -> str:
     """Write a kernelspec that starts ``nprocs`` local ranks (or waits for ranks at ``listen``); return its path.
+
+    ``close_sockets=False``: when ranks are left stuck in a gloo collective, only destroy the process groups
+    instead of also closing every rank's TCP connections (sockets a cell opened itself are closed too otherwise);
+    groups held alive by device meshes, FSDP modules or DTensors then keep stuck ranks stuck until a restart.
 
     Installs into ``prefix`` (``PREFIX/share/jupyter/kernels/NAME``), the user's Jupyter directory (``user``), or
     by default this Python environment (``sys.prefix``), where a JupyterLab of the same environment finds it.
@@ -54,6 +58,8 @@ def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = Non
            "WORKBENCH_KERNEL_HANG_ACTION": hang_action}
     if listen:
         env["WORKBENCH_KERNEL_LISTEN"] = listen
+    if not close_sockets:
+        env["WORKBENCH_KERNEL_CLOSE_SOCKETS"] = "0"
     if hang_timeout is not None:
         env["WORKBENCH_KERNEL_HANG_TIMEOUT"] = f"{hang_timeout:g}"
     spec = {

@@ -158,11 +158,8 @@ class _Worker:
         elif op == "interrupt":
             if self.busy and message.get("cell") in (None, self.cell):
                 signal.pthread_kill(self.main_ident, signal.SIGINT)
-        elif op == "release" and self.backend == "nccl" and self.busy:
-            import torch.distributed as dist
-
-            with contextlib.suppress(Exception):  # NCCL: abort the communicators a hung kernel waits on
-                dist.group.WORLD.abort()
+        elif op == "release":
+            self._release_now(message)
             self.tasks.put(message)
         elif op == "exit":
             self.tasks.put(message)
@@ -170,6 +167,20 @@ class _Worker:
         else:
             self.tasks.put(message)
         return False
+
+    def _release_now(self, message: dict[str, Any]) -> None:
+        """I/O thread, at once: free ranks (this one included) blocked in a collective whose peers left it."""
+        import torch.distributed as dist
+
+        if self.backend == "nccl":
+            if self.busy:
+                with contextlib.suppress(Exception):  # NCCL: abort the communicators a hung kernel waits on
+                    dist.group.WORLD.abort()
+        elif message.get("close_sockets", True):
+            from workbench.run.kernel.sever import sever
+
+            keep = {int(os.environ.get("MASTER_PORT", "0")), int(self.connection.address.rsplit(":", 1)[1])}
+            sever(keep)
 
     def serve(self) -> None:
         """Main thread: run what the kernel sends until it says exit."""
