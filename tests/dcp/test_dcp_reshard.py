@@ -123,8 +123,10 @@ def test_dcp_save_ep2_etp2_with_adam_loads_elsewhere_and_converts_to_hf(tmp_path
     results = launch(_ranks, nprocs=4, args=(str(tmp_path),), timeout=240)
 
     for r in results.values():
-        # torch's own planner cannot describe an interleaved shard: its global plan check refuses it
-        assert r["refused"] is not None and "overlapping chunks" in r["refused"], (r["rank"], r["refused"])
+        # torch's own planner cannot describe an interleaved shard: its global plan check refuses it (2.13 says
+        # "overlapping chunks" in the error; 2.11 logs that and raises "Failed to validate global plan")
+        refused = r["refused"] or ""
+        assert "overlapping chunks" in refused or "Failed to validate global plan" in refused, (r["rank"], refused)
         loads = {k: v for k, v in r.items() if isinstance(k, tuple)}
         assert len(loads) == 3
         for where, wrong in loads.items():
