@@ -97,9 +97,12 @@ def _run_demo(nprocs: int, root: Path) -> bool:
     print("  EP2 x ETP2 (interleaved expert TP) under FSDP2: load_hf, then save_hf")
     for rank, r in results.items():
         s = r["saved"]
-        print(f"  rank {rank}: read {r['loaded'].bytes_read} B for {r['loaded'].bytes_owned} owned "
-              f"({r['loaded'].read_ratio:.3f}x); {s.calls} gather calls (predicted peak {s.predicted_peak_bytes} B); "
-              f"wrote {len(s.files)} file(s), {s.bytes_written} B in {s.seconds:.2f} s")
+        loaded = r["loaded"]
+        print(f"  rank {rank}: holds {loaded.bytes_owned} B: read {loaded.bytes_read} B ({loaded.read_ratio:.3f}x what "
+              f"it had to read), received {loaded.bytes_received} B of replicated parameters from a replica; "
+              f"{s.write_mode} save: {s.direct_tensors} tensors written in place, {s.calls} gather calls (predicted "
+              f"peak {s.predicted_peak_bytes} B); wrote {s.bytes_written} B into {len(s.files)} file(s) in "
+              f"{s.seconds:.2f} s")
     print(f"saved checkpoint: {len(checkpoint.files)} files, {len(checkpoint.keys)} keys, total_size "
           f"{checkpoint.total_size} B; norms kept in float32: "
           f"{all(i.dtype == 'F32' for k, i in checkpoint.keys.items() if k.endswith('norm.weight'))}")

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -192,10 +193,12 @@ def _live() -> bool:
 
 
 def replica_readers(layout: Layout, specs: Mapping[str, LoadSpec], rank: int) -> dict[str, ReplicaRead]:
-    """For every parameter replicated over some mesh dims, who reads it in this rank's replica group: the member
-    whose index equals the parameter's index modulo the group size (rank-independent: every member agrees)."""
+    """For every parameter replicated over some mesh dims, who reads it in this rank's replica group: in model
+    order, the member that has read the fewest bytes so far (lowest index on a tie). The members of a replica group
+    hold the same shards, so each computes the same answer."""
     out = {}
-    for index, (name, spec) in enumerate(specs.items()):
+    loads: dict[MeshDimRef, list[int]] = {}
+    for name, spec in specs.items():
         dims = tuple(layout.mesh.dim_names[i] for i in replicating_dims(spec))
         if not dims:
             continue
@@ -203,7 +206,9 @@ def replica_readers(layout: Layout, specs: Mapping[str, LoadSpec], rank: int) ->
         size = layout.mesh.group_size(ref)
         if size == 1:
             continue
-        reader = index % size
+        load = loads.setdefault(ref, [0] * size)
+        reader = min(range(size), key=load.__getitem__)
+        load[reader] += math.prod(spec.local_shape(rank)) * layout.dtype(name).itemsize
         out[name] = ReplicaRead(ref, reader, layout.mesh.group_rank(rank, ref) == reader)
     return out
 
