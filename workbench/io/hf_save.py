@@ -626,13 +626,28 @@ class _SaveSession:
         and snapshotted (replicated pieces: only the replica chosen by ``writes_piece``)."""
         key_index = {k: i for i, k in enumerate(self.layout.hf_keys)}
         mesh = self.layout.mesh
+        files = self.checkpoint_files
+        assert files is not None
         for name in self.direct:
             spec, local = self.layout.specs[name], tensors[name]
-            for region in spec.key_regions(self.rank):
-                if not writes_piece(spec, mesh, self.rank, key_index[region.hf_key]):
-                    continue
-                box = local[tuple(slice(o, o + n) for o, n in zip(region.local_offset, region.sizes))]
-                fault_point("snapshot", self.rank)
+            regions = spec.key_regions(self.rank)
+            mine = [r for r in regions if writes_piece(spec, mesh, self.rank, key_index[r.hf_key])]
+            dtypes = {self.key_meta[r.hf_key][0] for r in mine}
+            fault_point("snapshot", self.rank) if mine else None
+            if len(mine) > 1 and len(mine) == len(regions) and len(dtypes) == 1:
+                # every piece of the tensor is ours: one snapshot of the whole local tensor (one device-to-host copy,
+                # not one per stripe), shared by the pieces' writes and freed after the last one
+                whole = _SharedCopy(self.snapshot.take(local.to(dtypes.pop())), len(mine))
+                for region in mine:
+                    nbytes = math.prod(region.sizes) * self.key_meta[region.hf_key][0].itemsize
+
+                    def job(region: KeyRegion = region, whole: _SharedCopy = whole) -> int:
+                        return files.write_piece(region, whole.wait()[_box(region)])
+
+                    self._queue(nbytes, job, whole, region.hf_key)
+                continue
+            for region in mine:
+                box = local[_box(region)]
                 self._submit_piece(region, self.snapshot.take(box.to(self.key_meta[region.hf_key][0])))
 
     def _submit_piece(self, region: KeyRegion, copy: HostCopy) -> None:
@@ -699,6 +714,36 @@ class _SaveSession:
             self.checkpoint_files.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+
+def _box(region: KeyRegion) -> tuple[slice, ...]:
+    """The index of a key region in the local tensor."""
+    return tuple(slice(o, o + n) for o, n in zip(region.local_offset, region.sizes))
+
+
+class _SharedCopy:
+    """One HostCopy shared by several writes: released when the last of them is done."""
+
+    def __init__(self, copy: HostCopy, users: int) -> None:
+        self.copy, self.users = copy, users
+        self._lock = threading.Lock()
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes of the shared tensor."""
+        return self.copy.nbytes
+
+    def wait(self) -> torch.Tensor:
+        """The host tensor, once copied."""
+        return self.copy.wait()
+
+    def release(self) -> None:
+        """One user is done; the last one frees the buffer."""
+        with self._lock:
+            self.users -= 1
+            last = self.users == 0
+        if last:
+            self.copy.release()
 
 
 class _OneProcess:
