@@ -14,7 +14,8 @@ $(STAMP): pyproject.toml
 
 demo: $(STAMP)
 	$(VENV)/bin/workbench layout sample_meshes/toy_expert_tp.toml
-	$(VENV)/bin/workbench plan sample_meshes/toy_expert_tp.toml --rank 5 --budget 200B --param '*fused_w1w3'
+	$(VENV)/bin/workbench plan sample_meshes/toy_expert_tp.toml --rank 5 --budget 200B
+	$(VENV)/bin/workbench plan sample_meshes/toy_expert_tp.toml --rank 5 --budget 200B --write-mode gather --param '*fused_w1w3'
 	$(VENV)/bin/workbench simulate sample_meshes/toy_expert_tp.toml --budget 200B
 	$(VENV)/bin/workbench demo
 

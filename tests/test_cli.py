@@ -103,7 +103,8 @@ def test_plan_json_has_the_python_totals(capsys: pytest.CaptureFixture[str]) -> 
     from workbench.plan.policy import SavePolicy
     from workbench.run.simulated import plan_save
 
-    assert main(["plan", str(DEEPSEEK), "--rank", "0", "--budget", "4GiB", "--policy", "full", "--json"]) == 0
+    assert main(["plan", str(DEEPSEEK), "--rank", "0", "--budget", "4GiB", "--policy", "full", "--json",
+                 "--write-mode", "gather"]) == 0
     data = json.loads(capsys.readouterr().out)
     schedule = plan_save(load_layout(DEEPSEEK), ranks=[0], policy=SavePolicy.full(), budget_bytes=4 << 30).schedules[0]
     (rank,) = data["ranks"]
@@ -113,17 +114,18 @@ def test_plan_json_has_the_python_totals(capsys: pytest.CaptureFixture[str]) -> 
 
 
 def test_plan_overrun_warning_in_first_lines(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", str(DEEPSEEK), "--budget", "4GiB", "--policy", "full"]) == 0
+    assert main(["plan", str(DEEPSEEK), "--budget", "4GiB", "--policy", "full", "--write-mode", "gather"]) == 0
     head = capsys.readouterr().out.splitlines()[:4]
     assert any("predicted peak 14.2 GiB is over the 4 GiB budget" in line for line in head)
 
 
 def test_plan_defaults_to_minimal(capsys: pytest.CaptureFixture[str]) -> None:
-    assert main(["plan", str(TOY), "--rank", "5", "--budget", "200B"]) == 0
+    assert main(["plan", str(TOY), "--rank", "5", "--budget", "200B", "--write-mode", "gather"]) == 0
     out = capsys.readouterr().out
     assert out.startswith("save of toy-expert-tp [minimal]")
     assert "over the" not in out  # the toy fits its 200 B budget
-    assert main(["plan", str(TOY), "--rank", "5", "--budget", "100B", "--policy", "minimal"]) == 0
+    argv = ["plan", str(TOY), "--rank", "5", "--budget", "100B", "--policy", "minimal", "--write-mode", "gather"]
+    assert main(argv) == 0
     assert "over the 100 B budget" in "\n".join(capsys.readouterr().out.splitlines()[:4])
 
 
@@ -162,3 +164,17 @@ def test_console_script_runs() -> None:
     result = subprocess.run([str(exe), "layout", str(TOY), "--rank", "0"], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert "rank 0  (fsdp=0, ep=0, tp=0)" in result.stdout
+
+
+def test_plan_shows_which_tensors_are_written_in_place(capsys) -> None:
+    # the toy's down projections are cut by TP on their last dim (rows of 2 elements): the only tensor whose pieces
+    # are too short to write in place; the other four are written by their holders, with no gather
+    assert main(["plan", str(TOY), "--rank", "5", "--budget", "200B"]) == 0
+    first = capsys.readouterr().out.splitlines()[0]
+    assert first.startswith("write mode direct: 4 tensor(s) written in place") and "covers the 1 gathered" in first
+    assert main(["plan", str(TOY), "--rank", "5", "--json"]) == 0
+    data = json.loads(capsys.readouterr().out)
+    assert data["write_mode"] == "direct" and "model.layers.0.mlp.experts.fused_w2" not in data["direct_tensors"]
+    assert len(data["direct_tensors"]) == 4
+    assert main(["plan", str(TOY), "--rank", "5", "--min-segment", "1B"]) == 0  # no minimum: all five in place
+    assert capsys.readouterr().out.splitlines()[0].startswith("write mode direct: all 5 tensors written in place")

@@ -141,6 +141,12 @@ def register_plan(subparsers: Any) -> None:
                    help="minimal (default, as save_hf), full, preserve:ep, gather_only:fsdp")
     p.add_argument("--param", default=None, help="glob on parameter names whose save plans to list")
     p.add_argument("--max-writers", type=int, default=None, help="cap the number of writer ranks")
+    p.add_argument("--write-mode", choices=("direct", "gather"), default="direct",
+                   help="direct (default, as save_hf on one host or a shared filesystem): tensors whose pieces make "
+                   "long byte segments are written in place by their holders and only the rest is scheduled; "
+                   "gather: every key goes through the schedule to a writer")
+    p.add_argument("--min-segment", type=_byte_count, default=None,
+                   help="direct mode: average segment length below which a tensor is gathered (default 64KiB)")
     _add_output(p, "every gather call")
     p.set_defaults(func=_run_plan)
 
@@ -159,14 +165,41 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"rank(s) {format_ranks(bad)} outside {layout.name!r}'s {layout.mesh.size} ranks "
                          f"(0-{layout.mesh.size - 1})")
     policy = args.policy or SavePolicy.minimal()
+    direct: tuple[str, ...] = ()
+    if args.write_mode == "direct" and policy.mode in ("full", "minimal"):
+        from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES, direct_names
+        from workbench.layout.model_layout import Layout
+        from workbench.plan.save_set import key_meta
+
+        meta = key_meta(layout, {n: layout.dtype(n) for n in layout}, None, None)
+        direct = direct_names(layout, meta, args.min_segment or DEFAULT_MIN_SEGMENT_BYTES)
+        skip = set(direct)
+        layout = Layout(layout.mesh, {n: sp for n, sp in layout.specs.items() if n not in skip},
+                        {n: d for n, d in layout.dtypes.items() if n not in skip}, name=layout.name) \
+            if skip else layout
+    if direct and not layout.specs:
+        if args.json:
+            print(json.dumps({"write_mode": "direct", "direct_tensors": list(direct), "ranks": {}}, indent=1))
+        else:
+            print(f"write mode direct: all {len(direct)} tensors written in place by their holders; nothing to "
+                  "gather, no schedule (--write-mode gather shows the gather path)")
+        return 0
     plan_set = plan_save(layout, ranks=ranks, policy=policy, budget_bytes=args.budget, max_writers=args.max_writers)
     sizes = key_sizes(layout, {n: layout.dtype(n) for n in layout}, None, None)
     report = summarize_save(layout, plan_set, ranks=ranks, params=args.param, key_bytes=sizes,
                             hint="--full lists every call")
     if args.json:
-        print(json.dumps(report.to_dict(full=args.full), indent=1))
-    else:
-        print(report.full() if args.full else report)
+        data = report.to_dict(full=args.full)
+        data["write_mode"] = args.write_mode
+        data["direct_tensors"] = list(direct)
+        print(json.dumps(data, indent=1))
+        return 0
+    if args.write_mode == "direct":
+        what = (f"{len(direct)} tensor(s) written in place by their holders (no gather); the schedule below "
+                f"covers the {len(layout.specs)} gathered (pieces shorter than the minimum segment)"
+                if direct else "no tensor written in place (every one's pieces are short, or the policy keeps cuts)")
+        print(f"write mode direct: {what}")
+    print(report.full() if args.full else report)
     return 0
 
 
