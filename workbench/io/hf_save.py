@@ -16,11 +16,7 @@ save's own gloo group with ``timeout``, so a rank that died or hangs is reported
 from __future__ import annotations
 
 import atexit
-import concurrent.futures as futures
-import math
-import shutil
 import socket
-import threading
 import time
 import uuid
 import warnings
@@ -32,66 +28,23 @@ from typing import Any
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.faults import fault_point
-from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES, CheckpointFiles, direct_names, writes_piece
-from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES, FilePlan, plan_files
+from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES
+from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES
 from workbench.io.host_pool import DEFAULT_POOL_BYTES
-from workbench.io.index import INDEX_NAME, write_index
-from workbench.io.ownership import MARKER_NAME, Heartbeat
-from workbench.io.publish import AtomicRenamePublisher
-from workbench.io.snapshot import HostCopy, Snapshotter
-from workbench.io.stream_write import StreamWriter
+from workbench.io.save_session import _IN_FLIGHT, SaveResult, SaveSession
+from workbench.io.snapshot import Snapshotter
 from workbench.layout.key_map import KeyMap
-from workbench.layout.load_spec import KeyRegion
 from workbench.layout.model_layout import Layout, local_tensors
 from workbench.plan.policy import SavePolicy
-from workbench.plan.save_set import SavePlanSet, key_meta, layout_fingerprint, plan_save
 from workbench.run.communicator import Communicator
-from workbench.run.executor import WaveOutput, unshard
-from workbench.run.guard import RankProblem, SaveFailed, agree, check_agreement, drive_guarded, problem_from
+from workbench.run.guard import SaveFailed, agree, problem_from
 from workbench.run.torch_comm import DEFAULT_TIMEOUT
-from workbench.run.unshard_ops import split_keys
 
 __all__ = ["AsyncSave", "SaveFailed", "SaveResult", "local_communicator", "save_hf"]
 
 _DEFAULT_BUDGET = 2 << 30
 _UNBOUNDED = 1 << 62
-_IN_FLIGHT: set[Path] = set()  # targets of this process's saves that are not published or failed yet
 _PENDING: list[AsyncSave] = []  # async saves of this process not waited on yet, oldest first
-_RESERVED = {INDEX_NAME, MARKER_NAME}
-
-
-@dataclass(frozen=True, slots=True, kw_only=True)
-class SaveResult:
-    """What one rank did for a save: the published path, its files and bytes, and the time it took.
-
-    ``blocked_seconds`` is how long ``save_hf`` held the caller (for an async save, until the snapshot was
-    taken); ``snapshot_bytes`` the bytes copied into host memory the save owns.
-    """
-
-    path: Path
-    rank: int
-    files: tuple[str, ...]
-    bytes_written: int
-    seconds: float
-    calls: int
-    predicted_peak_bytes: int
-    blocked_seconds: float = 0.0
-    snapshot_bytes: int = 0
-    write_mode: str = "gather"
-    direct_tensors: int = 0
-
-    def __str__(self) -> str:
-        return (
-            f"saved {self.path} (rank {self.rank}: {len(self.files)} file(s), {self.bytes_written} bytes, "
-            f"{self.calls} gather calls, {self.seconds:.2f} s)"
-        )
-
-    def _repr_html_(self) -> str:
-        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
-        from workbench.viz.html import render_html
-
-        return render_html(self)
 
 
 @dataclass(eq=False)
@@ -106,7 +59,7 @@ class AsyncSave:
     .. note:: SPMD: every rank must call ``wait()`` (it exchanges every rank's status before publishing).
     """
 
-    _session: _SaveSession
+    _session: SaveSession
     _result: SaveResult | None = field(default=None, init=False)
     _error: BaseException | None = field(default=None, init=False)
 
@@ -230,7 +183,7 @@ def save_hf(
     limit = host_buffer_bytes or (_UNBOUNDED if async_save else budget_bytes or DEFAULT_POOL_BYTES)
     pool = host_buffer_bytes or (_UNBOUNDED if async_save else None)
     snapshot = Snapshotter(tensors.values(), own_everything=async_save, pool_bytes=pool)
-    session = _SaveSession(
+    session = SaveSession(
         layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files, limit, snapshot
     )
     session.write_mode, session.min_segment_bytes = mode, min_segment_bytes
@@ -319,433 +272,6 @@ def _agree_before_groups(
         raise
 
 
-_META_CACHE: dict[tuple, tuple[dict, tuple[str, ...]]] = {}
-
-
-def _key_meta_and_direct(
-    layout: Layout, dtype: torch.dtype | None, patterns: Sequence[str] | str | None, min_segment: int | None
-) -> tuple[dict, tuple[str, ...]]:
-    """Every key's (save dtype, shape) and the tensors written directly (none when ``min_segment`` is None);
-    cached per layout and options, like the plans, so a repeat save does not redo them."""
-    key = (layout_fingerprint(layout), layout.mesh, dtype, patterns if isinstance(patterns, str | None)
-           else tuple(patterns), min_segment)
-    if key not in _META_CACHE:
-        runtime = {name: layout.dtype(name) for name in layout}
-        meta = key_meta(layout, runtime, dtype, patterns)
-        names = direct_names(layout, meta, min_segment) if min_segment is not None else ()
-        if len(_META_CACHE) >= 16:
-            _META_CACHE.pop(next(iter(_META_CACHE)))
-        _META_CACHE[key] = (meta, names)
-    return _META_CACHE[key]
-
-
-class _SaveSession:
-    """One rank's part of a save: plan, gather and write, then agree and publish."""
-
-    def __init__(
-        self,
-        layout: Layout,
-        path: Path,
-        comm: Communicator,
-        start: float,
-        threads: int,
-        max_shard_bytes: int,
-        config_files: Sequence[str | Path],
-        in_flight_bytes: int,
-        snapshot: Snapshotter,
-    ) -> None:
-        self.layout, self.path, self.comm, self.start = layout, path, comm, start
-        self.rank = comm.rank
-        self.max_shard_bytes = max_shard_bytes
-        self.config_files = [Path(c) for c in config_files]
-        self.pool = futures.ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="workbench-write")
-        self.pending: list[tuple[futures.Future[int], int]] = []
-        self.queued_bytes = 0
-        self.in_flight_bytes = in_flight_bytes
-        self.snapshot = snapshot
-        self.files: dict[str, StreamWriter] = {}
-        self.key_meta: dict[str, tuple[torch.dtype, tuple[int, ...]]] = {}
-        self.publisher = AtomicRenamePublisher(path)
-        self.heartbeat: Heartbeat | None = None
-        self.plan_set: SavePlanSet | None = None
-        self.file_plan: FilePlan | None = None
-        self.metadata = {"format": "pt", "workbench_version": _version(), "layout": layout_fingerprint(layout)}
-        self.problem: RankProblem | None = None
-        self.write_problem: RankProblem | None = None
-        self.write_mode = "gather"
-        self.min_segment_bytes = DEFAULT_MIN_SEGMENT_BYTES
-        self.direct: tuple[str, ...] = ()
-        self.checkpoint_files: CheckpointFiles | None = None
-        self._write_lock = threading.Lock()
-        self.blocked_seconds = 0.0
-        self.target = path.resolve()
-        self.closed = False
-        self.prepared = False  # rank 0 made the temporary directory (only then may it remove it)
-        self.stopped = False  # the save failed or ended: queued writes are skipped
-        # writes start once the snapshot is taken (an async save: the copies then have the machine to themselves,
-        # so the caller is blocked for less), or at once for a sync save, or when the queue must drain
-        self.gate = threading.Event()
-        if not snapshot.own_everything:
-            self.gate.set()
-        _IN_FLIGHT.add(self.target)
-
-    # -- stages ------------------------------------------------------------------------------------------------
-
-    def plan(
-        self,
-        policy: SavePolicy | None,
-        budget: int | None,
-        dtype: torch.dtype | None,
-        fp32_keys_pattern: Sequence[str] | str | None,
-        max_writers: int | None,
-        tensors: Mapping[str, torch.Tensor],
-    ) -> None:
-        """Plan on every rank, agree (nothing moves if any rank failed), then prove the plans match."""
-        problem = None
-        try:
-            self._plan(policy, budget, dtype, fp32_keys_pattern, max_writers, tensors)
-            fault_point("plan", self.rank)
-        except Exception as exc:
-            problem = problem_from(exc, self.rank, "planning the save")
-        agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort)
-        assert self.plan_set is not None
-        check_agreement(
-            self.comm, self.plan_set.schedules[self.rank], self.plan_set.writers, self.layout.mesh,
-            what=f"save to {self.path}",
-        )
-
-    def _plan(
-        self,
-        policy: SavePolicy | None,
-        budget: int | None,
-        dtype: torch.dtype | None,
-        fp32_keys_pattern: Sequence[str] | str | None,
-        max_writers: int | None,
-        tensors: Mapping[str, torch.Tensor],
-    ) -> None:
-        policy = policy or SavePolicy.minimal()
-        if policy.mode == "gather_only":
-            raise CheckpointError("save_hf writes HF checkpoints; SavePolicy.gather_only keeps runtime layout")
-        missing = [c for c in self.config_files if not c.is_file()]
-        if missing:
-            raise CheckpointError(f"config file(s) to copy do not exist: {[str(m) for m in missing]}")
-        direct = self.write_mode == "direct" and policy.mode in ("full", "minimal")
-        self.key_meta, self.direct = _key_meta_and_direct(
-            self.layout, dtype, fp32_keys_pattern, self.min_segment_bytes if direct else None
-        )
-        for name, spec in self.layout.specs.items():
-            local, want = tensors[name], spec.local_shape(self.rank)
-            if tuple(local.shape) != tuple(want):
-                raise CheckpointError(
-                    f"parameter {name!r}: local tensor has shape {tuple(local.shape)}, the layout says {tuple(want)}"
-                )
-        gathered = self.layout
-        if self.direct:
-            skip = set(self.direct)
-            gathered = Layout(
-                self.layout.mesh,
-                {n: s for n, s in self.layout.specs.items() if n not in skip},
-                {n: d for n, d in self.layout.dtypes.items() if n not in skip},
-            )
-        self.plan_set = plan_save(
-            gathered,
-            ranks=[self.rank],
-            policy=policy,
-            budget_bytes=budget,
-            dtype=dtype,
-            fp32_keys_pattern=fp32_keys_pattern,
-            max_writers=max_writers,
-            # on CPU, tensors waiting for a writer are host memory the save holds (on GPU: pinned copies)
-            queued_bytes=self.in_flight_bytes if all(t.device.type == "cpu" for t in tensors.values()) else 0,
-        )
-        sizes = {k: math.prod(shape) * d.itemsize for k, (d, shape) in self.key_meta.items()}
-        writers = dict(self.plan_set.writers)
-        world = self.layout.mesh.size
-        for index, key in enumerate(self.layout.hf_keys):  # direct keys: any rank-independent spread of files
-            writers.setdefault(key, index % world)
-        self.file_plan = plan_files(writers, sizes, list(self.layout.hf_keys), max_shard_bytes=self.max_shard_bytes)
-        ours = _RESERVED | {f.name for f in self.file_plan.files}
-        clash = [str(c) for c in self.config_files if c.name in ours or c.name.endswith(".safetensors")]
-        if clash:
-            raise CheckpointError(
-                f"config file(s) {clash} would overwrite the index or weight files this save writes; rename them or "
-                "leave them out of config_files"
-            )
-        if self.write_mode == "direct":
-            self.checkpoint_files = CheckpointFiles(
-                self.publisher.temporary, self.file_plan, self.key_meta, self.metadata
-            )
-        if self.rank == 0:
-            self.publisher.prepare()
-            self.prepared = True
-            self.heartbeat = Heartbeat(self.publisher.temporary / MARKER_NAME)
-            if self.checkpoint_files is not None:
-                self.checkpoint_files.create_all()
-
-    def gather(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Run the unshard schedule under the flag protocol; each key this rank writes is snapshotted and queued
-        for its file the moment its wave ends. A failure is kept for the status exchange, never raised here."""
-        assert self.plan_set is not None and self.file_plan is not None
-        plans = {p.name: p for p in self.plan_set.plans[self.rank]}
-        writers = self.plan_set.writers
-        schedule = self.plan_set.schedules[self.rank]
-        failed = None
-        try:
-            if self.checkpoint_files is None:
-                for spec in self.file_plan.files_of(self.rank):
-                    entries = [(k, *self.key_meta[k]) for k in spec.keys]
-                    self.files[spec.name] = StreamWriter(self.publisher.temporary / spec.name, entries, self.metadata)
-            else:
-                self._write_direct(tensors)
-        except Exception as exc:
-            failed = problem_from(exc, self.rank, "writing its own pieces" if self.direct else "creating its files")
-        file_of = {k: f.name for f in self.file_plan.files_of(self.rank) for k in f.keys}
-
-        def on_wave(wave: WaveOutput) -> None:
-            for name, tensor in wave.tensors.items():
-                for key, value in split_keys(tensor, plans[name]).items():
-                    if writers.get(key) == self.rank:
-                        fault_point("snapshot", self.rank)
-                        if self.checkpoint_files is None:
-                            self._submit(self.files[file_of[key]], key, self.snapshot.take(value))
-                        else:
-                            shape = tuple(value.shape)
-                            whole = KeyRegion(key, (0,) * len(shape), shape, (0,) * len(shape))
-                            self._submit_piece(whole, self.snapshot.take(value))
-
-        program = unshard(schedule, self.plan_set.plans[self.rank], tensors)
-        self.problem = drive_guarded(schedule, program, self.comm, on_wave, poll=self._poll, failed=failed)
-
-    def settle_snapshot(self) -> None:
-        """Async: wait for the device-to-host copies, then agree that every rank's gathers and snapshot succeeded
-        (so no rank returns a handle while a peer raises)."""
-        if self.problem is None:
-            try:
-                self.snapshot.settle()
-            except Exception as exc:
-                self.problem = problem_from(exc, self.rank, "taking the snapshot")
-        self.gate.set()
-        self.blocked_seconds = time.perf_counter() - self.start
-        agree(self.comm, self.problem, what=f"async save to {self.path}", on_failure=self._abort)
-
-    def finish(self) -> SaveResult:
-        """Wait for this rank's writes, fsync its files, agree, then rank 0 publishes; every rank learns the end."""
-        if not self.blocked_seconds:
-            self.blocked_seconds = time.perf_counter() - self.start
-        problem = self.problem
-        self.stopped = problem is not None
-        self.gate.set()
-        for future, _ in self.pending:
-            try:
-                future.result()
-            except Exception as exc:  # recorded by _write already; kept here for a future that never ran it
-                problem = problem or problem_from(exc, self.rank, "writing its files")
-        problem = problem or self.write_problem
-        self.pending.clear()
-        self.queued_bytes = 0
-        written = 0
-        if self.checkpoint_files is not None:
-            try:
-                if problem is None:
-                    fault_point("fsync", self.rank)
-                    self.checkpoint_files.fsync()
-                    written = sum(self.checkpoint_files.written.values()) + self.checkpoint_files.header_bytes
-            except Exception as exc:
-                problem = problem or problem_from(exc, self.rank, "fsyncing its files")
-            finally:
-                self.checkpoint_files.close()
-        for writer in self.files.values():
-            try:
-                if problem is None:
-                    fault_point("fsync", self.rank)
-                    written += writer.close()
-                else:
-                    writer.abandon()
-            except Exception as exc:
-                problem = problem or problem_from(exc, self.rank, f"fsyncing {writer.path.name}")
-                writer.abandon()
-        try:
-            fault_point("status", self.rank)
-        except Exception as exc:
-            problem = problem or problem_from(exc, self.rank, "reporting its status")
-        agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort)
-        assert self.file_plan is not None and self.plan_set is not None
-        publish_problem = None
-        counts = None
-        if self.checkpoint_files is not None:  # every data byte of every file was written by some rank
-            counts = self.comm.all_gather_object(dict(self.checkpoint_files.written))
-        if self.rank == 0:
-            try:
-                if counts is not None and self.checkpoint_files is not None:
-                    short = self.checkpoint_files.missing_bytes(counts)
-                    if short:
-                        raise CheckpointError("direct writes did not cover the files: " + "; ".join(short[:3]))
-                fault_point("index", 0)
-                write_index(
-                    self.publisher.temporary,
-                    self.file_plan,
-                    {"workbench_version": self.metadata["workbench_version"], "layout": self.metadata["layout"]},
-                )
-                for config in self.config_files:
-                    shutil.copy2(config, self.publisher.temporary / config.name)
-                if self.heartbeat is not None:
-                    self.heartbeat.stop()
-                self.publisher.finalize(verify=True)
-            except Exception as exc:
-                publish_problem = problem_from(exc, 0, "publishing (index, config files, rename)")
-                self._abort()
-        agree(
-            self.comm, publish_problem, what=f"save to {self.path}",
-            lost="rank 0 may or may not have published: check with wb.latest_checkpoint",
-        )
-        schedule = self.plan_set.schedules[self.rank]
-        files = (
-            tuple(sorted(set(self.checkpoint_files.written) | (set(self.checkpoint_files.headers) if self.rank == 0
-                                                                 else set())))
-            if self.checkpoint_files is not None
-            else tuple(f.name for f in self.file_plan.files_of(self.rank))
-        )
-        return SaveResult(
-            path=self.path,
-            rank=self.rank,
-            files=files,
-            bytes_written=written,
-            seconds=time.perf_counter() - self.start,
-            calls=schedule.num_calls,
-            predicted_peak_bytes=schedule.peak_bytes,
-            blocked_seconds=self.blocked_seconds,
-            snapshot_bytes=self.snapshot.copied_bytes,
-            write_mode=self.write_mode,
-            direct_tensors=len(self.direct),
-        )
-
-    # -- writing -----------------------------------------------------------------------------------------------
-
-    def _write_direct(self, tensors: Mapping[str, torch.Tensor]) -> None:
-        """Queue every piece this rank writes directly: its boxes of the direct tensors, cast to the save dtype
-        and snapshotted (replicated pieces: only the replica chosen by ``writes_piece``)."""
-        key_index = {k: i for i, k in enumerate(self.layout.hf_keys)}
-        mesh = self.layout.mesh
-        files = self.checkpoint_files
-        assert files is not None
-        for name in self.direct:
-            spec, local = self.layout.specs[name], tensors[name]
-            regions = spec.key_regions(self.rank)
-            mine = [r for r in regions if writes_piece(spec, mesh, self.rank, key_index[r.hf_key])]
-            dtypes = {self.key_meta[r.hf_key][0] for r in mine}
-            fault_point("snapshot", self.rank) if mine else None
-            if len(mine) > 1 and len(mine) == len(regions) and len(dtypes) == 1:
-                # every piece of the tensor is ours: one snapshot of the whole local tensor (one device-to-host copy,
-                # not one per stripe), shared by the pieces' writes and freed after the last one
-                whole = _SharedCopy(self.snapshot.take(local.to(dtypes.pop())), len(mine))
-                for region in mine:
-                    nbytes = math.prod(region.sizes) * self.key_meta[region.hf_key][0].itemsize
-
-                    def job(region: KeyRegion = region, whole: _SharedCopy = whole) -> int:
-                        return files.write_piece(region, whole.wait()[_box(region)])
-
-                    self._queue(nbytes, job, whole, region.hf_key)
-                continue
-            for region in mine:
-                box = local[_box(region)]
-                self._submit_piece(region, self.snapshot.take(box.to(self.key_meta[region.hf_key][0])))
-
-    def _submit_piece(self, region: KeyRegion, copy: HostCopy) -> None:
-        """Queue one piece's direct write (the in-flight bound as in ``_submit``)."""
-        files = self.checkpoint_files
-        assert files is not None
-        self._queue(copy.nbytes, lambda: files.write_piece(region, copy.wait()), copy, region.hf_key)
-
-    def _queue(self, nbytes: int, job: Any, copy: HostCopy, key: str) -> None:
-        """Hand ``job`` to a writer thread; past ``in_flight_bytes`` queued, wait for the oldest writes first."""
-        while self.pending and self.queued_bytes + nbytes > self.in_flight_bytes:
-            self.gate.set()
-            future, size = self.pending.pop(0)
-            futures.wait([future])
-            self.queued_bytes -= size
-        self.queued_bytes += nbytes
-        self.pending.append((self.pool.submit(self._run_write, job, copy, key), nbytes))
-
-    def _run_write(self, job: Any, copy: HostCopy, key: str) -> int:
-        """A writer thread's job. A failure is recorded (the gathers poll it), never raised."""
-        try:
-            self.gate.wait()
-            if self.write_problem is not None or self.stopped:
-                return 0  # the save has failed: do not keep writing
-            fault_point("write", self.rank)
-            return job()
-        except Exception as exc:
-            with self._write_lock:
-                if self.write_problem is None:
-                    self.write_problem = problem_from(exc, self.rank, f"writing {key!r}")
-            return 0
-        finally:
-            copy.release()
-
-    def _submit(self, writer: StreamWriter, key: str, copy: HostCopy) -> None:
-        """Queue one whole key's write into this rank's own file (gather mode)."""
-        self._queue(copy.nbytes, lambda: writer.write(key, copy.wait()), copy, key)
-
-    def _poll(self) -> RankProblem | None:
-        return self.write_problem
-
-    # -- ending ------------------------------------------------------------------------------------------------
-
-    def _abort(self) -> None:
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-        if self.rank == 0 and self.prepared:
-            self.publisher.abort()
-
-    def close(self, *, abandon: bool = False) -> None:
-        """Release what the save holds on every way out: writer threads, file descriptors, the heartbeat, the
-        path (a later save to it may start). Idempotent."""
-        if self.closed:
-            return
-        self.closed = self.stopped = True
-        self.gate.set()
-        _IN_FLIGHT.discard(self.target)
-        if abandon:
-            self.write_problem = self.write_problem or RankProblem(self.rank, "exiting", "abandoned")
-        self.pool.shutdown(wait=True, cancel_futures=True)
-        for writer in self.files.values():
-            writer.abandon()
-        if self.checkpoint_files is not None:
-            self.checkpoint_files.close()
-        if self.heartbeat is not None:
-            self.heartbeat.stop()
-
-
-def _box(region: KeyRegion) -> tuple[slice, ...]:
-    """The index of a key region in the local tensor."""
-    return tuple(slice(o, o + n) for o, n in zip(region.local_offset, region.sizes))
-
-
-class _SharedCopy:
-    """One HostCopy shared by several writes: released when the last of them is done."""
-
-    def __init__(self, copy: HostCopy, users: int) -> None:
-        self.copy, self.users = copy, users
-        self._lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the shared tensor."""
-        return self.copy.nbytes
-
-    def wait(self) -> torch.Tensor:
-        """The host tensor, once copied."""
-        return self.copy.wait()
-
-    def release(self) -> None:
-        """One user is done; the last one frees the buffer."""
-        with self._lock:
-            self.users -= 1
-            last = self.users == 0
-        if last:
-            self.copy.release()
-
-
 class _OneProcess:
     """The communicator of a job of one process with no process group."""
 
@@ -786,7 +312,3 @@ def default_communicator(layout: Layout, timeout: float = DEFAULT_TIMEOUT) -> Co
     return TorchCommunicator(layout.mesh, refs, timeout=timeout)
 
 
-def _version() -> str:
-    from workbench import __version__
-
-    return __version__
