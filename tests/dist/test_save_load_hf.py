@@ -63,30 +63,14 @@ def _check_locals_against_reference(model, layout, ref: str, shape, mesh_shape) 
     import torch.distributed as dist
     from safetensors.torch import load_file
 
+    from tests.dcp.support import cut_by_hand
+
     hf = load_file(f"{ref}/model.safetensors")
-    fsdp, ep, etp = mesh_shape
     rank = dist.get_rank()
-    coords = {"fsdp": rank // (ep * etp), "ep": rank // etp % ep, "etp": rank % etp}
-    sizes = {"fsdp": fsdp, "ep": ep, "etp": etp}
     wrong = []
     for name, tensor in model.state_dict(keep_vars=True).items():
         full = torch.cat([hf[k] for k in layout.specs[name].hf_keys], dim=0)
-        if name.endswith("fused_w1w3"):
-            cuts = [(0, "ep", 1), (0, "etp", 2 * shape.num_experts // ep), (0, "fsdp", 1)]
-        elif name.endswith("fused_w2"):
-            cuts = [(0, "ep", 1), (1, "etp", 1), (0, "fsdp", 1)]
-        else:
-            cuts = [(0, "fsdp", 1)]
-        want = full
-        for dim, mesh_dim, stripes in cuts:
-            size, me, n = sizes[mesh_dim], coords[mesh_dim], want.shape[dim]
-            if stripes == 1:  # PyTorch's chunk rule
-                chunk = -(-n // size)
-                start = min(me * chunk, n)
-                want = want.narrow(dim, start, min(chunk, n - start))
-            else:  # rank r holds runs r, r + W, ... of the W x F runs
-                run = n // (size * stripes)
-                want = torch.cat([want.narrow(dim, (j * size + me) * run, run) for j in range(stripes)], dim=dim)
+        want = cut_by_hand(full, name, mesh_shape, rank, shape.num_experts)
         local = tensor.to_local()
         if not (local.dtype == tensor.dtype and torch.equal(local, want.to(local.dtype))):
             wrong.append(name)

@@ -15,9 +15,11 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
-from workbench.debug._text import _SPLIT, compress_ints, format_bytes, format_count
+from workbench.debug._text import _SPLIT, format_count
 from workbench.debug.findings import Finding
 from workbench.debug.integrity import scan_for_findings
+from workbench.report.patterns import compress_indices
+from workbench.report.units import format_bytes
 
 __all__ = ["FileSummary", "Inspection", "KeyGroup", "inspect_checkpoint"]
 
@@ -215,7 +217,7 @@ def group_keys(entries: Iterable[tuple[str, str, tuple[int, ...], int]]) -> tupl
     for pattern, (numbers, shapes, dtypes, count, params, nbytes) in acc.items():
         filled = pattern
         for values in numbers:
-            text = compress_ints(map(int, values))
+            text = compress_indices(map(int, values))
             filled = filled.replace("{}", text if "," not in text and ".." not in text else "{" + text + "}", 1)
         groups.append(KeyGroup(pattern=filled, count=count, shapes=tuple(shapes), dtypes=tuple(dtypes),
                                params=params, nbytes=nbytes))

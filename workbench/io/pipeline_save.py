@@ -24,19 +24,17 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workbench import _compat
 from workbench.errors import CheckpointError
 from workbench.io.file_plan import FilePlan, FileSpec, file_name
 from workbench.io.index import INDEX_NAME, write_index
 from workbench.io.publish import AtomicRenamePublisher
 from workbench.layout.pipeline import PipelineLayout
 from workbench.mesh import MeshDimRef, format_mesh_dim
+from workbench.run.torch_comm import TorchCommunicator
 
 __all__ = ["StageCommunicator", "pipeline_layout_from_model", "save_hf_pipeline"]
 
 _DEFAULT_TIMEOUT = 300.0
-_BYTE_FLOATS = frozenset(d for d in (getattr(torch, n, None) for n in (
-    "float8_e4m3fn", "float8_e4m3fnuz", "float8_e5m2", "float8_e5m2fnuz")) if d is not None)
 
 
 def _partition(groups: Sequence[Sequence[int]], backend: str | None, timeout: float) -> Any:
@@ -47,11 +45,12 @@ def _partition(groups: Sequence[Sequence[int]], backend: str | None, timeout: fl
     return mine
 
 
-class StageCommunicator:
+class StageCommunicator(TorchCommunicator):
     """This rank's pipeline stage as a world of its own (a ``Communicator`` for ``save_hf(..., comm=...)``).
 
-    ``rank`` is the stage-local rank; ``all_gather`` over a mesh dim of the stage mesh runs on the stage's own
-    ranks; ``all_gather_object`` and ``barrier`` stay within the stage. float8 tensors are gathered as bytes.
+    A ``TorchCommunicator`` whose groups are built over the stage mesh: ``rank`` is the stage-local rank,
+    ``all_gather`` over a mesh dim of the stage mesh runs on the stage's own ranks, ``all_gather_object`` and
+    ``barrier`` stay within the stage. Only the group construction differs; every collective is inherited.
 
     .. note:: SPMD: every rank of the *whole* world constructs one, with the same ``pipeline`` and ``timeout``
        (process groups of every stage are created by every rank, in one order).
@@ -64,6 +63,8 @@ class StageCommunicator:
         self.stage, self.rank = pipeline.stage_of_rank(dist.get_rank())
         self.size = len(pipeline.stage_ranks(self.stage))
         self.mesh = pipeline.stage_mesh
+        self.timeout = float(timeout)
+        self.device = None
         count = len(pipeline.stages)
         self._control = _partition([pipeline.stage_ranks(s) for s in range(count)], "gloo", timeout)
         refs = {d.mesh_dim for layout in pipeline.stages for spec in layout.specs.values() for d in spec.shards}
@@ -79,37 +80,6 @@ class StageCommunicator:
             partition = [[pipeline.stage_ranks(s)[r] for r in g] for s in range(count) for g in local]
             self._groups[ref] = _partition(partition, None, timeout)
             self._flags[ref] = self._groups[ref] if gloo else _partition(partition, "gloo", timeout)
-
-    def _ref(self, mesh_dim: MeshDimRef) -> tuple[MeshDimRef, int]:
-        ref = self.mesh.resolve(mesh_dim)
-        if ref not in self._sizes:
-            raise CheckpointError(f"stage {self.stage} rank {self.rank}: no group for mesh dim "
-                                  f"{format_mesh_dim(ref)!r}")
-        return ref, self._sizes[ref]
-
-    def all_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef) -> torch.Tensor:
-        """Every stage rank's ``send`` along ``mesh_dim`` (group-rank order), flat."""
-        ref, world = self._ref(mesh_dim)
-        if world == 1:
-            return send
-        dtype = send.dtype
-        send = send.contiguous().view(torch.uint8) if dtype in _BYTE_FLOATS else send.contiguous()
-        out = send.new_empty(world * send.numel())
-        _compat.all_gather_flat(out, send.reshape(-1), self._groups[ref])
-        return out.view(dtype) if dtype in _BYTE_FLOATS else out
-
-    def any_flag(self, mesh_dim: MeshDimRef, flag: bool) -> bool:
-        """True on every rank of the group when any of them passes True."""
-        ref, world = self._ref(mesh_dim)
-        if world == 1:
-            return flag
-        value = torch.tensor([int(flag)], dtype=torch.int32)
-        dist.all_reduce(value, op=dist.ReduceOp.MAX, group=self._flags[ref])
-        return bool(value.item())
-
-    def barrier(self) -> None:
-        """Wait for every rank of the stage."""
-        dist.barrier(group=self._control)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Small objects from every rank of the stage, in stage-local rank order."""

@@ -390,7 +390,8 @@ class SaveSession:
             regions = spec.key_regions(self.rank)
             mine = [r for r in regions if writes_piece(spec, mesh, self.rank, key_index[r.hf_key])]
             dtypes = {self.key_meta[r.hf_key][0] for r in mine}
-            fault_point("snapshot", self.rank) if mine else None
+            if mine:
+                fault_point("snapshot", self.rank)
             if len(mine) > 1 and len(mine) == len(regions) and len(dtypes) == 1:
                 # every piece of the tensor is ours: one snapshot of the whole local tensor (one device-to-host copy,
                 # not one per stripe), shared by the pieces' writes and freed after the last one
