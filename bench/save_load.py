@@ -10,8 +10,8 @@ Qwen3-MoE built by ``build_qwen3_moe`` on a (fsdp, ep, etp) mesh, filled with ra
    under HF keys (fused tensors split into their keys), fsynced;
 3. torch DCP's HF path: ``dcp.save`` with ``HuggingFaceStorageWriter(save_distributed=True)`` (every rank writes its
    shards), then ``consolidate_safetensors_files_on_every_rank`` into HF files (fsynced here: torch does not);
-4. ``wb.save_hf`` synchronous (budgets 256 MiB and 1 GiB) and asynchronous (until the call returns, until
-   ``wait()`` returns);
+4. ``wb.save_hf`` synchronous (budgets 256 MiB and 1 GiB; direct with the writeback window off) and asynchronous
+   (until the call returns, until ``wait()`` returns);
 5. ``wb.load_hf`` of that checkpoint into another topology (default fsdp=N x ep=1 x etp=1), page cache dropped
    first: seconds and bytes read / bytes owned, summed over ranks;
 6. each rank's peak RSS increase during each ``wb.save_hf`` (``ru_maxrss``, peak reset just before the save) over the
@@ -245,6 +245,9 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     def save_hf(tag: str, budget: int, async_save: bool, profile: bool, extra: dict) -> None:  # 4 + 6
         policy = wb.SavePolicy.full() if "full" in tag else wb.SavePolicy.minimal()
         received = plan_save(layout, ranks=[rank], budget_bytes=budget, policy=policy).schedules[rank].bytes_moved
+        extra = dict(extra)
+        if not extra.pop("writeback", True):  # the baseline: every byte left to the final fsync
+            os.environ["WORKBENCH_WRITEBACK_BYTES"] = "0"
         base = _reset_peak(device)
         t0 = start()
         profiler = _start_profile() if profile else None
@@ -252,6 +255,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
                             policy=policy, write_threads=cfg["threads"], **cfg["save_kwargs"], **extra)
         t_call = time.perf_counter() - t0
         result = handle.wait() if async_save else handle
+        os.environ.pop("WORKBENCH_WRITEBACK_BYTES", None)
         if profiler is not None:
             out.setdefault("profile", {})[tag] = _stop_profile(profiler, root / f"profile-{tag}-rank0.txt")
         times.setdefault(tag, []).append(stop(t0))
@@ -272,6 +276,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     gather = {"write_mode": "gather"}
     for tag, budget, async_save, extra in (
         ("wb-256M", 256 * MiB, False, {}), ("wb-1G", 1024 * MiB, False, {}),
+        ("wb-1G-nowb", 1024 * MiB, False, {"writeback": False}),
         ("wb-gather-1G", 1024 * MiB, False, gather),
         ("wb-full-1G", 1024 * MiB, False, gather), ("wb-async-1G", 1024 * MiB, True, {}),
         ("wb-async-gather-1G", 1024 * MiB, True, gather),
@@ -669,7 +674,7 @@ def main() -> None:
     r0 = results[0]
     times = r0["times"]
     key_map = qwen3_moe_key_map(shape.num_experts)
-    saved = ("wb-256M", "wb-1G", "wb-gather-1G", "wb-full-1G", "wb-async-1G", "wb-async-gather-1G", "dcp")
+    saved = ("wb-256M", "wb-1G", "wb-1G-nowb", "wb-gather-1G", "wb-full-1G", "wb-async-1G", "wb-async-gather-1G", "dcp")
     checks = {} if args.no_verify else compare_checkpoints(
         root, [t for t in saved if (root / t / "model.safetensors.index.json").is_file()], key_map, shape)
 
@@ -701,6 +706,9 @@ def main() -> None:
         row("wb.save_hf sync, budget 256 MiB", times["wb-256M"])
     row(f"wb.save_hf sync, budget 1 GiB, write_mode={r0['saves']['wb-1G']['mode']} "
         f"({r0['saves']['wb-1G']['direct']} tensors direct)", times["wb-1G"])
+    if "wb-1G-nowb" in times:
+        row("wb.save_hf sync, budget 1 GiB, direct, writeback window off (fsync at the end does it all)",
+            times["wb-1G-nowb"])
     row("wb.save_hf sync, budget 1 GiB, write_mode=gather", times["wb-gather-1G"])
     if "wb-full-1G" in times:
         row("wb.save_hf sync, budget 1 GiB, SavePolicy.full() (gather everything)", times["wb-full-1G"])
@@ -730,8 +738,8 @@ def main() -> None:
                 "|---|---|---|---|---|---|---|"]
     largest = max(2 * shape.num_experts * shape.moe_intermediate_size * shape.hidden_size,
                   shape.vocab_size * shape.hidden_size) * 2
-    wb_tags = [t for t in ("wb-256M", "wb-1G", "wb-gather-1G", "wb-full-1G", "wb-async-1G", "wb-async-gather-1G")
-               if t in times]
+    wb_tags = [t for t in ("wb-256M", "wb-1G", "wb-1G-nowb", "wb-gather-1G", "wb-full-1G", "wb-async-1G",
+                           "wb-async-gather-1G") if t in times]
     for tag in wb_tags:
         pred = [r["saves"][tag]["predicted"] for r in results.values()]
         meas = [_peak(r, tag, key) for r in results.values()]

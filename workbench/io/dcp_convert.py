@@ -27,6 +27,7 @@ from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES, plan_files
 from workbench.io.index import write_index
 from workbench.io.publish import AtomicRenamePublisher
 from workbench.io.stream_write import StreamWriter
+from workbench.io.writeback import WritebackWindow
 from workbench.layout.model_layout import Layout
 from workbench.plan.save_plan import save_dtypes
 
@@ -135,11 +136,12 @@ def dcp_to_hf(
     publisher = AtomicRenamePublisher(hf_path)
     temporary = publisher.prepare()
     writers: dict[str, StreamWriter] = {}
+    writeback = WritebackWindow()
     batches = largest = 0
     try:
         for spec_ in file_plan.files:
             writers[spec_.name] = StreamWriter(temporary / spec_.name, [entries[k] for k in spec_.keys],
-                                               metadata={"format": "pt"})
+                                               metadata={"format": "pt"}, writeback=writeback)
         for batch in _batches(params, budget_bytes):
             state = {p.fqn: torch.empty(layout.specs[p.name].global_shape, dtype=p.dtype) for p in batch}
             dcp.load(state, storage_reader=dcp.FileSystemReader(str(dcp_path)), planner=DefaultLoadPlanner(),

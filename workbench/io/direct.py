@@ -31,6 +31,7 @@ import torch
 from workbench.errors import CheckpointError
 from workbench.io.file_plan import FilePlan
 from workbench.io.stream_write import safetensors_layout
+from workbench.io.writeback import WritebackWindow
 from workbench.layout.load_spec import KeyRegion, LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
@@ -135,6 +136,7 @@ class CheckpointFiles:
         file_plan: which keys go to which file.
         key_meta: ``{key: (save dtype, shape)}``.
         metadata: the safetensors ``__metadata__`` of every file.
+        writeback: starts the disk writes as the pieces arrive (a fresh window by default).
     """
 
     def __init__(
@@ -143,8 +145,10 @@ class CheckpointFiles:
         file_plan: FilePlan,
         key_meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
         metadata: Mapping[str, str],
+        writeback: WritebackWindow | None = None,
     ) -> None:
         self.directory = directory
+        self.writeback = writeback if writeback is not None else WritebackWindow()
         self.slots: dict[str, KeySlot] = {}
         self.headers: dict[str, tuple[bytes, int]] = {}
         self.data_bytes: dict[str, int] = {}
@@ -199,8 +203,11 @@ class CheckpointFiles:
         fd = self._fd(slot.file)
         itemsize = slot.dtype.itemsize
         step = run * itemsize
-        for i, start in enumerate(starts.tolist()):
+        offsets = starts.tolist()
+        for i, start in enumerate(offsets):
             _pwrite_all(fd, data[i * step : (i + 1) * step], slot.offset + start * itemsize)
+        first = slot.offset + offsets[0] * itemsize
+        self.writeback.wrote(fd, first, slot.offset + offsets[-1] * itemsize + step - first, len(data))
         with self._lock:
             self.written[slot.file] = self.written.get(slot.file, 0) + len(data)
         return len(data)
@@ -215,6 +222,7 @@ class CheckpointFiles:
         with self._lock:
             fds, self._fds = list(self._fds.values()), {}
         for fd in fds:
+            self.writeback.forget(fd)
             os.close(fd)
 
     def missing_bytes(self, written_by_rank: Iterable[Mapping[str, int]]) -> list[str]:

@@ -28,6 +28,7 @@ from workbench.io.ownership import MARKER_NAME, Heartbeat
 from workbench.io.publish import AtomicRenamePublisher
 from workbench.io.snapshot import HostCopy, Snapshotter
 from workbench.io.stream_write import StreamWriter
+from workbench.io.writeback import WritebackWindow
 from workbench.layout.load_spec import KeyRegion
 from workbench.layout.model_layout import Layout
 from workbench.plan.policy import SavePolicy
@@ -133,6 +134,7 @@ class SaveSession:
         self.min_segment_bytes = DEFAULT_MIN_SEGMENT_BYTES
         self.direct: tuple[str, ...] = ()
         self.checkpoint_files: CheckpointFiles | None = None
+        self.writeback = WritebackWindow()  # one per save: its writer threads share the bound
         self._write_lock = threading.Lock()
         self.blocked_seconds = 0.0
         self.target = path.resolve()
@@ -230,7 +232,7 @@ class SaveSession:
             )
         if self.write_mode == "direct":
             self.checkpoint_files = CheckpointFiles(
-                self.publisher.temporary, self.file_plan, self.key_meta, self.metadata
+                self.publisher.temporary, self.file_plan, self.key_meta, self.metadata, self.writeback
             )
         if self.rank == 0:
             self.publisher.prepare()
@@ -251,7 +253,9 @@ class SaveSession:
             if self.checkpoint_files is None:
                 for spec in self.file_plan.files_of(self.rank):
                     entries = [(k, *self.key_meta[k]) for k in spec.keys]
-                    self.files[spec.name] = StreamWriter(self.publisher.temporary / spec.name, entries, self.metadata)
+                    self.files[spec.name] = StreamWriter(
+                        self.publisher.temporary / spec.name, entries, self.metadata, self.writeback
+                    )
             else:
                 self._write_direct(tensors)
         except Exception as exc:

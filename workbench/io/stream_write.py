@@ -22,6 +22,7 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.index import safetensors_dtype
+from workbench.io.writeback import WritebackWindow
 
 __all__ = ["StreamWriter", "safetensors_layout"]
 
@@ -56,6 +57,7 @@ class StreamWriter:
         path: the file to create.
         entries: ``(key, dtype, shape)`` of every tensor the file will hold.
         metadata: the header's ``__metadata__`` (strings only).
+        writeback: starts the disk writes as tensors arrive (shared by a save's files; a fresh window by default).
     """
 
     def __init__(
@@ -63,8 +65,10 @@ class StreamWriter:
         path: Path | str,
         entries: Sequence[tuple[str, torch.dtype, Sequence[int]]],
         metadata: Mapping[str, str] | None = None,
+        writeback: WritebackWindow | None = None,
     ) -> None:
         self.path = Path(path)
+        self.writeback = writeback if writeback is not None else WritebackWindow()
         text, self._ranges, self.size = safetensors_layout(entries, metadata)
         self._data_start = 8 + len(text)
         self._pending = set(self._ranges)
@@ -94,6 +98,7 @@ class StreamWriter:
         done = 0
         while done < nbytes:  # pwrite may write less than asked
             done += os.pwrite(self._fd, view[done:], self._data_start + offset + done)
+        self.writeback.wrote(self._fd, self._data_start + offset, nbytes)
         return nbytes
 
     @property
@@ -118,4 +123,5 @@ class StreamWriter:
         """Close without fsync (a failed save: the file is deleted with its directory). Idempotent."""
         fd, self._fd = self._fd, -1
         if fd >= 0:
+            self.writeback.forget(fd)
             os.close(fd)

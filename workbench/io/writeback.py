@@ -1,0 +1,137 @@
+"""Writeback that keeps pace with the writes: the disk works while later bytes are still being written.
+
+A machine with plenty of memory keeps every byte a save writes dirty in the page cache until the final
+``fsync`` (the kernel starts background writeback only past ``dirty_background_ratio`` of memory, gigabytes on
+a training node). The save then costs the copy into the page cache *plus* the whole disk time, one after the
+other. ``WritebackWindow`` overlaps the two, as a streaming writer should: after each write it asks the kernel
+to start writing that range out (Linux ``sync_file_range(SYNC_FILE_RANGE_WRITE)``, which does not wait), and
+once more than ``window_bytes`` are on their way it waits for the oldest ranges to reach the disk. The final
+``fsync`` then finds little left to do, and the dirty memory a save leaves behind stays bounded by the window.
+
+This is a speed measure, never a durability one: the save still ``fsync``s every file before it publishes.
+Where ``sync_file_range`` does not exist (not Linux) or a filesystem refuses it, the window turns itself off
+and the ``fsync`` does all the work, as before. ``WORKBENCH_WRITEBACK_BYTES`` sets the window of the saves a
+process makes (0 turns it off: the benchmark's baseline).
+"""
+
+from __future__ import annotations
+
+import ctypes
+import ctypes.util
+import errno
+import os
+import sys
+import threading
+from collections import deque
+from collections.abc import Callable
+
+__all__ = ["DEFAULT_WINDOW_BYTES", "WritebackWindow", "sync_file_range"]
+
+DEFAULT_WINDOW_BYTES = 256 << 20
+
+# <linux/fs.h>
+START = 2  # SYNC_FILE_RANGE_WRITE: start writeback of the range's dirty pages, do not wait
+WAIT = 1 | 2 | 4  # WAIT_BEFORE | WRITE | WAIT_AFTER: the range is on the disk when the call returns
+
+SyncFileRange = Callable[[int, int, int, int], None]
+
+
+def _libc_sync_file_range() -> SyncFileRange | None:
+    if not sys.platform.startswith("linux"):
+        return None
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        call = libc.sync_file_range
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int64, ctypes.c_int64, ctypes.c_uint]
+    call.restype = ctypes.c_int
+
+    def sync_file_range(fd: int, offset: int, nbytes: int, flags: int) -> None:
+        while call(fd, offset, nbytes, flags) != 0:
+            code = ctypes.get_errno()
+            if code != errno.EINTR:
+                raise OSError(code, os.strerror(code))
+
+    return sync_file_range
+
+
+sync_file_range: SyncFileRange | None = _libc_sync_file_range()
+"""Linux ``sync_file_range(fd, offset, nbytes, flags)`` (raises ``OSError``), or None where there is none."""
+
+
+class WritebackWindow:
+    """Starts writeback of every written range at once and bounds the bytes on their way to the disk.
+
+    Thread-safe: several writer threads of one save share one window.
+
+    Args:
+        window_bytes: bytes whose writeback may be in progress before a writer waits for the oldest range (None:
+            ``WORKBENCH_WRITEBACK_BYTES`` or 256 MiB; 0: off).
+        syscall: ``sync_file_range``'s stand-in (tests); None: the platform's, or no writeback where there is none.
+    """
+
+    def __init__(self, window_bytes: int | None = None, *, syscall: SyncFileRange | None = None) -> None:
+        if window_bytes is None:
+            window_bytes = int(os.environ.get("WORKBENCH_WRITEBACK_BYTES", DEFAULT_WINDOW_BYTES))
+        self.window_bytes = window_bytes
+        self._syscall = syscall if syscall is not None else sync_file_range
+        self._ranges: deque[tuple[int, int, int, int]] = deque()  # (fd, offset, span, bytes), oldest first
+        self._in_flight = 0
+        self._lock = threading.Lock()
+        self.disabled_by: str | None = None
+        if self._syscall is None:
+            self.disabled_by = "no sync_file_range on this platform"
+        elif window_bytes <= 0:
+            self.disabled_by = "turned off (window 0)"
+
+    @property
+    def enabled(self) -> bool:
+        """False once the platform or the filesystem refused ``sync_file_range`` (the final fsync does it all)."""
+        return self.disabled_by is None
+
+    @property
+    def in_flight_bytes(self) -> int:
+        """Bytes whose writeback was started and not yet waited for."""
+        return self._in_flight
+
+    def wrote(self, fd: int, offset: int, span: int, nbytes: int | None = None) -> None:
+        """Record a write into ``fd`` within ``[offset, offset + span)``: start the range's writeback; past the
+        window, wait (in this thread) until the oldest ranges are on the disk.
+
+        ``nbytes``: the bytes actually written there when the write was several segments spread over the span
+        (they, not the span, count towards the window); default ``span``.
+        """
+        counted = span if nbytes is None else nbytes
+        if span <= 0 or not self._call(fd, offset, span, START):
+            return
+        with self._lock:
+            self._ranges.append((fd, offset, span, counted))
+            self._in_flight += counted
+            due = []
+            while self._in_flight > self.window_bytes and len(self._ranges) > 1:
+                oldest = self._ranges.popleft()
+                self._in_flight -= oldest[3]
+                due.append(oldest)
+        for fd_, offset_, span_, _ in due:  # outside the lock: other writers go on meanwhile
+            self._call(fd_, offset_, span_, WAIT)
+
+    def forget(self, fd: int) -> None:
+        """Drop the ranges of a descriptor about to be closed (its fsync or abandonment covers them)."""
+        with self._lock:
+            kept = deque(r for r in self._ranges if r[0] != fd)
+            self._in_flight = sum(r[3] for r in kept)
+            self._ranges = kept
+
+    def _call(self, fd: int, offset: int, nbytes: int, flags: int) -> bool:
+        if self.disabled_by is not None:
+            return False
+        assert self._syscall is not None
+        try:
+            self._syscall(fd, offset, nbytes, flags)
+        except OSError as exc:
+            if exc.errno in (errno.EBADF, errno.EIO, errno.ENOSPC):  # the write's own failure: fsync reports it
+                return False
+            self.disabled_by = f"sync_file_range refused: {exc.strerror or exc}"
+            return False
+        return True
