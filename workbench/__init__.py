@@ -8,7 +8,7 @@ from workbench.debug import Finding, Report, diagnose, diff_checkpoints, inspect
 from workbench.io.dcp import DCPLoadPlanner, DCPSavePlanner
 from workbench.io.dcp_convert import dcp_to_hf
 from workbench.io.hf_load import LoadReport, load_hf
-from workbench.io.hf_save import AsyncSave, SaveResult, save_hf
+from workbench.io.hf_save import AsyncSave, SaveResult, save_hf, warm_host_pool
 from workbench.io.ownership import clean_incomplete, latest_checkpoint
 from workbench.layout import InterleavedShard, LoadSpec, Run, ShardDescriptor, compute_runs
 from workbench.layout.layout_file import load_layout
@@ -70,4 +70,5 @@ __all__ = [
     "schedule_unshard",
     "strided_shard",
     "viz",
+    "warm_host_pool",
 ]

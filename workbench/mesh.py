@@ -12,11 +12,14 @@ No process group is needed: every answer is integer arithmetic, so a laptop can 
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
 from workbench.errors import LayoutError
+
+_FROM_DEVICE_MESH: dict[int, tuple[Any, MeshSpec]] = {}  # id(DeviceMesh) -> (weak ref to it, its MeshSpec)
 
 __all__ = ["MeshDimRef", "MeshSpec", "format_mesh_dim"]
 
@@ -83,10 +86,23 @@ class MeshSpec:
     # -- construction -------------------------------------------------------------------------
     @classmethod
     def from_device_mesh(cls, mesh: Any) -> MeshSpec:
-        """Read shape, dim names and rank array of a ``torch.distributed.DeviceMesh`` (no collectives)."""
+        """Read shape, dim names and rank array of a ``torch.distributed.DeviceMesh`` (no collectives).
+
+        Remembered per DeviceMesh object (a DeviceMesh does not change; rebuilding its rank tensor is most of
+        the cost of reading a model's layout, once per parameter)."""
+        known = _FROM_DEVICE_MESH.get(id(mesh))
+        if known is not None and known[0]() is mesh:
+            return known[1]
         rank_array = mesh.mesh
         names = tuple(mesh.mesh_dim_names or ())
-        return cls(tuple(rank_array.shape), names, tuple(int(r) for r in rank_array.flatten().tolist()))
+        spec = cls(tuple(rank_array.shape), names, tuple(int(r) for r in rank_array.flatten().tolist()))
+        try:
+            ref = weakref.ref(mesh)
+        except TypeError:  # not weak-referenceable: not remembered
+            return spec
+        _FROM_DEVICE_MESH[id(mesh)] = (ref, spec)
+        weakref.finalize(mesh, _FROM_DEVICE_MESH.pop, id(mesh), None)
+        return spec
 
     # -- sizes --------------------------------------------------------------------------------
     @property

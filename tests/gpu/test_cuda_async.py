@@ -41,6 +41,32 @@ def test_an_async_save_of_cuda_tensors_holds_the_call_time_values(tmp_path: Path
     assert host_pool(pinned=True).allocations - allocations < len(state)
 
 
+def test_a_snapshot_does_not_keep_the_device_tensor() -> None:
+    """A gather's output is freed when its wave ends (as the memory model counts), not when a writer gets to it."""
+    from workbench.io.snapshot import Snapshotter
+
+    snapshot = Snapshotter([], own_everything=False, pool_bytes=None)
+    value = torch.randn(2048, 2048, device="cuda")
+    want = value.cpu()
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    copy = snapshot.take(value)
+    del value
+    assert torch.cuda.memory_allocated() == before - 2048 * 2048 * 4
+    assert torch.equal(copy.wait(), want)
+    copy.release()
+
+
+def test_warm_host_pool_pins_what_the_first_async_save_needs(tmp_path: Path) -> None:
+    from workbench.io.host_pool import host_pool
+
+    state = {f"v{i}": torch.randn(512 * (i + 3), 1024, device="cuda") for i in range(3)}
+    wb.warm_host_pool(state)
+    allocated = host_pool(pinned=True).allocations
+    wb.save_hf(state, tmp_path / "ckpt", async_save=True).wait()
+    assert host_pool(pinned=True).allocations == allocated
+
+
 def _two_ranks(root: str) -> dict:
     import torch.distributed as dist
     from torch.distributed.tensor import Shard

@@ -275,3 +275,36 @@ def test_a_failed_async_save_not_waited_on_surfaces_at_the_next_save(tmp_path: P
     assert not (tmp_path / "a").exists() and not (tmp_path / "b").exists()
     wb.save_hf({"x": torch.ones(2)}, tmp_path / "b")  # reported once; the next save works
     assert (tmp_path / "b" / INDEX_NAME).is_file()
+
+
+def test_a_warmed_pool_serves_the_first_async_save_without_allocating(tmp_path: Path, monkeypatch) -> None:
+    from workbench.io import host_pool as pools
+
+    monkeypatch.setattr(pools, "_POOLS", {})  # a fresh process's pools
+    gen = torch.Generator().manual_seed(0)
+    state = {f"w{i}": torch.randn(256 * (i + 1), 1024, generator=gen) for i in range(4)}  # 1, 2, 3 and 4 MiB
+    assert wb.warm_host_pool(state) == (1 + 2 + 4 + 4) << 20  # one buffer per tensor, power-of-two classes
+    assert wb.warm_host_pool(state) == 0  # already there
+    pool = pools.host_pool(pinned=False)
+    allocated = pool.allocations
+    handle = wb.save_hf(state, tmp_path / "ckpt", async_save=True)
+    for t in state.values():
+        t.add_(1)  # the snapshot was taken into the reserved buffers
+    result = handle.wait()
+    assert result.snapshot_bytes == sum(nbytes(t) for t in state.values())
+    assert pool.allocations == allocated
+    read = _everything(tmp_path / "ckpt")
+    assert all(torch.equal(read[k] + 1, state[k]) for k in state)
+
+
+def test_a_pool_buffer_serves_a_smaller_piece_up_to_four_times_smaller() -> None:
+    from workbench.io.host_pool import HostPool
+
+    pool = HostPool(64 << 20)
+    pool.reserve([8 << 20])
+    small = pool.acquire((1 << 20,), torch.uint8)  # 1 MiB: 8x smaller, a buffer of its own
+    quarter = pool.acquire((2 << 20,), torch.uint8)  # 2 MiB: the reserved 8 MiB buffer
+    assert pool.allocations == 2 and pool.bytes_out == (1 + 8) << 20
+    small.release()
+    quarter.release()
+    assert pool.bytes_out == 0 and pool.bytes_held == (1 + 8) << 20

@@ -30,7 +30,7 @@ import torch
 from workbench.errors import CheckpointError
 from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES
 from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES
-from workbench.io.host_pool import DEFAULT_POOL_BYTES
+from workbench.io.host_pool import DEFAULT_POOL_BYTES, host_pool
 from workbench.io.save_session import _IN_FLIGHT, SaveResult, SaveSession
 from workbench.io.snapshot import Snapshotter
 from workbench.layout.key_map import KeyMap
@@ -40,7 +40,7 @@ from workbench.run.communicator import Communicator
 from workbench.run.guard import SaveFailed, agree, problem_from
 from workbench.run.torch_comm import DEFAULT_TIMEOUT
 
-__all__ = ["AsyncSave", "SaveFailed", "SaveResult", "local_communicator", "save_hf"]
+__all__ = ["AsyncSave", "SaveFailed", "SaveResult", "local_communicator", "save_hf", "warm_host_pool"]
 
 _DEFAULT_BUDGET = 2 << 30
 _UNBOUNDED = 1 << 62
@@ -199,6 +199,36 @@ def save_hf(
     except BaseException:
         session.close()
         raise
+
+
+def warm_host_pool(
+    model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
+    *,
+    layout: Layout | None = None,
+    key_map: KeyMap | None = None,
+    dtype: torch.dtype | None = None,
+) -> int:
+    """Allocate now the host buffers an async save of this model copies its snapshot into, so that the first
+    ``save_hf(..., async_save=True)`` blocks its caller only for the copies, not for pinning memory.
+
+    One buffer per local tensor of this rank (pinned for GPU tensors, pages touched for CPU ones), in the
+    process's pools that every save reuses; a direct save snapshots exactly these (a piece of a tensor uses
+    a buffer up to 4x its size). Call it once after the model is built, on every rank (no collective).
+
+    Args:
+        model_or_state_dict: the model ``save_hf`` will save.
+        layout, key_map: as for ``save_hf`` (they pick the parameters saved).
+        dtype: the save dtype of floating tensors, when the save casts (``save_hf(dtype=...)``).
+
+    Returns:
+        The bytes of host memory allocated now (0 when the pools already hold such buffers).
+    """
+    layout = layout or Layout.from_model(model_or_state_dict, key_map)
+    sizes: dict[bool, list[int]] = {True: [], False: []}
+    for tensor in local_tensors(model_or_state_dict, layout).values():
+        itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
+        sizes[tensor.device.type != "cpu"].append(tensor.numel() * itemsize)
+    return sum(host_pool(pinned=pinned).reserve(n) for pinned, n in sizes.items() if n)
 
 
 def _resolve_write_mode(write_mode: str, comm: Communicator, path: Path) -> str:

@@ -17,6 +17,7 @@ from __future__ import annotations
 
 import math
 import threading
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -70,9 +71,8 @@ class HostPool:
         size = self.size_class(nbytes)
         with self._cond:
             while True:
-                free = self._free.get(size)
-                if free:
-                    storage = free.pop()
+                storage = self._take_free(size)
+                if storage is not None:
                     break
                 if self._held + size > self.capacity:
                     self._evict(self._held + size - self.capacity)
@@ -80,9 +80,40 @@ class HostPool:
                     storage = self._allocate(size)
                     break
                 self._cond.wait()
-            self._out += size
+            self._out += storage.numel()
         view = storage[:nbytes].view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
         return HostBuffer(storage, view, self)
+
+    def reserve(self, sizes: Iterable[int]) -> int:
+        """Allocate now the buffers that requests of these byte sizes, all held at once, would need, so a later
+        save pays no allocation (pinning, first touch) while it blocks its caller. Free buffers the pool has
+        count; the capacity grows to hold them. Returns the bytes allocated."""
+        wanted: dict[int, int] = {}
+        for nbytes in sizes:
+            size = self.size_class(nbytes)
+            wanted[size] = wanted.get(size, 0) + 1
+        with self._cond:
+            owned = {size: len(free) for size, free in self._free.items()}
+            shortfall = {size: n - owned.get(size, 0) for size, n in wanted.items() if n > owned.get(size, 0)}
+            added = sum(size * n for size, n in shortfall.items())
+            self.capacity = max(self.capacity, self._held + added)
+            for size, n in shortfall.items():
+                for _ in range(n):
+                    storage = self._allocate(size)
+                    if not self.pinned:
+                        storage.zero_()  # fault the pages in now, not during the save
+                    self._free.setdefault(size, []).append(storage)
+            self._cond.notify_all()
+        return added
+
+    def _take_free(self, size: int) -> torch.Tensor | None:
+        """A free buffer of class ``size``, else the smallest free one up to 4x larger (a reserved buffer serves
+        a smaller piece), else None."""
+        free = self._free.get(size)
+        if free:
+            return free.pop()
+        larger = [s for s in self._free if size < s <= 4 * size and self._free[s]]
+        return self._free[min(larger)].pop() if larger else None
 
     def _allocate(self, size: int) -> torch.Tensor:
         self._held += size

@@ -3,7 +3,10 @@
 ``Snapshotter.take(value)`` returns a ``HostCopy`` the writer waits on, then releases:
 
 * a CUDA tensor is copied into a pinned buffer of the process's ``HostPool`` with a non-blocking copy and an
-  event (the copy overlaps the next gathers; ``settle`` waits for every event);
+  event (the copy overlaps the next gathers; ``settle`` waits for every event). The copy runs on the current
+  stream, so the device tensor is not kept: the caching allocator may hand its memory to a later allocation of
+  that stream, whose kernels run after the copy. A gather's output is thus freed when its wave ends, as the
+  memory model counts, not when a writer thread gets to its bytes;
 * a CPU tensor that shares storage with one of the model's own tensors (a replicated parameter, an expert under
   the minimal policy, a same-dtype ``.to()``) is copied into a pageable pool buffer when the save is async, so a
   later ``add_`` by the optimizer cannot reach the file; a sync save writes it before returning and needs no copy;
@@ -29,7 +32,6 @@ class HostCopy:
 
     host: torch.Tensor
     buffer: HostBuffer | None = None
-    source: torch.Tensor | None = None
     event: Any = None
 
     @property
@@ -41,12 +43,12 @@ class HostCopy:
         """The host tensor, after its device-to-host copy finished."""
         if self.event is not None:
             self.event.synchronize()
-            self.source = self.event = None
+            self.event = None
         return self.host
 
     def release(self) -> None:
         """Give the pool buffer back (after the tensor is written, or when the save is abandoned)."""
-        self.source = self.event = None
+        self.event = None
         if self.buffer is not None:
             self.buffer.release()
             self.buffer = None
@@ -84,7 +86,7 @@ class Snapshotter:
             event.record()
             self._events.append(event)
             self.copied_bytes += value.numel() * value.element_size()
-            return HostCopy(buffer.tensor, buffer, value, event)
+            return HostCopy(buffer.tensor, buffer, event)
         if self.own_everything and _storage_key(value) in self._model_storages:
             buffer = self._pool(pinned=False).acquire(tuple(value.shape), value.dtype)
             buffer.tensor.copy_(value)
