@@ -13,13 +13,31 @@ from __future__ import annotations
 
 import math
 import weakref
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from workbench.errors import LayoutError
 
-_FROM_DEVICE_MESH: dict[int, tuple[Any, MeshSpec]] = {}  # id(DeviceMesh) -> (weak ref to it, its MeshSpec)
+_T = TypeVar("_T")
+_PER_DEVICE_MESH: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(DeviceMesh) -> (weak ref to it, {what: value})
+
+
+def per_device_mesh(mesh: Any, what: str, compute: Callable[[], _T]) -> _T:
+    """``compute()`` once per DeviceMesh object and ``what`` (a DeviceMesh never changes; reading its rank tensor
+    or this process's rank in it is most of the cost of reading a model's layout, once per parameter)."""
+    known = _PER_DEVICE_MESH.get(id(mesh))
+    if known is None or known[0]() is not mesh:
+        try:
+            ref = weakref.ref(mesh)
+        except TypeError:  # not weak-referenceable: not remembered
+            return compute()
+        known = _PER_DEVICE_MESH[id(mesh)] = (ref, {})
+        weakref.finalize(mesh, _PER_DEVICE_MESH.pop, id(mesh), None)
+    values = known[1]
+    if what not in values:
+        values[what] = compute()
+    return values[what]
 
 __all__ = ["MeshDimRef", "MeshSpec", "format_mesh_dim"]
 
@@ -88,21 +106,13 @@ class MeshSpec:
     def from_device_mesh(cls, mesh: Any) -> MeshSpec:
         """Read shape, dim names and rank array of a ``torch.distributed.DeviceMesh`` (no collectives).
 
-        Remembered per DeviceMesh object (a DeviceMesh does not change; rebuilding its rank tensor is most of
-        the cost of reading a model's layout, once per parameter)."""
-        known = _FROM_DEVICE_MESH.get(id(mesh))
-        if known is not None and known[0]() is mesh:
-            return known[1]
-        rank_array = mesh.mesh
-        names = tuple(mesh.mesh_dim_names or ())
-        spec = cls(tuple(rank_array.shape), names, tuple(int(r) for r in rank_array.flatten().tolist()))
-        try:
-            ref = weakref.ref(mesh)
-        except TypeError:  # not weak-referenceable: not remembered
-            return spec
-        _FROM_DEVICE_MESH[id(mesh)] = (ref, spec)
-        weakref.finalize(mesh, _FROM_DEVICE_MESH.pop, id(mesh), None)
-        return spec
+        Remembered per DeviceMesh object (``per_device_mesh``)."""
+        def read() -> MeshSpec:
+            rank_array = mesh.mesh
+            names = tuple(mesh.mesh_dim_names or ())
+            return cls(tuple(rank_array.shape), names, tuple(int(r) for r in rank_array.flatten().tolist()))
+
+        return per_device_mesh(mesh, "spec", read)
 
     # -- sizes --------------------------------------------------------------------------------
     @property

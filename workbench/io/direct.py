@@ -24,6 +24,7 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -149,17 +150,7 @@ class CheckpointFiles:
     ) -> None:
         self.directory = directory
         self.writeback = writeback if writeback is not None else WritebackWindow()
-        self.slots: dict[str, KeySlot] = {}
-        self.headers: dict[str, tuple[bytes, int]] = {}
-        self.data_bytes: dict[str, int] = {}
-        for spec in file_plan.files:
-            entries = [(k, *key_meta[k]) for k in spec.keys]
-            text, ranges, size = safetensors_layout(entries, metadata)
-            self.headers[spec.name] = (text, size)
-            start = 8 + len(text)
-            self.data_bytes[spec.name] = size - start
-            for key, (offset, _, dtype, shape) in ranges.items():
-                self.slots[key] = KeySlot(spec.name, start + offset, dtype, shape)
+        self.slots, self.headers, self.data_bytes = _files_layout(file_plan, key_meta, metadata)
         self._fds: dict[str, int] = {}
         self._lock = threading.Lock()
         self.written: dict[str, int] = {}  # data bytes this rank wrote, per file
@@ -236,6 +227,36 @@ class CheckpointFiles:
             for name, expected in self.data_bytes.items()
             if total.get(name, 0) != expected
         ]
+
+
+_FilesLayout = tuple[dict[str, KeySlot], dict[str, tuple[bytes, int]], dict[str, int]]
+_LAYOUTS: dict[tuple[Any, ...], tuple[FilePlan, Mapping[str, Any], _FilesLayout]] = {}
+
+
+def _files_layout(
+    file_plan: FilePlan, key_meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], metadata: Mapping[str, str]
+) -> _FilesLayout:
+    """Every key's slot, every file's header and size, and its data bytes; remembered for the same file plan and
+    key metadata objects (a repeat save reuses its plans, so it builds no headers)."""
+    memo = (id(file_plan), id(key_meta), tuple(sorted(metadata.items())))
+    hit = _LAYOUTS.get(memo)
+    if hit is not None and hit[0] is file_plan and hit[1] is key_meta:
+        return hit[2]
+    slots: dict[str, KeySlot] = {}
+    headers: dict[str, tuple[bytes, int]] = {}
+    data_bytes: dict[str, int] = {}
+    for spec in file_plan.files:
+        entries = [(k, *key_meta[k]) for k in spec.keys]
+        text, ranges, size = safetensors_layout(entries, metadata)
+        headers[spec.name] = (text, size)
+        start = 8 + len(text)
+        data_bytes[spec.name] = size - start
+        for key, (offset, _, dtype, shape) in ranges.items():
+            slots[key] = KeySlot(spec.name, start + offset, dtype, shape)
+    if len(_LAYOUTS) >= 8:
+        _LAYOUTS.pop(next(iter(_LAYOUTS)))
+    _LAYOUTS[memo] = (file_plan, key_meta, (slots, headers, data_bytes))
+    return slots, headers, data_bytes
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -97,6 +97,31 @@ def _key_meta_and_direct(
     return _META_CACHE[key]
 
 
+_FILE_PLANS: dict[tuple[int, int, int], tuple[SavePlanSet, Mapping[str, Any], FilePlan]] = {}
+
+
+def _file_plan(
+    plan_set: SavePlanSet, key_meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], layout: Layout,
+    max_shard_bytes: int,
+) -> FilePlan:
+    """Which keys go to which file: gathered keys with their writers' files, direct keys spread over the ranks'
+    files; remembered for the same (cached) plan set and key metadata, which fix the layout too."""
+    memo = (id(plan_set), id(key_meta), max_shard_bytes)
+    hit = _FILE_PLANS.get(memo)
+    if hit is not None and hit[0] is plan_set and hit[1] is key_meta:
+        return hit[2]
+    sizes = {k: math.prod(shape) * d.itemsize for k, (d, shape) in key_meta.items()}
+    writers = dict(plan_set.writers)
+    world = layout.mesh.size
+    for index, key in enumerate(layout.hf_keys):  # direct keys: any rank-independent spread of files
+        writers.setdefault(key, index % world)
+    file_plan = plan_files(writers, sizes, list(layout.hf_keys), max_shard_bytes=max_shard_bytes)
+    if len(_FILE_PLANS) >= 16:
+        _FILE_PLANS.pop(next(iter(_FILE_PLANS)))
+    _FILE_PLANS[memo] = (plan_set, key_meta, file_plan)
+    return file_plan
+
+
 class SaveSession:
     """One rank's part of a save: plan, gather and write, then agree and publish."""
 
@@ -217,12 +242,7 @@ class SaveSession:
             # on CPU, tensors waiting for a writer are host memory the save holds (on GPU: pinned copies)
             queued_bytes=self.in_flight_bytes if all(t.device.type == "cpu" for t in tensors.values()) else 0,
         )
-        sizes = {k: math.prod(shape) * d.itemsize for k, (d, shape) in self.key_meta.items()}
-        writers = dict(self.plan_set.writers)
-        world = self.layout.mesh.size
-        for index, key in enumerate(self.layout.hf_keys):  # direct keys: any rank-independent spread of files
-            writers.setdefault(key, index % world)
-        self.file_plan = plan_files(writers, sizes, list(self.layout.hf_keys), max_shard_bytes=self.max_shard_bytes)
+        self.file_plan = _file_plan(self.plan_set, self.key_meta, self.layout, self.max_shard_bytes)
         ours = _RESERVED | {f.name for f in self.file_plan.files}
         clash = [str(c) for c in self.config_files if c.name in ours or c.name.endswith(".safetensors")]
         if clash:
@@ -398,15 +418,14 @@ class SaveSession:
                 fault_point("snapshot", self.rank)
             if len(mine) > 1 and len(mine) == len(regions) and len(dtypes) == 1:
                 # every piece of the tensor is ours: one snapshot of the whole local tensor (one device-to-host copy,
-                # not one per stripe), shared by the pieces' writes and freed after the last one
-                whole = _SharedCopy(self.snapshot.take(local.to(dtypes.pop())), len(mine))
-                for region in mine:
-                    nbytes = math.prod(region.sizes) * self.key_meta[region.hf_key][0].itemsize
+                # not one per stripe) and one job writing its pieces
+                whole = self.snapshot.take(local.to(dtypes.pop()))
 
-                    def job(region: KeyRegion = region, whole: _SharedCopy = whole) -> int:
-                        return files.write_piece(region, whole.wait()[_box(region)])
+                def job(pieces: tuple[KeyRegion, ...] = tuple(mine), whole: HostCopy = whole) -> int:
+                    host = whole.wait()
+                    return sum(files.write_piece(region, host[_box(region)]) for region in pieces)
 
-                    self._queue(nbytes, job, whole, region.hf_key)
+                self._queue(whole.nbytes, job, whole, name)
                 continue
             for region in mine:
                 box = local[_box(region)]
@@ -481,31 +500,6 @@ class SaveSession:
 def _box(region: KeyRegion) -> tuple[slice, ...]:
     """The index of a key region in the local tensor."""
     return tuple(slice(o, o + n) for o, n in zip(region.local_offset, region.sizes))
-
-
-class _SharedCopy:
-    """One HostCopy shared by several writes: released when the last of them is done."""
-
-    def __init__(self, copy: HostCopy, users: int) -> None:
-        self.copy, self.users = copy, users
-        self._lock = threading.Lock()
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes of the shared tensor."""
-        return self.copy.nbytes
-
-    def wait(self) -> torch.Tensor:
-        """The host tensor, once copied."""
-        return self.copy.wait()
-
-    def release(self) -> None:
-        """One user is done; the last one frees the buffer."""
-        with self._lock:
-            self.users -= 1
-            last = self.users == 0
-        if last:
-            self.copy.release()
 
 
 def _version() -> str:

@@ -343,6 +343,12 @@ class LoadSpec:
 
     def key_regions(self, rank: int) -> tuple[KeyRegion, ...]:
         """The region of every HF key that ``rank`` holds, in key coordinates (padding excluded)."""
+        cached = self._cache.get(("key_regions", rank))
+        if cached is None:
+            cached = self._cache[("key_regions", rank)] = self._key_regions(rank)
+        return cached
+
+    def _key_regions(self, rank: int) -> tuple[KeyRegion, ...]:
         visible = self.visible_shape
         out: list[KeyRegion] = []
         for run in self.runs(rank):

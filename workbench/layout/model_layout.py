@@ -5,6 +5,7 @@ from __future__ import annotations
 import math
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
+from typing import Any
 
 import torch
 
@@ -12,7 +13,7 @@ from workbench.errors import LayoutError
 from workbench.layout.coverage import CoverageReport
 from workbench.layout.key_map import KeyMap, clean_name, resolve_key_map
 from workbench.layout.load_spec import LoadSpec
-from workbench.mesh import MeshDimRef, MeshSpec
+from workbench.mesh import MeshDimRef, MeshSpec, per_device_mesh
 
 __all__ = ["Layout", "local_tensors", "sub_mesh_refs"]
 
@@ -286,6 +287,10 @@ def _flattened_ref(root: MeshSpec, name: str, along: tuple[int, ...], rank: int)
     return None
 
 
+_SPECS: dict[tuple[Any, ...], LoadSpec] = {}  # every input of _derive_spec -> its spec
+_MAX_SPECS = 1 << 16
+
+
 def _spec_of(
     name: str,
     keys: Sequence[str],
@@ -296,7 +301,42 @@ def _spec_of(
     origin_shape: Sequence[int] | None,
     fsdp_dims: Sequence[str],
 ) -> LoadSpec:
-    """``LoadSpec.from_tensor`` on the root mesh, with a DTensor's flattened sub-mesh dims resolved to root refs."""
+    """``LoadSpec.from_tensor`` on the root mesh, with a DTensor's flattened sub-mesh dims resolved to root refs.
+
+    Remembered by everything it reads (name, keys, meshes, placements, global and local shapes), so a repeat
+    save of a model reuses its specs and what they computed (key regions, cuts)."""
+    from workbench import _compat
+
+    if _compat.is_dtensor(tensor):
+        device_mesh = tensor.device_mesh
+        meta: tuple[Any, ...] = (
+            MeshSpec.from_device_mesh(device_mesh), per_device_mesh(device_mesh, "rank", device_mesh.get_rank),
+            tuple(tensor.placements), tuple(tensor.shape), tuple(_compat.dtensor_local(tensor).shape),
+        )
+    else:
+        meta = (tuple(tensor.shape),)
+    memo = (name, tuple(keys), fused_dim, None if origin_shape is None else tuple(origin_shape), tuple(fsdp_dims),
+            mesh, meta)
+    spec = _SPECS.get(memo)
+    if spec is None:
+        spec = _derive_spec(name, keys, tensor, mesh, fused_dim=fused_dim, origin_shape=origin_shape,
+                            fsdp_dims=fsdp_dims)
+        if len(_SPECS) >= _MAX_SPECS:
+            _SPECS.clear()
+        _SPECS[memo] = spec
+    return spec
+
+
+def _derive_spec(
+    name: str,
+    keys: Sequence[str],
+    tensor: torch.Tensor,
+    mesh: MeshSpec,
+    *,
+    fused_dim: int | None,
+    origin_shape: Sequence[int] | None,
+    fsdp_dims: Sequence[str],
+) -> LoadSpec:
     from workbench import _compat
 
     if not _compat.is_dtensor(tensor):
@@ -305,8 +345,9 @@ def _spec_of(
     own = MeshSpec.from_device_mesh(device_mesh)
     if set(own.dim_names) <= set(mesh.dim_names):
         return LoadSpec.from_tensor(name, keys, tensor, fused_dim=fused_dim, mesh=mesh, origin_shape=origin_shape,
-                                    fsdp_mesh_dims=fsdp_dims)
-    rank = device_mesh.get_rank()
+                                    fsdp_mesh_dims=fsdp_dims, rank=per_device_mesh(device_mesh, "rank",
+                                                                                   device_mesh.get_rank))
+    rank = per_device_mesh(device_mesh, "rank", device_mesh.get_rank)
     refs = sub_mesh_refs(mesh, own, rank)
     if refs is None:
         raise LayoutError(
