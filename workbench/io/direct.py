@@ -73,6 +73,10 @@ def segment_starts(key_shape: Sequence[int], key_offset: Sequence[int], sizes: S
 
 def replicating_dims(spec: LoadSpec) -> tuple[int, ...]:
     """Indices of the mesh dims no cut of ``spec`` uses: ranks differing only there hold the same data."""
+    return spec.memo("replicating_dims", lambda: _replicating_dims(spec))
+
+
+def _replicating_dims(spec: LoadSpec) -> tuple[int, ...]:
     used: set[str] = set()
     for d in spec.shards:
         used.update((d.mesh_dim,) if isinstance(d.mesh_dim, str) else d.mesh_dim)

@@ -9,9 +9,9 @@ answered for any rank from the ``MeshSpec`` alone.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Hashable, Sequence
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, TypeVar
 
 from workbench import _compat
 from workbench.errors import LayoutError
@@ -21,6 +21,8 @@ from workbench.layout.descriptors import ShardDescriptor
 from workbench.layout.normalize import normalize_placements
 from workbench.layout.runs import Run, Segment, cached_dim_segments, runs_from_segments
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
+
+_T = TypeVar("_T")
 
 __all__ = ["KeyRegion", "LoadSpec"]
 
@@ -335,18 +337,24 @@ class LoadSpec:
 
     def local_shape(self, rank: int) -> tuple[int, ...]:
         """Shape of ``rank``'s local tensor (runtime, padding included)."""
-        return tuple(sum(n for _, n in segs) for segs in self.segments(rank))
+        return self.memo(("local_shape", rank),
+                         lambda: tuple(sum(n for _, n in segs) for segs in self.segments(rank)))
 
     def runs(self, rank: int) -> tuple[Run, ...]:
         """Boxes of the global tensor ``rank`` holds, contiguous globally and locally, in local order."""
         return runs_from_segments(self.segments(rank))
 
+    def memo(self, what: Hashable, compute: Callable[[], _T]) -> _T:
+        """``compute()`` once per spec and ``what`` (a spec never changes; derived facts are kept with it)."""
+        try:
+            return self._cache[what]
+        except KeyError:
+            value = self._cache[what] = compute()
+            return value
+
     def key_regions(self, rank: int) -> tuple[KeyRegion, ...]:
         """The region of every HF key that ``rank`` holds, in key coordinates (padding excluded)."""
-        cached = self._cache.get(("key_regions", rank))
-        if cached is None:
-            cached = self._cache[("key_regions", rank)] = self._key_regions(rank)
-        return cached
+        return self.memo(("key_regions", rank), lambda: self._key_regions(rank))
 
     def _key_regions(self, rank: int) -> tuple[KeyRegion, ...]:
         visible = self.visible_shape
