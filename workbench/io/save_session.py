@@ -49,7 +49,8 @@ class SaveResult:
     """What one rank did for a save: the published path, its files and bytes, and the time it took.
 
     ``blocked_seconds`` is how long ``save_hf`` held the caller (for an async save, until the snapshot was
-    taken); ``snapshot_bytes`` the bytes copied into host memory the save owns.
+    taken); ``snapshot_bytes`` the bytes copied into host memory the save owns. ``predicted_peak_bytes`` is the
+    schedule's peak, with the backend's receive buffers (gloo's scratch) counted.
     """
 
     path: Path
@@ -241,6 +242,7 @@ class SaveSession:
             max_writers=max_writers,
             # on CPU, tensors waiting for a writer are host memory the save holds (on GPU: pinned copies)
             queued_bytes=self.in_flight_bytes if all(t.device.type == "cpu" for t in tensors.values()) else 0,
+            gather_scratch=getattr(self.comm, "gather_scratch", False),
         )
         self.file_plan = _file_plan(self.plan_set, self.key_meta, self.layout, self.max_shard_bytes)
         ours = _RESERVED | {f.name for f in self.file_plan.files}

@@ -203,6 +203,7 @@ def plan_save(
     fp32_keys_pattern: Sequence[str] | str | None = None,
     max_writers: int | None = None,
     queued_bytes: int = 0,
+    gather_scratch: bool = False,
     cache: bool = True,
 ) -> SavePlanSet:
     """Save plans, unshard schedules and writer assignment of a layout, for ``ranks`` (default: all).
@@ -212,7 +213,8 @@ def plan_save(
     result is kept in a bounded LRU keyed on ``layout.fingerprint()``, the mesh and every option, so a repeated
     save of the same model costs no planning.
 
-    ``queued_bytes`` is the writer-queue bound the schedules' predicted peak counts (``schedule_unshard``).
+    ``queued_bytes`` is the writer-queue bound the schedules' predicted peak counts, and ``gather_scratch`` says
+    the backend receives each gather into a scratch buffer first (gloo); see ``schedule_unshard``.
 
     .. note:: every rank of a save must call it with the same layout and options (not the same ``ranks``):
        the writer map and the schedules' structure depend only on those, which ``save_hf`` checks at run time.
@@ -227,11 +229,12 @@ def plan_save(
     key = None
     if cache:
         key = (layout_fingerprint(layout), layout.mesh, ranks, policy, budget_bytes, dtype, patterns, max_writers,
-               queued_bytes)
+               queued_bytes, gather_scratch)
         hit = _PLANS.get(key)
         if hit is not None:
             return hit
-    result = _plan_save(layout, ranks, policy, budget_bytes, dtype, patterns, max_writers, queued_bytes)
+    result = _plan_save(layout, ranks, policy, budget_bytes, dtype, patterns, max_writers, queued_bytes,
+                        gather_scratch)
     if key is not None:
         _PLANS.put(key, result)
     return result
@@ -246,6 +249,7 @@ def _plan_save(
     patterns: tuple[str, ...],
     max_writers: int | None,
     queued_bytes: int = 0,
+    gather_scratch: bool = False,
 ) -> SavePlanSet:
     runtime = {name: layout.dtype(name) for name in layout}
     groups = _geometry_groups(layout, runtime)
@@ -278,9 +282,11 @@ def _plan_save(
             plans[r] = plans_of(r, templates)
         try:
             schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes, reference=reference,
-                                            queued_bytes=queued_bytes)
+                                            queued_bytes=queued_bytes,
+                                            gather_scratch=gather_scratch)
         except PlanError:  # its steps differ from the first rank's (another dtype, say): pack its own waves
-            schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes, queued_bytes=queued_bytes)
+            schedules[r] = schedule_unshard(plans[r], runtime, budget_bytes, queued_bytes=queued_bytes,
+                                            gather_scratch=gather_scratch)
             diverged = True
         reference = reference or schedules[r]
         classes[key] = schedules[r]

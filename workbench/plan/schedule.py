@@ -191,6 +191,7 @@ def schedule_unshard(
     reference: UnshardSchedule | None = None,
     lookahead: bool = True,
     queued_bytes: int = 0,
+    gather_scratch: bool = False,
 ) -> UnshardSchedule:
     """Build the all-gather schedule of one rank's save plans (every rank passes its own, same order).
 
@@ -208,6 +209,9 @@ def schedule_unshard(
             queue: ``save_hf``'s ``host_buffer_bytes`` when outputs stay in the memory the gathers use, i.e.
             on CPU; 0 when they are copied elsewhere, e.g. device outputs snapshotted to host). Counted in
             ``peak_bytes``, not in the budget, which bounds the gathers.
+        gather_scratch: the backend receives each call into a scratch buffer of the output's size, then copies
+            it out (gloo does; NCCL receives in place): the receive holds the output twice. Counted in the peaks
+            and in the budget.
 
     Returns:
         The schedule; see the module docstring for its memory model.
@@ -223,11 +227,11 @@ def schedule_unshard(
     memo: dict[tuple, tuple] = {}
     tensors = [_Tensor.of(p, (dtypes or {}).get(p.name, p.gather_dtype), memo) for p in save_plans]
     if reference is None:
-        waves, early = _pack(tensors, budget_bytes, lookahead)
+        waves, early = _pack(tensors, budget_bytes, lookahead, gather_scratch)
     else:
         waves, early = _reuse_waves(tensors, reference), dict(reference.early)
     state = _State()
-    peaks, calls = _run(waves, early, state=state)
+    peaks, calls = _run(waves, early, state=state, scratch=gather_scratch)
     oversized_waves = {
         w for w, wave in enumerate(waves) if budget_bytes is not None and len(wave) == 1 and peaks[w] > budget_bytes
     }
@@ -260,16 +264,16 @@ _MAX_SPAN = 32  # the farthest wave a look-ahead item may come from
 
 
 def _pack(
-    tensors: list[_Tensor], budget_bytes: int | None, lookahead: bool
+    tensors: list[_Tensor], budget_bytes: int | None, lookahead: bool, scratch: bool = False
 ) -> tuple[list[list[_Tensor]], dict[str, int]]:
     """Waves and look-ahead (``{name: wave whose call gathers its first step}``) with the fewest calls."""
     if budget_bytes is None or not lookahead:
-        return _pack_waves(tensors, budget_bytes), {}
+        return _pack_waves(tensors, budget_bytes, scratch), {}
     best: tuple | None = None
     for reserve in _RESERVES:
-        waves = _pack_waves(tensors, int(budget_bytes * (1 - reserve)))
-        early = _look_ahead(waves, budget_bytes)
-        peaks, calls = _run(waves, early)
+        waves = _pack_waves(tensors, int(budget_bytes * (1 - reserve)), scratch)
+        early = _look_ahead(waves, budget_bytes, scratch)
+        peaks, calls = _run(waves, early, scratch=scratch)
         score = (len(calls), max(peaks, default=0))
         if best is None or score < best[0]:
             best = (score, waves, early)
@@ -279,13 +283,13 @@ def _pack(
     return best[1], best[2]
 
 
-def _pack_waves(tensors: list[_Tensor], budget_bytes: int | None) -> list[list[_Tensor]]:
+def _pack_waves(tensors: list[_Tensor], budget_bytes: int | None, scratch: bool = False) -> list[list[_Tensor]]:
     """Greedy, in plan order: a tensor joins the current wave unless the wave's modeled peak would exceed
     the budget."""
     waves: list[list[_Tensor]] = []
     current: list[_Tensor] = []
     for t in tensors:
-        if budget_bytes is not None and current and _simulate([*current, t])[0] > budget_bytes:
+        if budget_bytes is not None and current and _simulate([*current, t], scratch)[0] > budget_bytes:
             waves.append(current)
             current = []
         current.append(t)
@@ -294,7 +298,7 @@ def _pack_waves(tensors: list[_Tensor], budget_bytes: int | None) -> list[list[_
     return waves
 
 
-def _look_ahead(waves: list[list[_Tensor]], budget: int) -> dict[str, int]:
+def _look_ahead(waves: list[list[_Tensor]], budget: int, scratch: bool = False) -> dict[str, int]:
     """Greedy: each wave's round-0 calls take, in plan order, the first steps of later tensors on the same (mesh
     dim, dtype), while the modeled peak of every wave from this one to the item's own stays within ``budget``.
     Per call, the longest prefix of the candidates (within ``_MAX_SPAN`` waves) that fits is found by bisection,
@@ -312,7 +316,8 @@ def _look_ahead(waves: list[list[_Tensor]], budget: int) -> dict[str, int]:
                 t.name for v in range(w + 1, min(len(waves), w + 1 + _MAX_SPAN)) for t in waves[v]
                 if t.items and t.name not in early and (t.items[0][0], t.dtype) == key
             ]
-            context = {"host": w, "start": start, "wave_of": wave_of, "by_name": by_name, "budget": budget}
+            context = {"host": w, "start": start, "wave_of": wave_of, "by_name": by_name, "budget": budget,
+                       "scratch": scratch}
             low, high = 0, len(candidates)  # fits(low) holds (nothing taken), find the largest such prefix
             while low < high:
                 mid = (low + high + 1) // 2
@@ -328,7 +333,7 @@ def _look_ahead(waves: list[list[_Tensor]], budget: int) -> dict[str, int]:
                     if k and not _fits(waves, early, candidates[:k], **context):  # (should not happen: take none)
                         k = 0
             early.update(dict.fromkeys(candidates[:k], w))
-        _run(waves, early, state=state, lo=w, hi=w + 1, by_name=by_name)
+        _run(waves, early, state=state, lo=w, hi=w + 1, by_name=by_name, scratch=scratch)
     return early
 
 
@@ -342,13 +347,15 @@ def _fits(
     wave_of: Mapping[str, int],
     by_name: Mapping[str, _Tensor],
     budget: int,
+    scratch: bool,
 ) -> bool:
     """Whether taking ``names``' first steps into wave ``host``'s calls keeps every wave up to theirs in budget."""
     if not names:
         return True
     trial = {**early, **dict.fromkeys(names, host)}
     hi = wave_of[names[-1]] + 1
-    return _run(waves, trial, state=start.copy(), lo=host, hi=hi, by_name=by_name, budget=budget)[0] != []
+    return _run(waves, trial, state=start.copy(), lo=host, hi=hi, by_name=by_name, budget=budget,
+                scratch=scratch)[0] != []
 
 
 def _reuse_waves(tensors: list[_Tensor], reference: UnshardSchedule) -> list[list[_Tensor]]:
@@ -477,9 +484,9 @@ class _State:
         return out
 
 
-def _simulate(wave: list[_Tensor]) -> tuple[int, list[GatherCall]]:
+def _simulate(wave: list[_Tensor], scratch: bool = False) -> tuple[int, list[GatherCall]]:
     """Peak bytes (rank-independent bound) and the calls of one wave on its own (no look-ahead)."""
-    peaks, calls = _run([wave], {})
+    peaks, calls = _run([wave], {}, scratch=scratch)
     return peaks[0], calls
 
 
@@ -492,6 +499,7 @@ def _run(
     hi: int | None = None,
     by_name: Mapping[str, _Tensor] | None = None,
     budget: int | None = None,
+    scratch: bool = False,
 ) -> tuple[list[int], list[GatherCall]]:
     """Run the memory model over waves ``lo..hi`` (from ``state``, which it updates): each wave's peak and calls.
     With ``budget``, stop at the first wave over it and return no peaks (a feasibility check).
@@ -499,7 +507,8 @@ def _run(
     Order of one wave (what ``run.executor`` does): cast the wave's tensors not started yet; then round by
     round, each call casts its look-ahead tensors, packs the send buffer (the last reply is still held by the
     driver), drops its inputs, receives ``W x`` send, drops the send buffer, merges (in place: no copy), and keeps
-    the outputs; a look-ahead output stays until its own wave. At the end the outputs are trimmed (FP8 tails)
+    the outputs (with ``scratch``, the output is received into a scratch buffer of its size and copied); a
+    look-ahead output stays until its own wave. At the end the outputs are trimmed (FP8 tails)
     and handed out; they are freed when the executor resumes (unless the writer queue keeps them).
     """
     state = _State() if state is None else state
@@ -549,7 +558,9 @@ def _run(
                 in_place = len(items) == 1 and items[0].dim == 0 and items[0].interleave_factor == 1
                 merged = 0 if in_place else out
                 live = state.live
-                peak = max(peak, live + state.reply + send, live - freed + send + out, live - freed + out + merged)
+                staged = out if scratch else 0
+                peak = max(peak, live + state.reply + send, live - freed + send + out + staged,
+                           live - freed + out + merged)
                 state.live = live - freed + (out if in_place else merged)
                 state.reply = 0 if in_place else out
                 for i in items:
