@@ -154,3 +154,15 @@ def test_fsdp_mesh_dims_are_applied_last_whatever_torch_wrote(fsdp_placement: ob
     placements = [fsdp_placement, Shard(0), InterleavedShard(0, 2)]
     descriptors = normalize_placements(placements, mesh, ndim=2, name="w13", last_mesh_dims={"fsdp"})
     assert [str(d) for d in descriptors] == ["S(0)@ep", "IS(0,2)@tp", "S(0)@fsdp"], why
+
+
+@pytest.mark.parametrize("fsdp_placement", [_compat.make_strided_shard(0, 2), Shard(0)])
+def test_a_flattened_fsdp_ref_is_applied_last_too(fsdp_placement: object) -> None:
+    """torchtitan shards FSDP2 over ``dp_shard_cp``, flattened from two root dims: FSDP2 chunks the local tensor
+    after the interleaved expert-TP cut there as well, whatever the split factor says."""
+    mesh = MeshSpec((2, 2, 2), ("dp_shard", "cp", "tp"))
+    refs = [("dp_shard", "cp"), "tp"]
+    placements = [fsdp_placement, InterleavedShard(0, 2)]
+    descriptors = normalize_placements(placements, mesh, ndim=2, name="w13", mesh_dims=refs,
+                                       last_mesh_dims={("dp_shard", "cp")})
+    assert [d.mesh_dim for d in descriptors] == ["tp", ("dp_shard", "cp")]

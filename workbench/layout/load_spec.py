@@ -171,7 +171,7 @@ class LoadSpec:
         fused_dim: int | None = None,
         origin_shape: Sequence[int] | None = None,
         mesh_dims: Sequence[MeshDimRef] | None = None,
-        fsdp_mesh_dims: Sequence[str] = (),
+        fsdp_mesh_dims: Sequence[MeshDimRef] = (),
     ) -> LoadSpec:
         """Spec of a tensor of ``global_shape`` laid out with DTensor ``placements`` on ``mesh``.
 

@@ -354,9 +354,11 @@ def _derive_spec(
             f"parameter {name!r}: its DTensor mesh dims {own.dim_names} (ranks {own.all_ranks()}) are neither dims "
             f"of the root {mesh!r} nor flattened from them around rank {rank}; pass mesh="
         )
+    # FSDP2 names the sub-mesh dim it shards over (torchtitan's "dp_shard_cp"): the root ref it stands for
+    fsdp_refs = [ref for own_name, ref in zip(own.dim_names, refs) if own_name in fsdp_dims]
     spec = LoadSpec.from_placements(
         name, keys, tuple(tensor.shape), mesh, tuple(tensor.placements), fused_dim=fused_dim,
-        origin_shape=origin_shape, mesh_dims=refs, fsdp_mesh_dims=fsdp_dims,
+        origin_shape=origin_shape, mesh_dims=refs, fsdp_mesh_dims=[*fsdp_dims, *fsdp_refs],
     )
     local, expected = tuple(_compat.dtensor_local(tensor).shape), spec.local_shape(rank)
     if local != expected:

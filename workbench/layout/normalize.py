@@ -49,7 +49,7 @@ def normalize_placements(
     ndim: int,
     mesh_dims: Sequence[MeshDimRef] | None = None,
     name: str = "<tensor>",
-    last_mesh_dims: Collection[str] = (),
+    last_mesh_dims: Collection[MeshDimRef] = (),
 ) -> tuple[ShardDescriptor, ...]:
     """Ordered shard descriptors that reproduce what every rank of ``mesh`` physically holds.
 
@@ -60,7 +60,8 @@ def normalize_placements(
         mesh_dims: the mesh dim (or flattened group) each placement applies to; defaults to every mesh
             dim in order. Mesh dims that are not listed replicate the tensor.
         name: the parameter name, for error messages.
-        last_mesh_dims: mesh dims known to be FSDP's (``Layout.from_model`` finds them): a Shard or strided shard
+        last_mesh_dims: mesh dims (or flattened refs) known to be FSDP's (``Layout.from_model`` finds them): a
+            Shard or strided shard
             over one of them is applied after every other cut of its dim, whatever its split factor says. torch
             2.11's FSDP2 leaves interleaved cuts out of the split factor (2.13 counts them), and prepends a plain
             Shard when it counts none; FSDP2 physically chunks the local tensor last in both.
@@ -102,7 +103,7 @@ def normalize_placements(
                 f"but the tensor has {ndim} dims"
             )
         cuts = per_dim.setdefault(dim, [])
-        if isinstance(ref, str) and ref in last_mesh_dims and not isinstance(p, InterleavedShard):
+        if ref in last_mesh_dims and not isinstance(p, InterleavedShard):
             cuts.append(_Cut(ShardDescriptor(dim, ref), position, bool(cuts)))  # FSDP2 chunks what is left
         elif isinstance(p, InterleavedShard):
             factor = p.num_local_stripes
