@@ -14,6 +14,7 @@ import threading
 import time
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
+from functools import partial
 from pathlib import Path
 from typing import Any
 
@@ -294,7 +295,9 @@ class SaveSession:
                         else:
                             shape = tuple(value.shape)
                             whole = KeyRegion(key, (0,) * len(shape), shape, (0,) * len(shape))
-                            self._submit_piece(whole, self.snapshot.take(value))
+                            copy = self.snapshot.take(value)
+                            self._queue(copy.nbytes, partial(_write_piece, self.checkpoint_files, whole, copy), copy,
+                                        key)
 
         program = unshard(schedule, self.plan_set.plans[self.rank], tensors)
         self.problem = drive_guarded(schedule, program, self.comm, on_wave, poll=self._poll, failed=failed)
@@ -411,6 +414,7 @@ class SaveSession:
         mesh = self.layout.mesh
         files = self.checkpoint_files
         assert files is not None
+        batch = _Writes()
         for name in self.direct:
             spec, local = self.layout.specs[name], tensors[name]
             regions = spec.key_regions(self.rank)
@@ -427,19 +431,18 @@ class SaveSession:
                     host = whole.wait()
                     return sum(files.write_piece(region, host[_box(region)]) for region in pieces)
 
-                self._queue(whole.nbytes, job, whole, name)
-                continue
-            for region in mine:
-                box = local[_box(region)]
-                self._submit_piece(region, self.snapshot.take(box.to(self.key_meta[region.hf_key][0])))
+                batch.add(job, whole, name)
+            else:
+                for region in mine:
+                    copy = self.snapshot.take(local[_box(region)].to(self.key_meta[region.hf_key][0]))
+                    batch.add(partial(_write_piece, files, region, copy), copy, region.hf_key)
+            if batch.nbytes >= _BATCH_BYTES:
+                self._queue(batch.nbytes, batch, batch, name)
+                batch = _Writes()
+        if batch.items:
+            self._queue(batch.nbytes, batch, batch, "the last pieces")
 
-    def _submit_piece(self, region: KeyRegion, copy: HostCopy) -> None:
-        """Queue one piece's direct write (the in-flight bound as in ``_submit``)."""
-        files = self.checkpoint_files
-        assert files is not None
-        self._queue(copy.nbytes, lambda: files.write_piece(region, copy.wait()), copy, region.hf_key)
-
-    def _queue(self, nbytes: int, job: Any, copy: HostCopy, key: str) -> None:
+    def _queue(self, nbytes: int, job: Any, copy: HostCopy | _Writes, key: str) -> None:
         """Hand ``job`` to a writer thread; past ``in_flight_bytes`` queued, wait for the oldest writes first."""
         while self.pending and self.queued_bytes + nbytes > self.in_flight_bytes:
             self.gate.set()
@@ -449,7 +452,7 @@ class SaveSession:
         self.queued_bytes += nbytes
         self.pending.append((self.pool.submit(self._run_write, job, copy, key), nbytes))
 
-    def _run_write(self, job: Any, copy: HostCopy, key: str) -> int:
+    def _run_write(self, job: Any, copy: HostCopy | _Writes, key: str) -> int:
         """A writer thread's job. A failure is recorded (the gathers poll it), never raised."""
         try:
             self.gate.wait()
@@ -460,7 +463,8 @@ class SaveSession:
         except Exception as exc:
             with self._write_lock:
                 if self.write_problem is None:
-                    self.write_problem = problem_from(exc, self.rank, f"writing {key!r}")
+                    what = job.current if isinstance(job, _Writes) else key
+                    self.write_problem = problem_from(exc, self.rank, f"writing {what!r}")
             return 0
         finally:
             copy.release()
@@ -502,6 +506,41 @@ class SaveSession:
 def _box(region: KeyRegion) -> tuple[slice, ...]:
     """The index of a key region in the local tensor."""
     return tuple(slice(o, o + n) for o, n in zip(region.local_offset, region.sizes))
+
+
+_BATCH_BYTES = 64 << 20  # direct writes handed to a writer thread together: one submit per batch, not per tensor
+
+
+class _Writes:
+    """Consecutive small writes run by one writer thread as one job; each copy is released once written."""
+
+    def __init__(self) -> None:
+        self.items: list[tuple[Any, HostCopy, str]] = []
+        self.nbytes = 0
+        self.current = ""  # the key being written (named when it fails)
+
+    def add(self, job: Any, copy: HostCopy, key: str) -> None:
+        """Append one write of ``copy``'s bytes."""
+        self.items.append((job, copy, key))
+        self.nbytes += copy.nbytes
+        self.current = self.current or key
+
+    def __call__(self) -> int:
+        total = 0
+        for job, copy, key in self.items:
+            self.current = key
+            total += job()
+            copy.release()
+        return total
+
+    def release(self) -> None:
+        """Free every copy (after the job, or when the save is abandoned; releasing twice is harmless)."""
+        for _, copy, _ in self.items:
+            copy.release()
+
+
+def _write_piece(files: CheckpointFiles, region: KeyRegion, copy: HostCopy) -> int:
+    return files.write_piece(region, copy.wait())
 
 
 def _version() -> str:
