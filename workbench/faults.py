@@ -4,14 +4,15 @@ Production code calls ``fault_point("write")`` at each point; with no ``WORKBENC
 that is one dictionary look-up. A test (or ``bench/faults.py``) sets the variable in any rank::
 
     WORKBENCH_FAULTS="write@1"              # rank 1 raises an OSError when it writes a tensor
-    WORKBENCH_FAULTS="gather:1@0:kill"      # rank 0 SIGKILLs itself when gather wave 1 starts
+    WORKBENCH_FAULTS="gather:1@0:kill"      # rank 0 SIGKILLs itself when the 2nd gathering wave starts
     WORKBENCH_FAULTS="fsync@*:efbig"        # every rank fails fsync with EFBIG (file too large)
     WORKBENCH_FAULTS="status@1;index@0"     # several rules, separated by ';'
 
 A rule is ``POINT[:DETAIL][@RANKS][:ACTION]``: ``RANKS`` is ``*`` (default) or a list like ``0,2``; ``ACTION``
 is ``raise`` (default: an ``InjectedFault``, an OSError), ``efbig``/``enospc`` (that errno), ``memory`` (a
 MemoryError), ``bug`` (a plain RuntimeError) or ``kill`` (SIGKILL of this process, no cleanup at all).
-``DETAIL`` narrows a point that repeats: ``gather:1`` fires at wave 1 only.
+``DETAIL`` narrows a point that repeats: ``gather:1`` fires at the second wave that gathers only (waves whose
+tensors are written directly, or need no gather, do not count).
 """
 
 from __future__ import annotations
@@ -28,7 +29,7 @@ FAULT_ENV = "WORKBENCH_FAULTS"
 SAVE_POINTS: tuple[str, ...] = (
     "plan",  # after the save is planned, before the ranks agree on the plan
     "snapshot",  # copying a tensor into host memory the save owns
-    "gather",  # the start of each gather wave (detail: the wave number)
+    "gather",  # the start of each wave that gathers (detail: its ordinal among them, from 0)
     "write",  # writing one tensor into its file (a background writer thread)
     "fsync",  # fsync and close of a finished file
     "status",  # preparing this rank's status for the final exchange

@@ -27,6 +27,7 @@ FAST_2 = [
     Scenario("plan", 1, "raise"),
     Scenario("snapshot", 0, "memory", async_save=True),
     Scenario("gather", 1, "bug", policy="full", detail="1", write_mode="gather"),
+    Scenario("gather", 1, "bug", detail="1", write_mode="gather"),  # minimal: wave 1 gathers nothing, wave 2 does
     Scenario("write", 1, "enospc", async_save=True),
     Scenario("write", 0, "raise", write_mode="gather"),
     Scenario("fsync", 0, "efbig"),

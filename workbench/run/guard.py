@@ -173,7 +173,7 @@ def drive_guarded(
     rank = comm.rank
     calls = schedule.calls
     closed: set = set()  # mesh dims whose group skipped a call: every member skips the rest on it
-    index, wave = 0, -1
+    index, wave, gathering = 0, -1, -1  # gathering: the ordinal of the current wave among those that gather
     reply: torch.Tensor | None = None
     while True:
         send: torch.Tensor | None = None
@@ -203,10 +203,10 @@ def drive_guarded(
         call = calls[index]
         index += 1
         if call.wave != wave:
-            wave = call.wave
+            wave, gathering = call.wave, gathering + 1
             if failed is None:
                 try:
-                    fault_point("gather", rank, wave)
+                    fault_point("gather", rank, gathering)
                 except Exception as exc:
                     failed = problem_from(exc, rank, f"gathering (wave {wave})")
         failed = failed or poll()
