@@ -5,7 +5,8 @@ each pattern, in one run, on the same folder:
 
 * ``own-file``: each process its share into its own file, one thread, fsync at the end (the benchmark's limit);
 * ``shared``: the ranks' pieces interleaved in ``--files`` shared files (a direct save with big shards), T threads,
-  with and without the writeback window (``workbench.io.writeback``);
+  with and without the writeback window (``workbench.io.writeback``), its starts gathered per 8 MiB or one per
+  write;
 * ``many-files``: the same into N x T files (one per thread: no two writers share an inode);
 * ``odirect``: the shared pattern through ``O_DIRECT`` from page-aligned buffers (no page cache at all).
 
@@ -28,7 +29,7 @@ PIECE = 64 << 20  # bytes a thread hands to pwrite at once (``--piece-mb``: a sa
 
 
 def _writer(args: tuple) -> float:
-    pattern, proc, procs, threads, total, nfiles, root, window, piece_bytes = args
+    pattern, proc, procs, threads, total, nfiles, root, window, piece_bytes, start_bytes = args
     global PIECE
     PIECE = piece_bytes
     from workbench.io.writeback import WritebackWindow
@@ -46,7 +47,7 @@ def _writer(args: tuple) -> float:
 
     buf = mmap.mmap(-1, PIECE)  # page-aligned, as O_DIRECT needs
     buf.write((os.urandom(1 << 20) * (PIECE // (1 << 20) + 1))[:PIECE])
-    wb = WritebackWindow(window if pattern != "odirect" else 0)
+    wb = WritebackWindow(window if pattern != "odirect" else 0, start_bytes=start_bytes)
     lock = threading.Lock()
     todo = list(mine)
 
@@ -122,13 +123,14 @@ def main() -> None:
     root = Path(tempfile.mkdtemp(prefix="wb-write-patterns-", dir=args.dir))
     runs: dict[str, list[float]] = {}
     ctx = mp.get_context("spawn")
-    cases = [("own-file", None), ("shared", 256 << 20), ("shared", 0), ("many-files", 256 << 20),
-             ("odirect", 0)]
+    cases = [("own-file", None, 0), ("shared", 256 << 20, 8 << 20), ("shared", 256 << 20, 0), ("shared", 0, 0),
+             ("many-files", 256 << 20, 8 << 20), ("odirect", 0, 0)]
     try:
         with ctx.Pool(args.procs) as pool:
             for _ in range(args.repeats):
-                for pattern, window in cases:
+                for pattern, window, start in cases:
                     label = pattern if window is None else f"{pattern}, window {window >> 20} MiB"
+                    label += f", starts every {start >> 20} MiB" if start else ""
                     if pattern == "own-file":
                         for p in root.iterdir():
                             p.unlink()
@@ -138,7 +140,7 @@ def main() -> None:
                     else:
                         _prepare(root, pattern, args.procs, args.threads, total, args.files)
                         work = [(pattern, p, args.procs, args.threads, total, args.files, str(root), window,
-                                 PIECE) for p in range(args.procs)]
+                                 PIECE, start) for p in range(args.procs)]
                         seconds = max(pool.map(_writer, work))
                     runs.setdefault(label, []).append(seconds)
     finally:

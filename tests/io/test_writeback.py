@@ -1,12 +1,13 @@
-"""The writeback window: every write's range is sent to the disk at once, the bytes on their way stay bounded
-(oldest waited for first), a refusal turns it off without failing the save, and the real ``sync_file_range``
-binding works on this machine's filesystem."""
+"""The writeback window: written ranges are sent to the disk (at once, or gathered per file and thread into large
+requests), the bytes on their way stay bounded (oldest waited for first), a refusal turns it off without failing
+the save, and the real ``sync_file_range`` binding works on this machine's filesystem."""
 
 from __future__ import annotations
 
 import errno
 import os
 import sys
+import threading
 from pathlib import Path
 
 import pytest
@@ -34,7 +35,7 @@ class Recorder:
 
 def test_every_write_starts_and_the_oldest_are_waited_for_past_the_window() -> None:
     rec = Recorder()
-    window = WritebackWindow(100, syscall=rec)
+    window = WritebackWindow(100, start_bytes=0, syscall=rec)
     for i in range(6):
         window.wrote(3, i * 40, 40)
         assert window.in_flight_bytes <= 100
@@ -48,7 +49,7 @@ def test_every_write_starts_and_the_oldest_are_waited_for_past_the_window() -> N
 
 def test_spread_writes_count_their_bytes_not_their_span() -> None:
     rec = Recorder()
-    window = WritebackWindow(100, syscall=rec)
+    window = WritebackWindow(100, start_bytes=0, syscall=rec)
     window.wrote(3, 0, 1000, 30)  # three segments of 10 bytes spread over 1000
     window.wrote(3, 1000, 1000, 30)
     window.wrote(3, 2000, 1000, 30)
@@ -59,7 +60,7 @@ def test_spread_writes_count_their_bytes_not_their_span() -> None:
 
 def test_a_refusal_turns_the_window_off_and_a_write_error_does_not() -> None:
     rec = Recorder(refuse=errno.EIO)  # the write's own failure: fsync reports it, the window stays on
-    window = WritebackWindow(100, syscall=rec)
+    window = WritebackWindow(100, start_bytes=0, syscall=rec)
     window.wrote(3, 0, 10)
     assert window.enabled and window.in_flight_bytes == 0
     rec.refuse = errno.EINVAL  # a filesystem without it: off for good, no more calls
@@ -82,7 +83,7 @@ def test_window_zero_is_off(monkeypatch: pytest.MonkeyPatch) -> None:
 
 def test_forget_drops_a_closed_descriptor() -> None:
     rec = Recorder()
-    window = WritebackWindow(100, syscall=rec)
+    window = WritebackWindow(100, start_bytes=0, syscall=rec)
     window.wrote(3, 0, 60)
     window.wrote(4, 0, 30)
     window.forget(3)
@@ -112,7 +113,7 @@ def test_the_real_call_works_here(tmp_path: Path) -> None:
 def test_writers_report_every_byte_they_write(tmp_path: Path) -> None:
     """Both writers of a save hand each written range to the window: the ranges cover exactly what was written."""
     rec = Recorder()
-    window = WritebackWindow(1 << 30, syscall=rec)
+    window = WritebackWindow(1 << 30, start_bytes=0, syscall=rec)
     a, b = torch.arange(12, dtype=torch.float32).reshape(3, 4), torch.arange(5, dtype=torch.bfloat16)
     writer = StreamWriter(tmp_path / "s.safetensors", [("a", a.dtype, a.shape), ("b", b.dtype, b.shape)], None,
                           window)
@@ -130,3 +131,23 @@ def test_writers_report_every_byte_they_write(tmp_path: Path) -> None:
     slot = files.slots["w"]
     assert rec.calls == [(next(iter(files._fds.values())), slot.offset + 2 * 16, 48, START)]
     files.close()
+
+
+def test_small_writes_start_together_per_file_and_thread() -> None:
+    rec = Recorder()
+    window = WritebackWindow(1 << 20, start_bytes=100, syscall=rec)
+    for offset in (0, 30, 60):
+        window.wrote(3, offset, 30)
+    assert rec.calls == []  # 90 bytes: not yet
+    other = threading.Thread(target=window.wrote, args=(3, 5000, 60))  # another writer thread: its own run
+    other.start()
+    other.join()
+    assert rec.calls == []
+    window.wrote(3, 90, 30)
+    assert rec.calls == [(3, 0, 120, START)]  # one request for the four writes
+    window.wrote(3, 200, 30)
+    window.wrote(3, 90_000, 30)  # far from the run: what was gathered starts, a new run begins
+    assert rec.calls[-1] == (3, 200, 30, START)
+    window.forget(3)
+    window.wrote(3, 90_030, 80)  # the run forgotten with the descriptor: 80 bytes alone do not start
+    assert rec.calls[-1] == (3, 200, 30, START)

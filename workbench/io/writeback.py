@@ -28,6 +28,7 @@ from collections.abc import Callable
 __all__ = ["DEFAULT_WINDOW_BYTES", "WritebackWindow", "sync_file_range"]
 
 DEFAULT_WINDOW_BYTES = 256 << 20
+DEFAULT_START_BYTES = 8 << 20  # writes of one file gathered before their writeback starts: large requests
 
 # <linux/fs.h>
 START = 2  # SYNC_FILE_RANGE_WRITE: start writeback of the range's dirty pages, do not wait
@@ -63,18 +64,31 @@ sync_file_range: SyncFileRange | None = _libc_sync_file_range()
 class WritebackWindow:
     """Starts writeback of every written range at once and bounds the bytes on their way to the disk.
 
-    Thread-safe: several writer threads of one save share one window.
+    Thread-safe: several writer threads of one save share one window. Small writes close to each other in one
+    file (a save's many small tensors) are started together once ``start_bytes`` of them are written, so the
+    disk gets large requests rather than one per tensor; what is left unstarted is the final fsync's.
 
     Args:
         window_bytes: bytes whose writeback may be in progress before a writer waits for the oldest range (None:
             ``WORKBENCH_WRITEBACK_BYTES`` or 256 MiB; 0: off).
+        start_bytes: bytes written near each other in one file before their writeback starts (0: every write).
         syscall: ``sync_file_range``'s stand-in (tests); None: the platform's, or no writeback where there is none.
     """
 
-    def __init__(self, window_bytes: int | None = None, *, syscall: SyncFileRange | None = None) -> None:
+    def __init__(
+        self,
+        window_bytes: int | None = None,
+        *,
+        start_bytes: int = DEFAULT_START_BYTES,
+        syscall: SyncFileRange | None = None,
+    ) -> None:
         if window_bytes is None:
             window_bytes = int(os.environ.get("WORKBENCH_WRITEBACK_BYTES", DEFAULT_WINDOW_BYTES))
         self.window_bytes = window_bytes
+        self.start_bytes = start_bytes
+        # (fd, writer thread) -> [lo, hi, bytes] written and not started yet: each thread writes its own run of
+        # tensors, so its writes lie together
+        self._pending: dict[tuple[int, int], list[int]] = {}
         self._syscall = syscall if syscall is not None else sync_file_range
         self._ranges: deque[tuple[int, int, int, int]] = deque()  # (fd, offset, span, bytes), oldest first
         self._in_flight = 0
@@ -96,18 +110,25 @@ class WritebackWindow:
         return self._in_flight
 
     def wrote(self, fd: int, offset: int, span: int, nbytes: int | None = None) -> None:
-        """Record a write into ``fd`` within ``[offset, offset + span)``: start the range's writeback; past the
-        window, wait (in this thread) until the oldest ranges are on the disk.
+        """Record a write into ``fd`` within ``[offset, offset + span)``: start the writeback of this thread's
+        recent writes to ``fd`` once they reach ``start_bytes``; past the window, wait (in this thread) until the
+        oldest ranges are on the disk.
 
         ``nbytes``: the bytes actually written there when the write was several segments spread over the span
         (they, not the span, count towards the window); default ``span``.
         """
         counted = span if nbytes is None else nbytes
-        if span <= 0 or not self._call(fd, offset, span, START):
+        if span <= 0 or not self.enabled:
             return
         with self._lock:
-            self._ranges.append((fd, offset, span, counted))
-            self._in_flight += counted
+            ready = self._gather(fd, offset, offset + span, counted)
+        started = [r for r in ready if self._call(r[0], r[1], r[2], START)]
+        if not started:
+            return
+        with self._lock:
+            for r in started:
+                self._ranges.append(r)
+                self._in_flight += r[3]
             due = []
             while self._in_flight > self.window_bytes and len(self._ranges) > 1:
                 oldest = self._ranges.popleft()
@@ -116,9 +137,27 @@ class WritebackWindow:
         for fd_, offset_, span_, _ in due:  # outside the lock: other writers go on meanwhile
             self._call(fd_, offset_, span_, WAIT)
 
+    def _gather(self, fd: int, lo: int, hi: int, counted: int) -> list[tuple[int, int, int, int]]:
+        """Add a write to ``fd``'s pending hull; the ranges whose writeback is due now (under the lock)."""
+        ready = []
+        key = (fd, threading.get_ident())
+        pending = self._pending.get(key)
+        if pending is not None and (lo > pending[1] + self.start_bytes or hi < pending[0] - self.start_bytes):
+            ready.append((fd, pending[0], pending[1] - pending[0], pending[2]))  # far away: start what was there
+            pending = None
+        if pending is None:
+            pending = self._pending[key] = [lo, hi, 0]
+        pending[0], pending[1], pending[2] = min(pending[0], lo), max(pending[1], hi), pending[2] + counted
+        if pending[2] >= self.start_bytes:
+            ready.append((fd, pending[0], pending[1] - pending[0], pending[2]))
+            del self._pending[key]
+        return ready
+
     def forget(self, fd: int) -> None:
         """Drop the ranges of a descriptor about to be closed (its fsync or abandonment covers them)."""
         with self._lock:
+            for key in [k for k in self._pending if k[0] == fd]:
+                del self._pending[key]
             kept = deque(r for r in self._ranges if r[0] != fd)
             self._in_flight = sum(r[3] for r in kept)
             self._ranges = kept
