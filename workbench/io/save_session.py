@@ -36,7 +36,7 @@ from workbench.plan.policy import SavePolicy
 from workbench.plan.save_set import SavePlanSet, key_meta, layout_fingerprint, plan_save
 from workbench.run.communicator import Communicator
 from workbench.run.executor import WaveOutput, unshard
-from workbench.run.guard import RankProblem, agree, check_agreement, drive_guarded, problem_from
+from workbench.run.guard import RankProblem, agree, check_agreement, drive_guarded, plan_digests, problem_from
 from workbench.run.unshard_ops import split_keys
 
 __all__ = ["SaveResult", "SaveSession"]
@@ -193,11 +193,16 @@ class SaveSession:
             fault_point("plan", self.rank)
         except Exception as exc:
             problem = problem_from(exc, self.rank, "planning the save")
-        agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort)
+        digests = None
+        if problem is None:
+            assert self.plan_set is not None
+            digests = plan_digests(self.plan_set.schedules[self.rank], self.plan_set.writers, self.layout.mesh,
+                                   self.rank)
+        everyone = agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort, share=digests)
         assert self.plan_set is not None
-        check_agreement(
+        check_agreement(  # the digests came with the planning outcome: no exchange of their own
             self.comm, self.plan_set.schedules[self.rank], self.plan_set.writers, self.layout.mesh,
-            what=f"save to {self.path}",
+            what=f"save to {self.path}", digests=everyone,
         )
 
     def _plan(
@@ -354,12 +359,13 @@ class SaveSession:
             fault_point("status", self.rank)
         except Exception as exc:
             problem = problem or problem_from(exc, self.rank, "reporting its status")
-        agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort)
+        # with the status, each rank's data bytes per file: rank 0 checks every byte of every file was written
+        per_file = dict(self.checkpoint_files.written) if self.checkpoint_files is not None else None
+        counts = agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort, share=per_file)
         assert self.file_plan is not None and self.plan_set is not None
         publish_problem = None
-        counts = None
-        if self.checkpoint_files is not None:  # every data byte of every file was written by some rank
-            counts = self.comm.all_gather_object(dict(self.checkpoint_files.written))
+        if self.checkpoint_files is None:
+            counts = None
         if self.rank == 0:
             try:
                 if counts is not None and self.checkpoint_files is not None:

@@ -24,6 +24,7 @@ import traceback
 from collections.abc import Callable, Generator, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -102,15 +103,17 @@ def agree(
     error: type[RanksFailed] = SaveFailed,
     outcome: str = "nothing was published",
     lost: str = "",
-) -> None:
+    share: Any = None,
+) -> list[Any]:
     """Exchange every rank's problem over the control group; if any rank has one, every rank raises ``error``.
 
     ``on_failure`` runs (on every rank) before raising, e.g. rank 0 removing the temporary directory. If the
     exchange itself fails (a peer died, or did not answer within the timeout), this rank raises with its own
-    problem, the exchange's error and ``lost`` (what is known of the outcome then).
+    problem, the exchange's error and ``lost`` (what is known of the outcome then). ``share`` travels in the
+    same exchange; every rank's is returned, in rank order (one exchange where two would do).
     """
     try:
-        everyone = comm.all_gather_object(mine)
+        everyone = comm.all_gather_object((mine, share))
     except Exception as exc:  # a peer is gone: say so with what this rank knows
         gone = problem_from(exc, comm.rank, "exchanging status with its peers", broken=True)
         found = [p for p in (mine, gone) if p is not None]
@@ -118,11 +121,12 @@ def agree(
             _quietly(on_failure)
         note = "a peer did not answer the status exchange: it died, hangs, or failed before reaching it"
         raise error(_message(what, found, lost or outcome, note), found) from exc
-    found = [p for p in everyone if p is not None]
+    found = [p for p, _ in everyone if p is not None]
     if found:
         if on_failure is not None:
             _quietly(on_failure)
         raise error(_message(what, found, outcome), found)
+    return [shared for _, shared in everyone]
 
 
 def _quietly(fn: Callable[[], None]) -> None:
@@ -254,16 +258,24 @@ def _digest(obj: object) -> str:
     return hashlib.sha1(repr(obj).encode()).hexdigest()[:16]
 
 
+def plan_digests(schedule: UnshardSchedule, writers: Mapping[str, int], mesh: MeshSpec, rank: int) -> tuple:
+    """What ``check_agreement`` compares: a digest of this rank's calls per group, and of the writer map (small:
+    it can travel in the exchange that agrees on the planning outcome)."""
+    mine = schedule_signatures(schedule, mesh, rank)
+    return {key: _digest(sigs) for key, sigs in mine.items()}, _digest(sorted(writers.items()))
+
+
 def check_agreement(
-    comm: Communicator, schedule: UnshardSchedule, writers: Mapping[str, int], mesh: MeshSpec, *, what: str
+    comm: Communicator, schedule: UnshardSchedule, writers: Mapping[str, int], mesh: MeshSpec, *, what: str,
+    digests: Sequence[tuple] | None = None,
 ) -> None:
     """Prove, before the first data call, that every group's ranks will issue the same calls and that every rank
     has the same writer map; raise SaveFailed on every rank otherwise, naming the ranks and the first difference.
+
+    ``digests``: every rank's ``plan_digests``, when an earlier exchange carried them (else they are exchanged).
     """
-    mine = schedule_signatures(schedule, mesh, comm.rank)
-    digests = {key: _digest(sigs) for key, sigs in mine.items()}
-    writer_digest = _digest(sorted(writers.items()))
-    everyone = comm.all_gather_object((digests, writer_digest))
+    everyone = digests if digests is not None else comm.all_gather_object(
+        plan_digests(schedule, writers, mesh, comm.rank))
     by_group: dict[tuple, dict[int, str]] = {}
     for r, (groups, _) in enumerate(everyone):
         for key, digest in groups.items():
@@ -278,6 +290,7 @@ def check_agreement(
     if not bad_groups and len(writer_sets) == 1:
         return
     # second round, only on a mismatch: the full signatures of the groups that differ, and the writer maps
+    mine = schedule_signatures(schedule, mesh, comm.rank)
     my_groups = {key: mine.get(key) for key in bad_groups if comm.rank in key[1]}
     detail = comm.all_gather_object((my_groups, dict(writers) if len(writer_sets) > 1 else None))
     lines = []
