@@ -69,8 +69,8 @@ class Snapshotter:
         self.pool_bytes = pool_bytes
         self._pools: dict[bool, HostPool] = {}
         self.copied_bytes = 0
-        self._events: list[Any] = []
-        self._stream: Any = None  # the stream every copy runs on (the caller's current stream)
+        self._streams: dict[torch.device, Any] = {}  # per device, the stream its copies run on (the caller's)
+        self._last: dict[torch.device, Any] = {}  # per device, the event of its latest copy
 
     def _pool(self, pinned: bool) -> HostPool:
         if pinned not in self._pools:
@@ -83,11 +83,12 @@ class Snapshotter:
         if value.device.type != "cpu":
             buffer = self._pool(pinned=True).acquire(tuple(value.shape), value.dtype)
             buffer.tensor.copy_(value, non_blocking=True)
-            if self._stream is None:
-                self._stream = torch.cuda.current_stream(value.device)
+            stream = self._streams.get(value.device)
+            if stream is None:
+                stream = self._streams[value.device] = torch.cuda.current_stream(value.device)
             event = torch.cuda.Event()
-            event.record(self._stream)
-            self._events.append(event)
+            event.record(stream)
+            self._last[value.device] = event
             self.copied_bytes += value.numel() * value.element_size()
             return HostCopy(buffer.tensor, buffer, event)
         if self.own_everything and _storage_key(value) in self._model_storages:
@@ -98,11 +99,11 @@ class Snapshotter:
         return HostCopy(value)
 
     def settle(self) -> None:
-        """Wait until every device-to-host copy made so far has landed (the snapshot is complete): the copies run
-        in order on one stream, so the last one's event is enough."""
-        if self._events:
-            self._events[-1].synchronize()
-        self._events.clear()
+        """Wait until every device-to-host copy made so far has landed (the snapshot is complete): a device's copies
+        run in order on one stream, so its last one's event is enough."""
+        for event in self._last.values():
+            event.synchronize()
+        self._last.clear()
 
 
 def _storage_key(tensor: torch.Tensor) -> tuple[str, int]:
