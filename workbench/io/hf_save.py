@@ -167,18 +167,24 @@ def save_hf(
         tensors = local_tensors(model_or_state_dict, layout)
     except Exception as exc:
         mine = exc
-    _agree_before_groups(mine, path, timeout, comm)
-    assert layout is not None
-    comm = comm or default_communicator(layout, timeout)
-    target = Path(path).resolve()
-    if target in _IN_FLIGHT:
-        raise CheckpointError(
-            f"a save to {target} is still in progress in this process (async_save pending); call its wait() "
-            "before saving to the same path again"
-        )
     if write_mode not in ("auto", "direct", "gather"):
         raise CheckpointError(f"write_mode must be 'auto', 'direct' or 'gather', got {write_mode!r}")
-    mode = _resolve_write_mode(write_mode, comm, Path(path))
+    # the write mode's host names (and rank 0's probe file) travel with the agreement: one exchange for both
+    probe = _write_probe(Path(path)) if write_mode == "auto" and mine is None and _rank(comm) == 0 else None
+    try:
+        seen = _agree_before_groups(mine, path, timeout, comm, share=(socket.gethostname(), probe))
+        assert layout is not None
+        comm = comm or default_communicator(layout, timeout)
+        target = Path(path).resolve()
+        if target in _IN_FLIGHT:
+            raise CheckpointError(
+                f"a save to {target} is still in progress in this process (async_save pending); call its wait() "
+                "before saving to the same path again"
+            )
+        mode = _resolve_write_mode(write_mode, comm, seen)
+    finally:
+        if probe is not None:
+            Path(probe).unlink(missing_ok=True)
     # an async save snapshots all it writes before returning: by default nothing bounds that but the rank's share
     limit = host_buffer_bytes or (_UNBOUNDED if async_save else budget_bytes or DEFAULT_POOL_BYTES)
     pool = host_buffer_bytes or (_UNBOUNDED if async_save else None)
@@ -231,29 +237,35 @@ def warm_host_pool(
     return sum(host_pool(pinned=pinned).reserve(n) for pinned, n in sizes.items() if n)
 
 
-def _resolve_write_mode(write_mode: str, comm: Communicator, path: Path) -> str:
-    """``auto`` -> ``direct`` when every rank sees the files rank 0 writes (same host, or a probe file next to
-    ``path`` visible to all), else ``gather``. A collective of the control group (one or two small exchanges)."""
+def _write_probe(path: Path) -> str | None:
+    """Rank 0's probe file next to ``path`` (its name), or None where it cannot be written."""
+    candidate = path.parent / f".{path.name}.probe-{uuid.uuid4().hex[:12]}"
+    try:
+        candidate.write_bytes(b"workbench write-mode probe\n")
+    except OSError:
+        return None
+    return str(candidate)
+
+
+def _rank(comm: Communicator | None) -> int:
+    if comm is not None:
+        return comm.rank
+    import torch.distributed as dist
+
+    return dist.get_rank() if dist.is_initialized() else 0
+
+
+def _resolve_write_mode(write_mode: str, comm: Communicator, seen: Sequence[tuple[str, str | None]]) -> str:
+    """``auto`` -> ``direct`` when every rank sees the files rank 0 writes, else ``gather``. ``seen`` is every
+    rank's (host name, rank 0's probe file or None), already exchanged: on one host nothing more is exchanged;
+    across hosts, one more exchange says whether every rank sees the probe."""
     if write_mode != "auto":
         return write_mode
-    probe = None
-    if comm.rank == 0:
-        candidate = path.parent / f".{path.name}.probe-{uuid.uuid4().hex[:12]}"
-        try:
-            candidate.write_bytes(b"workbench write-mode probe\n")
-            probe = str(candidate)
-        except OSError:
-            probe = None
-    try:
-        seen = comm.all_gather_object((socket.gethostname(), probe))
-        hosts, probe = {h for h, _ in seen}, seen[0][1]
-        if len(hosts) == 1:
-            return "direct"
-        visible = comm.all_gather_object(probe is not None and Path(probe).exists())
-        return "direct" if all(visible) else "gather"
-    finally:
-        if comm.rank == 0 and probe is not None:
-            Path(probe).unlink(missing_ok=True)
+    hosts, probe = {h for h, _ in seen}, seen[0][1]
+    if len(hosts) == 1:
+        return "direct"
+    visible = comm.all_gather_object(probe is not None and Path(probe).exists())
+    return "direct" if all(visible) else "gather"
 
 
 def _finish_pending() -> None:
@@ -286,16 +298,17 @@ atexit.register(_abandon_pending)
 
 
 def _agree_before_groups(
-    mine: BaseException | None, path: str | Path, timeout: float, comm: Communicator | None
-) -> None:
+    mine: BaseException | None, path: str | Path, timeout: float, comm: Communicator | None, share: Any = None
+) -> list[Any]:
     """Every rank shares its problem with the layout or model (or None) over the control group; all raise if any
-    rank has one: the rank with the problem its own error, the others a SaveFailed naming it."""
+    rank has one: the rank with the problem its own error, the others a SaveFailed naming it. Returns every
+    rank's ``share``."""
     from workbench.run.torch_comm import ControlChannel
 
     channel = comm or ControlChannel(timeout)
     problem = problem_from(mine, channel.rank, "reading the model's layout") if mine is not None else None
     try:
-        agree(channel, problem, what=f"save to {path}", outcome="nothing was written")
+        return agree(channel, problem, what=f"save to {path}", outcome="nothing was written", share=share)
     except SaveFailed:
         if mine is not None:
             raise mine from None
