@@ -117,3 +117,66 @@ def test_fused_tensors_written_from_one_snapshot_each_hold_their_own_values(tmp_
     with CheckpointReader(tmp_path / "ckpt") as reader:
         for key, value in want.items():
             assert torch.equal(reader.read(key), value), key
+
+
+def _files_for(tmp: Path, layout: wb.Layout) -> tuple[dict, object]:
+    from workbench.io.direct import CheckpointFiles
+    from workbench.io.file_plan import plan_files
+    from workbench.plan.load_plan import expected_key_shape
+
+    meta = {k: (torch.float32, tuple(expected_key_shape(s))) for s in layout.specs.values() for k in s.hf_keys}
+    sizes = {k: 4 * int(np.prod(shape)) for k, (_, shape) in meta.items()}
+    plan = plan_files(dict.fromkeys(meta, 0), sizes, list(meta), max_shard_bytes=1 << 12)  # several files
+    tmp.mkdir()
+    files = CheckpointFiles(tmp, plan, meta, {"format": "pt"})
+    files.create_all()
+    return meta, files
+
+
+def test_whole_local_writes_merge_runs_and_equal_piece_writes(tmp_path: Path, monkeypatch) -> None:
+    """``write_local`` (a rank's whole local tensor, runs merged across keys) writes the same bytes as one
+    ``write_piece`` per box, and a rank's block of consecutive fused keys is one pwrite per file."""
+    import workbench.io.direct as direct
+
+    mesh = wb.MeshSpec((2, 2), ("fsdp", "tp"))
+    experts = [f"e{i}.w" for i in range(8)]
+    specs = {
+        "experts": wb.LoadSpec.from_placements("experts", experts, (8 * 6, 16), mesh, [Shard(0), Replicate()],
+                                               fused_dim=0),
+        "cols": wb.LoadSpec.from_placements("cols", "cols.w", (12, 40), mesh, [Shard(0), Shard(1)]),
+        "rows_tp": wb.LoadSpec.from_placements("rows_tp", ["a.w", "b.w"], (2 * 10, 8), mesh, [Shard(1), Shard(0)],
+                                               fused_dim=0),
+    }
+    layout = wb.Layout(mesh, specs)
+    gen = torch.Generator().manual_seed(0)
+    full = {n: torch.randn(s.global_shape, generator=gen) for n, s in specs.items()}
+    calls: list[int] = []
+    real = direct._pwrite_all
+    monkeypatch.setattr(direct, "_pwrite_all", lambda fd, data, offset: (calls.append(len(data)), real(fd, data,
+                                                                                                        offset)))
+    _, by_piece = _files_for(tmp_path / "piece", layout)
+    _, by_local = _files_for(tmp_path / "local", layout)
+    for rank in mesh.all_ranks():
+        for name, spec in specs.items():
+            box = tuple(slice(o, o + n) for o, n in zip(*_local_box(spec, rank)))
+            local = full[name][box].contiguous()
+            regions = [r for r in spec.key_regions(rank) if writes_piece(spec, mesh, rank, 0)]
+            for region in regions:
+                by_piece.write_piece(region, local[tuple(slice(o, o + n) for o, n in zip(region.local_offset,
+                                                                                     region.sizes))].contiguous())
+            calls.clear()
+            by_local.write_local(regions, local)
+            if name == "experts":  # 4 consecutive keys of rank's half, in files of at most 4 KiB: one write each
+                assert len(calls) == len({by_local.slots[r.hf_key].file for r in regions}), calls
+    by_piece.close()
+    by_local.close()
+    for f in sorted((tmp_path / "piece").iterdir()):
+        assert f.read_bytes() == (tmp_path / "local" / f.name).read_bytes(), f.name
+
+
+def _local_box(spec: wb.LoadSpec, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:
+    """The global box a rank holds when its runs make one box (these layouts): its offset and sizes."""
+    runs = spec.runs(rank)
+    lo = tuple(min(r.global_offset[d] for r in runs) for d in range(len(spec.global_shape)))
+    hi = tuple(max(r.global_offset[d] + r.sizes[d] for r in runs) for d in range(len(spec.global_shape)))
+    return lo, tuple(h - low for low, h in zip(lo, hi))

@@ -434,8 +434,7 @@ class SaveSession:
                 whole = self.snapshot.take(local.to(dtypes.pop()))
 
                 def job(pieces: tuple[KeyRegion, ...] = tuple(mine), whole: HostCopy = whole) -> int:
-                    host = whole.wait()
-                    return sum(files.write_piece(region, host[_box(region)]) for region in pieces)
+                    return files.write_local(pieces, whole.wait())
 
                 batch.add(job, whole, name)
             else:
