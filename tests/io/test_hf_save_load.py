@@ -12,6 +12,7 @@ import pytest
 import torch
 from safetensors import safe_open
 from safetensors.torch import load_file
+from torch.distributed.tensor import Replicate
 
 import workbench as wb
 from tests.io.support import bits, nbytes, random_tensor, small_model
@@ -308,3 +309,16 @@ def test_a_pool_buffer_serves_a_smaller_piece_up_to_four_times_smaller() -> None
     small.release()
     quarter.release()
     assert pool.bytes_out == 0 and pool.bytes_held == (1 + 8) << 20
+
+
+def test_a_fused_tensor_given_as_a_view_is_saved_by_its_values(tmp_path: Path) -> None:
+    """A state dict may hold views (a transposed weight): the direct writer of a whole tensor reads its values in
+    row-major order, not its storage."""
+    base = torch.arange(6 * 8, dtype=torch.float32).reshape(8, 6)
+    state = {"w": base.t()}  # (6, 8), not contiguous
+    layout = wb.Layout(wb.MeshSpec((1,), ("world",)),
+                       {"w": wb.LoadSpec.from_placements("w", ["a", "b", "c"], (6, 8), wb.MeshSpec((1,), ("world",)),
+                                                         [Replicate()], fused_dim=0)})
+    wb.save_hf(state, tmp_path / "ckpt", layout=layout, write_mode="direct")
+    read = _everything(tmp_path / "ckpt")
+    assert all(torch.equal(read[k], base.t()[2 * i : 2 * i + 2]) for i, k in enumerate("abc"))

@@ -211,7 +211,7 @@ class CheckpointFiles:
         return len(data)
 
     def write_local(self, regions: Sequence[KeyRegion], local: torch.Tensor) -> int:
-        """Write the boxes ``regions`` of ``local`` (a rank's whole local tensor, contiguous, in the save dtype).
+        """Write the boxes ``regions`` of ``local`` (a rank's whole local tensor, in the save dtype).
 
         The boxes' segments are laid side by side in memory and, for consecutive keys of one file, on disk too (a
         fused tensor's keys follow each other in its file): runs contiguous in both are merged into one ``pwrite``,
@@ -219,9 +219,9 @@ class CheckpointFiles:
         if not regions:
             return 0
         dtype = self.slots[regions[0].hf_key].dtype
-        if local.dtype != dtype or not local.is_contiguous():
-            raise CheckpointError(f"{regions[0].hf_key}: local tensor is {local.dtype} (contiguous: "
-                                  f"{local.is_contiguous()}), expected contiguous {dtype}")
+        if local.dtype != dtype:
+            raise CheckpointError(f"{regions[0].hf_key}: local tensor is {local.dtype}, expected {dtype}")
+        local = local.contiguous()  # a view (a transposed weight, say) is copied once; the boxes index it row-major
         data = memoryview(local.reshape(-1).view(torch.uint8).numpy())
         itemsize = dtype.itemsize
         files, starts, file_starts, lengths = [], [], [], []
