@@ -138,7 +138,7 @@ def load_hf(
         )
         try:
             for name, spec in wanted.items():
-                plan = plan_hf_load(spec, rank)
+                plan = spec.memo(("load_plan", rank), lambda spec=spec: plan_hf_load(spec, rank))
                 nbytes = sum(
                     r.numel * reader.dtype(r.hf_key).itemsize for r in plan.reads
                     if not (adapters and r.hf_key in adapters)
