@@ -25,7 +25,6 @@ import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import numpy as np
 import torch
@@ -36,6 +35,7 @@ from workbench.io.stream_write import safetensors_layout
 from workbench.io.writeback import WritebackWindow
 from workbench.layout.load_spec import KeyRegion, LoadSpec
 from workbench.layout.model_layout import Layout
+from workbench.memo import LRU, remember_by_identity
 from workbench.mesh import MeshSpec
 
 __all__ = [
@@ -289,7 +289,7 @@ class CheckpointFiles:
 
 
 _FilesLayout = tuple[dict[str, KeySlot], dict[str, tuple[bytes, int]], dict[str, int]]
-_LAYOUTS: dict[tuple[Any, ...], tuple[FilePlan, Mapping[str, Any], _FilesLayout]] = {}
+_LAYOUTS = LRU(8)
 
 
 def _files_layout(
@@ -297,25 +297,22 @@ def _files_layout(
 ) -> _FilesLayout:
     """Every key's slot, every file's header and size, and its data bytes; remembered for the same file plan and
     key metadata objects (a repeat save reuses its plans, so it builds no headers)."""
-    memo = (id(file_plan), id(key_meta), tuple(sorted(metadata.items())))
-    hit = _LAYOUTS.get(memo)
-    if hit is not None and hit[0] is file_plan and hit[1] is key_meta:
-        return hit[2]
-    slots: dict[str, KeySlot] = {}
-    headers: dict[str, tuple[bytes, int]] = {}
-    data_bytes: dict[str, int] = {}
-    for spec in file_plan.files:
-        entries = [(k, *key_meta[k]) for k in spec.keys]
-        text, ranges, size = safetensors_layout(entries, metadata)
-        headers[spec.name] = (text, size)
-        start = 8 + len(text)
-        data_bytes[spec.name] = size - start
-        for key, (offset, _, dtype, shape) in ranges.items():
-            slots[key] = KeySlot(spec.name, start + offset, dtype, shape)
-    if len(_LAYOUTS) >= 8:
-        _LAYOUTS.pop(next(iter(_LAYOUTS)))
-    _LAYOUTS[memo] = (file_plan, key_meta, (slots, headers, data_bytes))
-    return slots, headers, data_bytes
+
+    def build() -> _FilesLayout:
+        slots: dict[str, KeySlot] = {}
+        headers: dict[str, tuple[bytes, int]] = {}
+        data_bytes: dict[str, int] = {}
+        for spec in file_plan.files:
+            entries = [(k, *key_meta[k]) for k in spec.keys]
+            text, ranges, size = safetensors_layout(entries, metadata)
+            headers[spec.name] = (text, size)
+            start = 8 + len(text)
+            data_bytes[spec.name] = size - start
+            for key, (offset, _, dtype, shape) in ranges.items():
+                slots[key] = KeySlot(spec.name, start + offset, dtype, shape)
+        return slots, headers, data_bytes
+
+    return remember_by_identity(_LAYOUTS, (file_plan, key_meta), tuple(sorted(metadata.items())), build)
 
 
 @functools.lru_cache(maxsize=1 << 14)

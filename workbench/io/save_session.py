@@ -32,6 +32,7 @@ from workbench.io.stream_write import StreamWriter
 from workbench.io.writeback import WritebackWindow
 from workbench.layout.load_spec import KeyRegion
 from workbench.layout.model_layout import Layout
+from workbench.memo import LRU, remember_by_identity
 from workbench.plan.policy import SavePolicy
 from workbench.plan.save_set import SavePlanSet, key_meta, layout_fingerprint, plan_save
 from workbench.run.communicator import Communicator
@@ -79,7 +80,7 @@ class SaveResult:
         return render_html(self)
 
 
-_META_CACHE: dict[tuple, tuple[dict, tuple[str, ...]]] = {}
+_META_CACHE = LRU(16)
 
 
 def _key_meta_and_direct(
@@ -89,17 +90,16 @@ def _key_meta_and_direct(
     cached per layout and options, like the plans, so a repeat save does not redo them."""
     key = (layout_fingerprint(layout), layout.mesh, dtype, patterns if isinstance(patterns, str | None)
            else tuple(patterns), min_segment)
-    if key not in _META_CACHE:
+    hit = _META_CACHE.get(key)
+    if hit is None:
         runtime = {name: layout.dtype(name) for name in layout}
         meta = key_meta(layout, runtime, dtype, patterns)
-        names = direct_names(layout, meta, min_segment) if min_segment is not None else ()
-        if len(_META_CACHE) >= 16:
-            _META_CACHE.pop(next(iter(_META_CACHE)))
-        _META_CACHE[key] = (meta, names)
-    return _META_CACHE[key]
+        hit = (meta, direct_names(layout, meta, min_segment) if min_segment is not None else ())
+        _META_CACHE.put(key, hit)
+    return hit
 
 
-_FILE_PLANS: dict[tuple[int, int, int], tuple[SavePlanSet, Mapping[str, Any], FilePlan]] = {}
+_FILE_PLANS = LRU(16)
 
 
 def _file_plan(
@@ -108,20 +108,16 @@ def _file_plan(
 ) -> FilePlan:
     """Which keys go to which file: gathered keys with their writers' files, direct keys spread over the ranks'
     files; remembered for the same (cached) plan set and key metadata, which fix the layout too."""
-    memo = (id(plan_set), id(key_meta), max_shard_bytes)
-    hit = _FILE_PLANS.get(memo)
-    if hit is not None and hit[0] is plan_set and hit[1] is key_meta:
-        return hit[2]
-    sizes = {k: math.prod(shape) * d.itemsize for k, (d, shape) in key_meta.items()}
-    writers = dict(plan_set.writers)
-    world = layout.mesh.size
-    for index, key in enumerate(layout.hf_keys):  # direct keys: any rank-independent spread of files
-        writers.setdefault(key, index % world)
-    file_plan = plan_files(writers, sizes, list(layout.hf_keys), max_shard_bytes=max_shard_bytes)
-    if len(_FILE_PLANS) >= 16:
-        _FILE_PLANS.pop(next(iter(_FILE_PLANS)))
-    _FILE_PLANS[memo] = (plan_set, key_meta, file_plan)
-    return file_plan
+
+    def plan() -> FilePlan:
+        sizes = {k: math.prod(shape) * d.itemsize for k, (d, shape) in key_meta.items()}
+        writers = dict(plan_set.writers)
+        world = layout.mesh.size
+        for index, key in enumerate(layout.hf_keys):  # direct keys: any rank-independent spread of files
+            writers.setdefault(key, index % world)
+        return plan_files(writers, sizes, list(layout.hf_keys), max_shard_bytes=max_shard_bytes)
+
+    return remember_by_identity(_FILE_PLANS, (plan_set, key_meta), max_shard_bytes, plan)
 
 
 class SaveSession:

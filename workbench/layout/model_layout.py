@@ -13,6 +13,7 @@ from workbench.errors import LayoutError
 from workbench.layout.coverage import CoverageReport
 from workbench.layout.key_map import KeyMap, clean_name, resolve_key_map
 from workbench.layout.load_spec import LoadSpec
+from workbench.memo import LRU
 from workbench.mesh import MeshDimRef, MeshSpec, per_device_mesh
 
 __all__ = ["Layout", "local_tensors", "sub_mesh_refs"]
@@ -287,24 +288,13 @@ def _flattened_ref(root: MeshSpec, name: str, along: tuple[int, ...], rank: int)
     return None
 
 
-_SPECS: dict[tuple[Any, ...], LoadSpec] = {}  # every input of _derive_spec -> its spec
-_MAX_SPECS = 1 << 16
+_SPECS = LRU(1 << 16)  # every input of _derive_spec -> its spec
 
 
-def _spec_of(
-    name: str,
-    keys: Sequence[str],
-    tensor: torch.Tensor,
-    mesh: MeshSpec,
-    *,
-    fused_dim: int | None,
-    origin_shape: Sequence[int] | None,
-    fsdp_dims: Sequence[str],
-) -> LoadSpec:
-    """``LoadSpec.from_tensor`` on the root mesh, with a DTensor's flattened sub-mesh dims resolved to root refs.
-
-    Remembered by everything it reads (name, keys, meshes, placements, global and local shapes), so a repeat
-    save of a model reuses its specs and what they computed (key regions, cuts)."""
+def _spec_of(name: str, keys: Sequence[str], tensor: torch.Tensor, mesh: MeshSpec, **options: Any) -> LoadSpec:
+    """``_derive_spec`` (``options``: its ``fused_dim``, ``origin_shape`` and ``fsdp_dims``), remembered by
+    everything it reads (name, keys, meshes, placements, global and local shapes), so a repeat save of a model
+    reuses its specs and what they computed (key regions, cuts)."""
     from workbench import _compat
 
     if _compat.is_dtensor(tensor):
@@ -315,15 +305,12 @@ def _spec_of(
         )
     else:
         meta = (tuple(tensor.shape),)
-    memo = (name, tuple(keys), fused_dim, None if origin_shape is None else tuple(origin_shape), tuple(fsdp_dims),
-            mesh, meta)
+    frozen = tuple((k, tuple(v) if isinstance(v, Sequence) else v) for k, v in sorted(options.items()))
+    memo = (name, tuple(keys), mesh, meta, frozen)
     spec = _SPECS.get(memo)
     if spec is None:
-        spec = _derive_spec(name, keys, tensor, mesh, fused_dim=fused_dim, origin_shape=origin_shape,
-                            fsdp_dims=fsdp_dims)
-        if len(_SPECS) >= _MAX_SPECS:
-            _SPECS.clear()
-        _SPECS[memo] = spec
+        spec = _derive_spec(name, keys, tensor, mesh, **options)
+        _SPECS.put(memo, spec)
     return spec
 
 
@@ -337,6 +324,7 @@ def _derive_spec(
     origin_shape: Sequence[int] | None,
     fsdp_dims: Sequence[str],
 ) -> LoadSpec:
+    """``LoadSpec.from_tensor`` on the root mesh, with a DTensor's flattened sub-mesh dims resolved to root refs."""
     from workbench import _compat
 
     if not _compat.is_dtensor(tensor):

@@ -20,8 +20,7 @@ from __future__ import annotations
 import dataclasses
 import math
 import threading
-from collections import OrderedDict
-from collections.abc import Callable, Hashable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -30,6 +29,7 @@ import torch
 from workbench.errors import PlanError
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
+from workbench.memo import LRU
 from workbench.mesh import MeshDimRef
 from workbench.plan.load_plan import expected_key_shape
 from workbench.plan.policy import SavePolicy
@@ -125,43 +125,8 @@ class PlanCacheInfo:
     maxsize: int
 
 
-class _LRU:
-    """A bounded least-recently-used map, safe to use from several threads."""
-
-    def __init__(self, maxsize: int) -> None:
-        self.maxsize = maxsize
-        self._data: OrderedDict[Hashable, Any] = OrderedDict()
-        self._lock = threading.Lock()
-        self.hits = self.misses = 0
-
-    def get(self, key: Hashable) -> Any:
-        with self._lock:
-            value = self._data.get(key)
-            if value is None:
-                self.misses += 1
-                return None
-            self._data.move_to_end(key)
-            self.hits += 1
-            return value
-
-    def put(self, key: Hashable, value: Any) -> None:
-        with self._lock:
-            self._data[key] = value
-            self._data.move_to_end(key)
-            while len(self._data) > self.maxsize:
-                self._data.popitem(last=False)
-
-    def clear(self) -> None:
-        with self._lock:
-            self._data.clear()
-            self.hits = self.misses = 0
-
-    def __len__(self) -> int:
-        return len(self._data)
-
-
-_PLANS = _LRU(16)  # a few models x policies x budgets; each entry holds one rank's plans (or a world's)
-_FINGERPRINTS = _LRU(8)  # id(layout) -> (layout, specs, dtypes, fingerprint): skips re-hashing a known layout
+_PLANS = LRU(16)  # a few models x policies x budgets; each entry holds one rank's plans (or a world's)
+_FINGERPRINTS = LRU(8)  # id(layout) -> (layout, specs, dtypes, fingerprint): skips re-hashing a known layout
 
 
 def plan_cache_info() -> PlanCacheInfo:
