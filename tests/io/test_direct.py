@@ -4,6 +4,7 @@ safetensors' own ``save_file`` writes."""
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import struct
 from pathlib import Path
@@ -180,3 +181,19 @@ def _local_box(spec: wb.LoadSpec, rank: int) -> tuple[tuple[int, ...], tuple[int
     lo = tuple(min(r.global_offset[d] for r in runs) for d in range(len(spec.global_shape)))
     hi = tuple(max(r.global_offset[d] + r.sizes[d] for r in runs) for d in range(len(spec.global_shape)))
     return lo, tuple(h - low for low, h in zip(lo, hi))
+
+
+def test_whole_local_writes_refuse_a_tensor_of_another_dtype(tmp_path: Path) -> None:
+    import pytest
+
+    from workbench.errors import CheckpointError
+
+    mesh = wb.MeshSpec((1,), ("world",))
+    spec = wb.LoadSpec.from_placements("w", ["a", "b"], (4, 2), mesh, [Replicate()], fused_dim=0)
+    _, files = _files_for(tmp_path / "f", wb.Layout(mesh, {"w": spec}))
+    with pytest.raises(CheckpointError, match=r"a: local tensor is torch.float64, expected torch.float32"):
+        files.write_local(spec.key_regions(0), torch.zeros(4, 2, dtype=torch.float64))
+    files.slots = {**files.slots, "b": dataclasses.replace(files.slots["b"], dtype=torch.bfloat16)}  # saved otherwise
+    with pytest.raises(CheckpointError, match=r"b: saved as torch.bfloat16, the tensor's other keys as torch.float32"):
+        files.write_local(spec.key_regions(0), torch.zeros(4, 2))
+    files.close()
