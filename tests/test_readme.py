@@ -5,6 +5,8 @@ from __future__ import annotations
 import re
 from pathlib import Path
 
+import torch
+
 README = Path(__file__).resolve().parents[1] / "README.md"
 
 
@@ -38,3 +40,16 @@ def test_the_plans_example_runs() -> None:
     steps = [line.split(" (")[0].strip() for line in full.splitlines()[1:]]
     assert steps == ["1. gather S(0)@fsdp", "2. gather IS(0,2)@tp", "3. gather S(0)@ep"]
     assert "keep S(0)@ep" in preserve and "(2 keys" in preserve
+
+
+def test_the_async_example_runs_and_keeps_the_call_time_values() -> None:
+    from workbench.io.read import CheckpointReader
+
+    block = next(b for b in _blocks() if "warm_host_pool" in b)
+    block = "\n".join(line[2:] if line.startswith("  ") else line for line in block.splitlines())
+    scope: dict[str, object] = {}
+    exec(compile(block, "README.md", "exec"), scope)
+    result, state = scope["result"], scope["state"]
+    with CheckpointReader(result.path) as reader:
+        assert torch.equal(reader.read("layers.0.w") + 1, state["layers.0.w"])
+    assert 0 < result.blocked_seconds <= result.seconds
