@@ -282,6 +282,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
         if async_save:
             times.setdefault(tag + ":call", []).append(t_call)
         out["mem"].setdefault(tag, []).append(_peak_since(base, device))
+        out.setdefault("timings", {}).setdefault(tag, []).append(str(result.timings))
         out["saves"][tag] = {"predicted": result.predicted_peak_bytes, "bytes": result.bytes_written,
                              "calls": result.calls, "files": len(result.files), "budget": budget,
                              "received": received, "mode": result.write_mode, "direct": result.direct_tensors}
@@ -816,6 +817,10 @@ def main() -> None:
     if "roundtrip_other_topology" in r0:
         print(f"check       wb.load_hf into {lm}, gathered with full_tensor, equals the naive file bit for bit: "
               f"{r0['roundtrip_other_topology']}")
+    for tag in wb_tags:  # where each rank's fastest run of the save spent its time (SaveResult.timings)
+        best = min(range(len(times[tag])), key=times[tag].__getitem__)
+        for rank, r in sorted(results.items()):
+            print(f"timings     {tag} rank {rank} (run {best + 1}): {r['timings'][tag][best]}")
     for note in dict.fromkeys(r0["notes"]):
         print(f"note        {note}")
     if not all(m["reset"] for r in results.values() for m in r["mem"]["wb-1G"]):

@@ -10,6 +10,7 @@ from workbench.io.dcp_convert import dcp_to_hf
 from workbench.io.hf_load import LoadReport, load_hf
 from workbench.io.hf_save import AsyncSave, SaveResult, save_hf, warm_host_pool
 from workbench.io.ownership import clean_incomplete, latest_checkpoint
+from workbench.io.save_timings import SaveTimings
 from workbench.layout import InterleavedShard, LoadSpec, Run, ShardDescriptor, compute_runs
 from workbench.layout.layout_file import load_layout
 from workbench.layout.model_layout import Layout
@@ -49,6 +50,7 @@ __all__ = [
     "SaveFailed",
     "SavePolicy",
     "SaveResult",
+    "SaveTimings",
     "ShardDescriptor",
     "SimulatedWorld",
     "UnshardSchedule",

@@ -193,11 +193,15 @@ def save_hf(
         layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files, limit, snapshot
     )
     session.write_mode, session.min_segment_bytes = mode, min_segment_bytes
+    session.clock.add("prepare", time.perf_counter() - start)
     try:
-        session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors)
-        session.gather(tensors)
+        with session.clock.measure("plan"):
+            session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors)
+        with session.clock.measure("snapshot"):
+            session.gather(tensors)
+            if async_save:
+                session.settle_snapshot()
         if async_save:
-            session.settle_snapshot()
             handle = AsyncSave(session)
             _PENDING.append(handle)
             return handle

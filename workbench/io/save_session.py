@@ -13,7 +13,7 @@ import shutil
 import threading
 import time
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -27,6 +27,7 @@ from workbench.io.file_plan import FilePlan, plan_files
 from workbench.io.index import INDEX_NAME, write_index
 from workbench.io.ownership import MARKER_NAME, Heartbeat
 from workbench.io.publish import AtomicRenamePublisher
+from workbench.io.save_timings import SaveClock, SaveTimings
 from workbench.io.snapshot import HostCopy, Snapshotter
 from workbench.io.stream_write import StreamWriter
 from workbench.io.writeback import WritebackWindow
@@ -52,7 +53,8 @@ class SaveResult:
 
     ``blocked_seconds`` is how long ``save_hf`` held the caller (for an async save, until the snapshot was
     taken); ``snapshot_bytes`` the bytes copied into host memory the save owns. ``predicted_peak_bytes`` is the
-    schedule's peak, with the backend's receive buffers (gloo's scratch) counted.
+    schedule's peak, with the backend's receive buffers (gloo's scratch) counted. ``timings`` says where the
+    time went (stages and writer threads; see ``SaveTimings``).
     """
 
     path: Path
@@ -66,6 +68,7 @@ class SaveResult:
     snapshot_bytes: int = 0
     write_mode: str = "gather"
     direct_tensors: int = 0
+    timings: SaveTimings = field(default_factory=SaveTimings)
 
     def __str__(self) -> str:
         return (
@@ -158,6 +161,7 @@ class SaveSession:
         self.direct: tuple[str, ...] = ()
         self.checkpoint_files: CheckpointFiles | None = None
         self.writeback = WritebackWindow()  # one per save: its writer threads share the bound
+        self.clock = SaveClock()
         self._write_lock = threading.Lock()
         self.blocked_seconds = 0.0
         self.target = path.resolve()
@@ -322,15 +326,17 @@ class SaveSession:
         problem = self.problem
         self.stopped = problem is not None
         self.gate.set()
-        for future, _ in self.pending:
-            try:
-                future.result()
-            except Exception as exc:  # recorded by _write already; kept here for a future that never ran it
-                problem = problem or problem_from(exc, self.rank, "writing its files")
+        with self.clock.measure("drain"):
+            for future, _ in self.pending:
+                try:
+                    future.result()
+                except Exception as exc:  # recorded by _write already; kept here for a future that never ran it
+                    problem = problem or problem_from(exc, self.rank, "writing its files")
         problem = problem or self.write_problem
         self.pending.clear()
         self.queued_bytes = 0
         written = 0
+        fsync_started = time.perf_counter()
         if self.checkpoint_files is not None:
             try:
                 if problem is None:
@@ -351,6 +357,8 @@ class SaveSession:
             except Exception as exc:
                 problem = problem or problem_from(exc, self.rank, f"fsyncing {writer.path.name}")
                 writer.abandon()
+        publish_started = time.perf_counter()
+        self.clock.add("fsync", publish_started - fsync_started)
         try:
             fault_point("status", self.rank)
         except Exception as exc:
@@ -386,6 +394,11 @@ class SaveSession:
             self.comm, publish_problem, what=f"save to {self.path}",
             lost="rank 0 may or may not have published: check with wb.latest_checkpoint",
         )
+        self.clock.add("publish", time.perf_counter() - publish_started)
+        # the writers' job time includes their waits for the writeback window: counted apart
+        waited = self.writeback.waited_seconds
+        self.clock.add("write", -waited)
+        self.clock.add("writeback_wait", waited)
         schedule = self.plan_set.schedules[self.rank]
         files = (
             tuple(sorted(set(self.checkpoint_files.written) | (set(self.checkpoint_files.headers) if self.rank == 0
@@ -405,6 +418,7 @@ class SaveSession:
             snapshot_bytes=self.snapshot.copied_bytes,
             write_mode=self.write_mode,
             direct_tensors=len(self.direct),
+            timings=self.clock.timings(),
         )
 
     # -- writing -----------------------------------------------------------------------------------------------
@@ -448,7 +462,8 @@ class SaveSession:
         while self.pending and self.queued_bytes + nbytes > self.in_flight_bytes:
             self.gate.set()
             future, size = self.pending.pop(0)
-            futures.wait([future])
+            with self.clock.measure("queue_wait"):
+                futures.wait([future])
             self.queued_bytes -= size
         self.queued_bytes += nbytes
         self.pending.append((self.pool.submit(self._run_write, job, copy, key), nbytes))
@@ -456,11 +471,15 @@ class SaveSession:
     def _run_write(self, job: Any, copy: HostCopy | _Writes, key: str) -> int:
         """A writer thread's job. A failure is recorded (the gathers poll it), never raised."""
         try:
-            self.gate.wait()
+            with self.clock.measure("gate_wait"):
+                self.gate.wait()
             if self.write_problem is not None or self.stopped:
                 return 0  # the save has failed: do not keep writing
             fault_point("write", self.rank)
-            return job()
+            with self.clock.measure("copy_wait"):
+                copy.wait()
+            with self.clock.measure("write"):  # the window's waits inside are moved to writeback_wait at the end
+                return job()
         except Exception as exc:
             with self._write_lock:
                 if self.write_problem is None:
@@ -525,6 +544,11 @@ class _Writes:
         self.items.append((job, copy, key))
         self.nbytes += copy.nbytes
         self.current = self.current or key
+
+    def wait(self) -> None:
+        """Wait until every copy of the batch is in host memory."""
+        for _, copy, _ in self.items:
+            copy.wait()
 
     def __call__(self) -> int:
         total = 0

@@ -22,6 +22,7 @@ import errno
 import os
 import sys
 import threading
+import time
 from collections import deque
 from collections.abc import Callable
 
@@ -93,6 +94,7 @@ class WritebackWindow:
         self._ranges: deque[tuple[int, int, int, int]] = deque()  # (fd, offset, span, bytes), oldest first
         self._in_flight = 0
         self._lock = threading.Lock()
+        self.waited_seconds = 0.0  # writers' time waiting for the oldest ranges, summed over threads
         self.disabled_by: str | None = None
         if self._syscall is None:
             self.disabled_by = "no sync_file_range on this platform"
@@ -134,8 +136,14 @@ class WritebackWindow:
                 oldest = self._ranges.popleft()
                 self._in_flight -= oldest[3]
                 due.append(oldest)
+        if not due:
+            return
+        started_waiting = time.perf_counter()
         for fd_, offset_, span_, _ in due:  # outside the lock: other writers go on meanwhile
             self._call(fd_, offset_, span_, WAIT)
+        waited = time.perf_counter() - started_waiting
+        with self._lock:
+            self.waited_seconds += waited
 
     def _gather(self, fd: int, lo: int, hi: int, counted: int) -> list[tuple[int, int, int, int]]:
         """Add a write to ``fd``'s pending hull; the ranges whose writeback is due now (under the lock)."""

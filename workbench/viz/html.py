@@ -406,6 +406,7 @@ def _save_result(result: Any) -> str:
         "snapshot_bytes": _bytes,
         "peak_bytes": _bytes,
         "call_seconds": lambda v: f"{sum(v):.3f} s in {len(v)} calls",
+        "timings": str,
     }
     for extra, show in extras.items():
         value = getattr(result, extra, None)
