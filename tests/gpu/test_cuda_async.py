@@ -57,6 +57,21 @@ def test_a_snapshot_does_not_keep_the_device_tensor() -> None:
     copy.release()
 
 
+def test_copies_taken_as_a_batch_share_one_event_recorded_by_mark() -> None:
+    from workbench.io.snapshot import Snapshotter
+
+    snapshot = Snapshotter([], own_everything=False, pool_bytes=None)
+    values = [torch.full((512, 512), float(i), device="cuda") for i in range(4)]
+    copies = [snapshot.take(v, mark=False) for v in values]
+    with pytest.raises(RuntimeError, match="before Snapshotter.mark"):
+        copies[0].wait()  # no event yet: waiting would read a copy that may not have landed
+    snapshot.mark()
+    assert len({id(c.event) for c in copies}) == 1
+    for i, copy in enumerate(copies):
+        assert torch.equal(copy.wait(), torch.full((512, 512), float(i)))
+        copy.release()
+
+
 def test_warm_host_pool_pins_what_the_first_async_save_needs(tmp_path: Path) -> None:
     from workbench.io.host_pool import host_pool
 

@@ -34,7 +34,7 @@ from workbench.io.host_pool import DEFAULT_POOL_BYTES, host_pool
 from workbench.io.save_session import _IN_FLIGHT, SaveResult, SaveSession
 from workbench.io.snapshot import Snapshotter
 from workbench.layout.key_map import KeyMap
-from workbench.layout.model_layout import Layout, local_tensors
+from workbench.layout.model_layout import Layout, layout_and_locals, local_tensors
 from workbench.plan.policy import SavePolicy
 from workbench.run.communicator import Communicator
 from workbench.run.guard import SaveFailed, agree, problem_from
@@ -163,8 +163,10 @@ def save_hf(
     mine: BaseException | None = None
     tensors: dict[str, torch.Tensor] = {}
     try:  # local checks first, agreed on over the whole world before any group is built: no rank may hang
-        layout = layout or Layout.from_model(model_or_state_dict, key_map)
-        tensors = local_tensors(model_or_state_dict, layout)
+        if layout is None:
+            layout, tensors = layout_and_locals(model_or_state_dict, key_map)
+        else:
+            tensors = local_tensors(model_or_state_dict, layout)
     except Exception as exc:
         mine = exc
     if write_mode not in ("auto", "direct", "gather"):
@@ -233,9 +235,12 @@ def warm_host_pool(
     Returns:
         The bytes of host memory allocated now (0 when the pools already hold such buffers).
     """
-    layout = layout or Layout.from_model(model_or_state_dict, key_map)
+    if layout is None:
+        layout, tensors = layout_and_locals(model_or_state_dict, key_map)
+    else:
+        tensors = local_tensors(model_or_state_dict, layout)
     sizes: dict[bool, list[int]] = {True: [], False: []}
-    for tensor in local_tensors(model_or_state_dict, layout).values():
+    for tensor in tensors.values():
         itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
         sizes[tensor.device.type != "cpu"].append(tensor.numel() * itemsize)
     return sum(host_pool(pinned=pinned).reserve(n) for pinned, n in sizes.items() if n)

@@ -425,35 +425,33 @@ class SaveSession:
 
     def _write_direct(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Queue every piece this rank writes directly: its boxes of the direct tensors, cast to the save dtype
-        and snapshotted (replicated pieces: only the replica chosen by ``writes_piece``)."""
-        key_index = {k: i for i, k in enumerate(self.layout.hf_keys)}
-        mesh = self.layout.mesh
+        and snapshotted (replicated pieces: only the replica chosen by ``writes_piece``). The copies of a batch
+        share one event, recorded when the batch is handed to a writer."""
         files = self.checkpoint_files
         assert files is not None
         batch = _Writes()
-        for name in self.direct:
-            spec, local = self.layout.specs[name], tensors[name]
-            regions = spec.key_regions(self.rank)
-            mine = [r for r in regions if writes_piece(spec, mesh, self.rank, key_index[r.hf_key])]
-            dtypes = {self.key_meta[r.hf_key][0] for r in mine}
+        for name, whole_dtype, mine in _direct_program(self.layout, self.key_meta, self.direct, self.rank):
+            local = tensors[name]
             if mine:
                 fault_point("snapshot", self.rank)
-            if len(mine) > 1 and len(mine) == len(regions) and len(dtypes) == 1:
+            if whole_dtype is not None:
                 # every piece of the tensor is ours: one snapshot of the whole local tensor (one device-to-host copy,
                 # not one per stripe) and one job writing its pieces
-                whole = self.snapshot.take(local.to(dtypes.pop()))
+                whole = self.snapshot.take(_as(local, whole_dtype), mark=False)
 
-                def job(pieces: tuple[KeyRegion, ...] = tuple(mine), whole: HostCopy = whole) -> int:
+                def job(pieces: tuple[KeyRegion, ...] = mine, whole: HostCopy = whole) -> int:
                     return files.write_local(pieces, whole.wait())
 
                 batch.add(job, whole, name)
             else:
                 for region in mine:
-                    copy = self.snapshot.take(local[_box(region)].to(self.key_meta[region.hf_key][0]))
+                    copy = self.snapshot.take(_as(local[_box(region)], self.key_meta[region.hf_key][0]), mark=False)
                     batch.add(partial(_write_piece, files, region, copy), copy, region.hf_key)
             if batch.nbytes >= _BATCH_BYTES:
+                self.snapshot.mark()
                 self._queue(batch.nbytes, batch, batch, name)
                 batch = _Writes()
+        self.snapshot.mark()
         if batch.items:
             self._queue(batch.nbytes, batch, batch, "the last pieces")
 
@@ -521,6 +519,38 @@ class SaveSession:
             self.checkpoint_files.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+
+_PROGRAMS = LRU(16)
+
+_DirectStep = tuple[str, torch.dtype | None, tuple[KeyRegion, ...]]
+
+
+def _direct_program(
+    layout: Layout, key_meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], direct: tuple[str, ...], rank: int
+) -> tuple[_DirectStep, ...]:
+    """For each direct tensor, in order: its name, the save dtype when the rank writes it whole (every piece is
+    the rank's and of one dtype: one snapshot of the local tensor) else None, and the pieces the rank writes
+    (replicated pieces: only the replica ``writes_piece`` picks). Remembered per layout, key metadata and rank."""
+
+    def build() -> tuple[_DirectStep, ...]:
+        key_index = {k: i for i, k in enumerate(layout.hf_keys)}
+        steps = []
+        for name in direct:
+            spec = layout.specs[name]
+            regions = spec.key_regions(rank)
+            mine = tuple(r for r in regions if writes_piece(spec, layout.mesh, rank, key_index[r.hf_key]))
+            dtypes = {key_meta[r.hf_key][0] for r in mine}
+            whole = len(mine) > 1 and len(mine) == len(regions) and len(dtypes) == 1
+            steps.append((name, dtypes.pop() if whole else None, mine))
+        return tuple(steps)
+
+    return remember_by_identity(_PROGRAMS, (layout, key_meta), (direct, rank), build)
+
+
+def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """``tensor`` in ``dtype`` (itself when it already is)."""
+    return tensor if tensor.dtype == dtype else tensor.to(dtype)
 
 
 def _box(region: KeyRegion) -> tuple[slice, ...]:

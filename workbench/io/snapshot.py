@@ -26,6 +26,9 @@ from workbench.io.host_pool import HostBuffer, HostPool, host_pool
 __all__ = ["HostCopy", "Snapshotter"]
 
 
+_UNMARKED = object()  # the event of a device copy taken with mark=False, until Snapshotter.mark()
+
+
 @dataclass
 class HostCopy:
     """A tensor on its way to host memory; ``wait()`` returns it once copied, ``release()`` frees its buffer."""
@@ -41,6 +44,8 @@ class HostCopy:
 
     def wait(self) -> torch.Tensor:
         """The host tensor, after its device-to-host copy finished."""
+        if self.event is _UNMARKED:
+            raise RuntimeError("a snapshot copy was waited on before Snapshotter.mark() recorded its event")
         if self.event is not None:
             self.event.synchronize()
             self.event = None
@@ -71,26 +76,28 @@ class Snapshotter:
         self.copied_bytes = 0
         self._streams: dict[torch.device, Any] = {}  # per device, the stream its copies run on (the caller's)
         self._last: dict[torch.device, Any] = {}  # per device, the event of its latest copy
+        self._unmarked: list[tuple[HostCopy, torch.device]] = []  # device copies waiting for mark()
 
     def _pool(self, pinned: bool) -> HostPool:
         if pinned not in self._pools:
             self._pools[pinned] = host_pool(pinned=pinned, capacity=self.pool_bytes)
         return self._pools[pinned]
 
-    def take(self, value: torch.Tensor) -> HostCopy:
-        """The host copy of ``value`` that a writer thread will write."""
+    def take(self, value: torch.Tensor, *, mark: bool = True) -> HostCopy:
+        """The host copy of ``value`` that a writer thread will write.
+
+        ``mark=False`` (a batch of copies): the device copy gets no event of its own; ``mark()`` records one for
+        every such copy, and must run before any of them is handed to a writer."""
         value = value.detach()
         if value.device.type != "cpu":
             buffer = self._pool(pinned=True).acquire(tuple(value.shape), value.dtype)
             buffer.tensor.copy_(value, non_blocking=True)
-            stream = self._streams.get(value.device)
-            if stream is None:
-                stream = self._streams[value.device] = torch.cuda.current_stream(value.device)
-            event = torch.cuda.Event()
-            event.record(stream)
-            self._last[value.device] = event
             self.copied_bytes += value.numel() * value.element_size()
-            return HostCopy(buffer.tensor, buffer, event)
+            copy = HostCopy(buffer.tensor, buffer, _UNMARKED)
+            self._unmarked.append((copy, value.device))
+            if mark:
+                self.mark()
+            return copy
         if self.own_everything and _storage_key(value) in self._model_storages:
             buffer = self._pool(pinned=False).acquire(tuple(value.shape), value.dtype)
             buffer.tensor.copy_(value)
@@ -98,9 +105,26 @@ class Snapshotter:
             return HostCopy(buffer.tensor, buffer)
         return HostCopy(value)
 
+    def mark(self) -> None:
+        """Record one event per device after the copies taken so far with ``mark=False``; they wait on it (a
+        device's copies run in order on one stream, so its latest event covers them all)."""
+        events: dict[torch.device, Any] = {}
+        for copy, device in self._unmarked:
+            event = events.get(device)
+            if event is None:
+                stream = self._streams.get(device)
+                if stream is None:
+                    stream = self._streams[device] = torch.cuda.current_stream(device)
+                event = events[device] = torch.cuda.Event()
+                event.record(stream)
+            copy.event = event
+        self._unmarked.clear()
+        self._last.update(events)
+
     def settle(self) -> None:
         """Wait until every device-to-host copy made so far has landed (the snapshot is complete): a device's copies
         run in order on one stream, so its last one's event is enough."""
+        self.mark()
         for event in self._last.values():
             event.synchronize()
         self._last.clear()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import math
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 from typing import Any
@@ -16,7 +17,7 @@ from workbench.layout.load_spec import LoadSpec
 from workbench.memo import LRU
 from workbench.mesh import MeshDimRef, MeshSpec, per_device_mesh
 
-__all__ = ["Layout", "local_tensors", "sub_mesh_refs"]
+__all__ = ["Layout", "layout_and_locals", "local_tensors", "sub_mesh_refs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -182,10 +183,68 @@ def local_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor], layout: L
     Raises:
         LayoutError: the layout names a parameter the model does not have.
     """
+    return _locals_of(_named_tensors(model), layout)
+
+
+@dataclass(frozen=True, slots=True)
+class _Remembered:
+    """A module's layout, valid while the module holds the very same tensors under the same names."""
+
+    key_map: KeyMap | None
+    tensors: tuple[tuple[str, weakref.ref, tuple[Any, ...]], ...]  # weak: an entry keeps no model alive
+    layout: Layout
+
+    @staticmethod
+    def of(key_map: KeyMap | None, tensors: Mapping[str, torch.Tensor], layout: Layout) -> _Remembered:
+        """The entry for ``layout``, derived from ``tensors``."""
+        return _Remembered(key_map, tuple((raw, weakref.ref(t), _meta(t)) for raw, t in tensors.items()), layout)
+
+    def holds(self, key_map: KeyMap | None, tensors: Mapping[str, torch.Tensor]) -> bool:
+        """True when ``tensors`` are the very objects the layout was read from, with the same metadata."""
+        same_map = self.key_map is key_map or (isinstance(key_map, Mapping) and self.key_map == key_map)
+        return same_map and len(tensors) == len(self.tensors) and all(
+            raw == name and ref() is tensor and meta == _meta(tensor)
+            for (raw, ref, meta), (name, tensor) in zip(self.tensors, tensors.items())
+        )
+
+
+def _meta(tensor: torch.Tensor) -> tuple[Any, ...]:
+    """What ``Layout.from_model`` reads of a tensor that can change while the object stays (``param.data =``)."""
+    placements = getattr(tensor, "placements", None)
+    return (tensor.dtype, tuple(tensor.shape), tuple(placements) if placements is not None else None)
+
+
+_MODEL_LAYOUTS = LRU(8)  # id(module) -> (weak reference to the module, _Remembered)
+
+
+def layout_and_locals(
+    model: torch.nn.Module | Mapping[str, torch.Tensor], key_map: KeyMap | None = None
+) -> tuple[Layout, dict[str, torch.Tensor]]:
+    """``Layout.from_model(model, key_map)`` and ``local_tensors(model, layout)`` from one walk of the model.
+
+    A module's layout is remembered while it holds the very same tensor objects under the same names, with the
+    same shapes, dtypes and placements (checked on every call; weak references, so no module is kept alive), and
+    the key map is the same: a training loop's repeat save walks the module once and derives nothing. Resharding
+    (FSDP2's unshard, a ``redistribute``) installs new tensor objects, so a changed layout is a miss.
+    """
+    tensors = _named_tensors(model)
+    if not isinstance(model, torch.nn.Module):
+        layout = Layout.from_model(tensors, key_map)
+        return layout, _locals_of(tensors, layout)
+    hit = _MODEL_LAYOUTS.get(id(model))
+    if hit is not None and hit[0]() is model and hit[1].holds(key_map, tensors):
+        layout = hit[1].layout
+    else:
+        layout = Layout.from_model(model, key_map)
+        _MODEL_LAYOUTS.put(id(model), (weakref.ref(model), _Remembered.of(key_map, tensors, layout)))
+    return layout, _locals_of(tensors, layout)
+
+
+def _locals_of(tensors: Mapping[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
     from workbench import _compat
 
     out = {}
-    for raw, tensor in _named_tensors(model).items():
+    for raw, tensor in tensors.items():
         name = clean_name(raw)
         if name in layout.specs:
             local = _compat.dtensor_local(tensor) if _compat.is_dtensor(tensor) else tensor
