@@ -198,7 +198,9 @@ def save_hf(
     session.clock.add("prepare", time.perf_counter() - start)
     try:
         with session.clock.measure("plan"):
-            session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors)
+            # an async save with room for its whole snapshot copies its direct pieces during the agreement
+            session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors,
+                         snapshot_early=async_save and limit >= _UNBOUNDED)
         with session.clock.measure("snapshot"):
             session.gather(tensors)
             if async_save:

@@ -160,6 +160,7 @@ class SaveSession:
         self.min_segment_bytes = DEFAULT_MIN_SEGMENT_BYTES
         self.direct: tuple[str, ...] = ()
         self.checkpoint_files: CheckpointFiles | None = None
+        self.direct_queued = False  # the direct pieces are snapshotted and queued (before the plan agreement)
         self.writeback = WritebackWindow()  # one per save: its writer threads share the bound
         self.clock = SaveClock()
         self._write_lock = threading.Lock()
@@ -185,14 +186,31 @@ class SaveSession:
         fp32_keys_pattern: Sequence[str] | str | None,
         max_writers: int | None,
         tensors: Mapping[str, torch.Tensor],
+        *,
+        snapshot_early: bool = False,
     ) -> None:
-        """Plan on every rank, agree (nothing moves if any rank failed), then prove the plans match."""
+        """Plan on every rank, agree (nothing moves if any rank failed), then prove the plans match.
+
+        ``snapshot_early`` (an async save whose writers stay gated until its snapshot is agreed on): this rank's
+        direct pieces are copied before the agreement, so their device-to-host copies run while the ranks
+        exchange; a failure there is reported at the agreement like a planning failure."""
         problem = None
         try:
             self._plan(policy, budget, dtype, fp32_keys_pattern, max_writers, tensors)
             fault_point("plan", self.rank)
         except Exception as exc:
             problem = problem_from(exc, self.rank, "planning the save")
+        if problem is None and snapshot_early and self.checkpoint_files is not None:
+            assert not self.gate.is_set(), "an early snapshot needs gated writers"
+            self.direct_queued = True
+            started = time.perf_counter()
+            try:
+                self._write_direct(tensors)
+            except Exception as exc:
+                problem = problem_from(exc, self.rank, "writing its own pieces")
+            spent = time.perf_counter() - started  # the snapshot's time, inside the caller's "plan" stage
+            self.clock.add("snapshot", spent)
+            self.clock.add("plan", -spent)
         digests = None
         if problem is None:
             assert self.plan_set is not None
@@ -284,7 +302,7 @@ class SaveSession:
                     self.files[spec.name] = StreamWriter(
                         self.publisher.temporary / spec.name, entries, self.metadata, self.writeback
                     )
-            else:
+            elif not self.direct_queued:
                 self._write_direct(tensors)
         except Exception as exc:
             failed = problem_from(exc, self.rank, "writing its own pieces" if self.direct else "creating its files")
@@ -308,16 +326,23 @@ class SaveSession:
         self.problem = drive_guarded(schedule, program, self.comm, on_wave, poll=self._poll, failed=failed)
 
     def settle_snapshot(self) -> None:
-        """Async: wait for the device-to-host copies, then agree that every rank's gathers and snapshot succeeded
-        (so no rank returns a handle while a peer raises)."""
+        """Async: agree that every rank's gathers and snapshot copies were made (so no rank returns a handle while
+        a peer raises), while the last device-to-host copies are still landing; then wait for them. A copy that
+        fails to land after the agreement is this rank's problem at ``wait()``: its writers write nothing, and
+        every rank's ``wait()`` raises, with nothing published."""
         if self.problem is None:
             try:
-                self.snapshot.settle()
+                self.snapshot.mark()
             except Exception as exc:
                 self.problem = problem_from(exc, self.rank, "taking the snapshot")
+        agree(self.comm, self.problem, what=f"async save to {self.path}", on_failure=self._abort)
+        try:
+            self.snapshot.settle()
+        except Exception as exc:
+            self.problem = problem_from(exc, self.rank, "taking the snapshot (a copy did not land)")
+            self.stopped = True
         self.gate.set()
         self.blocked_seconds = time.perf_counter() - self.start
-        agree(self.comm, self.problem, what=f"async save to {self.path}", on_failure=self._abort)
 
     def finish(self) -> SaveResult:
         """Wait for this rank's writes, fsync its files, agree, then rank 0 publishes; every rank learns the end."""
