@@ -63,7 +63,7 @@ def test_copies_taken_as_a_batch_share_one_event_recorded_by_mark() -> None:
     snapshot = Snapshotter([], own_everything=False, pool_bytes=None)
     values = [torch.full((512, 512), float(i), device="cuda") for i in range(4)]
     copies = [snapshot.take(v, mark=False) for v in values]
-    with pytest.raises(RuntimeError, match="before Snapshotter.mark"):
+    with pytest.raises(RuntimeError, match=r"before Snapshotter\.mark"):
         copies[0].wait()  # no event yet: waiting would read a copy that may not have landed
     snapshot.mark()
     assert len({id(c.event) for c in copies}) == 1

@@ -10,6 +10,7 @@ import struct
 from pathlib import Path
 
 import numpy as np
+import pytest
 import torch
 from hypothesis import given
 from hypothesis import strategies as st
@@ -197,3 +198,18 @@ def test_whole_local_writes_refuse_a_tensor_of_another_dtype(tmp_path: Path) -> 
     with pytest.raises(CheckpointError, match=r"b: saved as torch.bfloat16, the tensor's other keys as torch.float32"):
         files.write_local(spec.key_regions(0), torch.zeros(4, 2))
     files.close()
+
+
+def test_a_world_known_to_be_on_one_host_writes_no_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workbench.io import hf_save
+
+    probes: list[Path] = []
+    real = hf_save._write_probe
+    monkeypatch.setattr(hf_save, "_write_probe", lambda path: probes.append(path) or real(path))
+    monkeypatch.setattr(hf_save, "_ONE_HOST", set())
+    state = {"w": torch.ones(4, 4)}
+    first = wb.save_hf(state, tmp_path / "a")
+    second = wb.save_hf(state, tmp_path / "b")
+    assert first.write_mode == second.write_mode == "direct"
+    assert probes == [tmp_path / "a"]  # the first save learnt the hosts; the second needed no probe
+    assert not list(tmp_path.glob(".*probe*"))

@@ -172,9 +172,11 @@ def save_hf(
     if write_mode not in ("auto", "direct", "gather"):
         raise CheckpointError(f"write_mode must be 'auto', 'direct' or 'gather', got {write_mode!r}")
     # the write mode's host names (and rank 0's probe file) travel with the agreement: one exchange for both
-    probe = _write_probe(Path(path)) if write_mode == "auto" and mine is None and _rank(comm) == 0 else None
+    wanted = write_mode == "auto" and mine is None and _rank(comm) == 0 and not _one_host_known(comm)
+    probe = _write_probe(Path(path)) if wanted else None
     try:
         seen = _agree_before_groups(mine, path, timeout, comm, share=(socket.gethostname(), probe))
+        _remember_hosts(comm, seen)
         assert layout is not None
         comm = comm or default_communicator(layout, timeout)
         target = Path(path).resolve()
@@ -246,6 +248,30 @@ def warm_host_pool(
         itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
         sizes[tensor.device.type != "cpu"].append(tensor.numel() * itemsize)
     return sum(host_pool(pinned=pinned).reserve(n) for pinned, n in sizes.items() if n)
+
+
+# the worlds (communicator or default group, by id) an earlier save found on one host; a stale id can only cost a
+# probe file not written, and auto then picks gather across hosts (never a wrong write mode for direct)
+_ONE_HOST: set[tuple[int, int]] = set()
+
+
+def _world_id(comm: Communicator | None) -> tuple[int, int]:
+    if comm is not None:
+        return (id(comm), 0)
+    import torch.distributed as dist
+
+    return (id(dist.group.WORLD), dist.get_world_size()) if dist.is_initialized() else (0, 1)
+
+
+def _one_host_known(comm: Communicator | None) -> bool:
+    """True when an earlier save of this world found every rank on one host (a probe file is then not needed:
+    ``auto`` picks direct writes from the host names alone)."""
+    return _world_id(comm) in _ONE_HOST
+
+
+def _remember_hosts(comm: Communicator | None, seen: Sequence[tuple[str, str | None]]) -> None:
+    if len({host for host, _ in seen}) == 1:
+        _ONE_HOST.add(_world_id(comm))
 
 
 def _write_probe(path: Path) -> str | None:

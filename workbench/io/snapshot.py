@@ -69,7 +69,8 @@ class Snapshotter:
     """
 
     def __init__(self, model_tensors: Iterable[torch.Tensor], *, own_everything: bool, pool_bytes: int | None) -> None:
-        self._model_storages = {_storage_key(t) for t in model_tensors}
+        self._model_tensors = list(model_tensors)
+        self._storages: set[tuple[str, int]] | None = None  # their storages, found on the first CPU tensor taken
         self.own_everything = own_everything
         self.pool_bytes = pool_bytes
         self._pools: dict[bool, HostPool] = {}
@@ -98,12 +99,17 @@ class Snapshotter:
             if mark:
                 self.mark()
             return copy
-        if self.own_everything and _storage_key(value) in self._model_storages:
+        if self.own_everything and _storage_key(value) in self._model_storages():
             buffer = self._pool(pinned=False).acquire(tuple(value.shape), value.dtype)
             buffer.tensor.copy_(value)
             self.copied_bytes += value.numel() * value.element_size()
             return HostCopy(buffer.tensor, buffer)
         return HostCopy(value)
+
+    def _model_storages(self) -> set[tuple[str, int]]:
+        if self._storages is None:
+            self._storages = {_storage_key(t) for t in self._model_tensors}
+        return self._storages
 
     def mark(self) -> None:
         """Record one event per device after the copies taken so far with ``mark=False``; they wait on it (a

@@ -191,25 +191,40 @@ class _Remembered:
     """A module's layout, valid while the module holds the very same tensors under the same names."""
 
     key_map: KeyMap | None
-    tensors: tuple[tuple[str, weakref.ref, tuple[Any, ...]], ...]  # weak: an entry keeps no model alive
+    # per state-dict entry: its name, a weak reference to the tensor (an entry keeps no model alive), what the
+    # layout read of it, and its parameter name in the layout (None: not in the checkpoint)
+    tensors: tuple[tuple[str, weakref.ref, tuple[Any, ...], str | None], ...]
     layout: Layout
 
     @staticmethod
     def of(key_map: KeyMap | None, tensors: Mapping[str, torch.Tensor], layout: Layout) -> _Remembered:
         """The entry for ``layout``, derived from ``tensors``."""
-        return _Remembered(key_map, tuple((raw, weakref.ref(t), _meta(t)) for raw, t in tensors.items()), layout)
+        rows = []
+        for raw, tensor in tensors.items():
+            name = clean_name(raw)
+            rows.append((raw, weakref.ref(tensor), _meta(tensor), name if name in layout.specs else None))
+        return _Remembered(key_map, tuple(rows), layout)
 
-    def holds(self, key_map: KeyMap | None, tensors: Mapping[str, torch.Tensor]) -> bool:
-        """True when ``tensors`` are the very objects the layout was read from, with the same metadata."""
+    def locals_if_same(self, key_map: KeyMap | None, tensors: Mapping[str, torch.Tensor]) -> dict | None:
+        """The layout's local tensors when ``tensors`` are the very objects the layout was read from, with the same
+        metadata, under the same key map; else None."""
         same_map = self.key_map is key_map or (isinstance(key_map, Mapping) and self.key_map == key_map)
-        return same_map and len(tensors) == len(self.tensors) and all(
-            raw == name and ref() is tensor and meta == _meta(tensor)
-            for (raw, ref, meta), (name, tensor) in zip(self.tensors, tensors.items())
-        )
+        if not same_map or len(tensors) != len(self.tensors):
+            return None
+        from workbench._compat import dtensor_local
+
+        out = {}
+        for (raw, ref, meta, name), (now, tensor) in zip(self.tensors, tensors.items()):
+            if raw != now or ref() is not tensor or meta != _meta(tensor):
+                return None
+            if name is not None:  # a DTensor is the one with placements
+                out[name] = (dtensor_local(tensor) if meta[2] is not None else tensor).detach()
+        return out
 
 
 def _meta(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """What ``Layout.from_model`` reads of a tensor that can change while the object stays (``param.data =``)."""
+    """What ``Layout.from_model`` reads of a tensor that can change while the object stays (``param.data =``);
+    placements are None for a plain tensor."""
     placements = getattr(tensor, "placements", None)
     return (tensor.dtype, tuple(tensor.shape), tuple(placements) if placements is not None else None)
 
@@ -232,11 +247,12 @@ def layout_and_locals(
         layout = Layout.from_model(tensors, key_map)
         return layout, _locals_of(tensors, layout)
     hit = _MODEL_LAYOUTS.get(id(model))
-    if hit is not None and hit[0]() is model and hit[1].holds(key_map, tensors):
-        layout = hit[1].layout
-    else:
-        layout = Layout.from_model(model, key_map)
-        _MODEL_LAYOUTS.put(id(model), (weakref.ref(model), _Remembered.of(key_map, tensors, layout)))
+    if hit is not None and hit[0]() is model:
+        locals_ = hit[1].locals_if_same(key_map, tensors)
+        if locals_ is not None:
+            return hit[1].layout, locals_
+    layout = Layout.from_model(model, key_map)
+    _MODEL_LAYOUTS.put(id(model), (weakref.ref(model), _Remembered.of(key_map, tensors, layout)))
     return layout, _locals_of(tensors, layout)
 
 
