@@ -122,3 +122,33 @@ def test_two_nccl_ranks_save_directly_and_by_gathers(tmp_path: Path) -> None:
         wrong += [(name, k, float((got[k].float() - want[k].float()).abs().max())) for k in want
                   if not torch.equal(got[k], want[k])]
     assert not wrong, wrong
+
+
+def test_a_repeat_async_save_copies_early_and_still_writes_call_time_values(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """The second async save of a CUDA module starts its copies before planning (they are claimed); a save with
+    another dtype releases them and copies afresh; a replaced parameter takes none; every file holds the values
+    of call time."""
+    from workbench.io import early_snapshot, hf_save
+
+    taken: list = []
+    real = early_snapshot.take_early
+    monkeypatch.setattr(hf_save, "take_early", lambda *a: taken.append(real(*a)) or taken[-1])
+    model = torch.nn.Sequential(torch.nn.Linear(256, 512), torch.nn.Linear(512, 128)).cuda().to(torch.bfloat16)
+    for attempt in range(5):
+        dtype = torch.float32 if attempt == 3 else None
+        if attempt == 4:
+            model[1].weight = torch.nn.Parameter(torch.randn(128, 512, device="cuda", dtype=torch.bfloat16))
+        expected = {k: v.detach().cpu().to(dtype or v.dtype) for k, v in model.state_dict().items()}
+        handle = wb.save_hf(model, tmp_path / f"ckpt{attempt}", async_save=True, write_mode="direct", dtype=dtype)
+        with torch.no_grad():
+            for p in model.parameters():
+                p.add_(1)  # the optimizer step, at once
+        handle.wait()
+        read = _read(tmp_path / f"ckpt{attempt}")
+        assert all(torch.equal(read[k], expected[k]) for k in expected), attempt
+    assert taken[0] is None  # nothing remembered before the first save
+    assert taken[1] is not None and taken[1].claimed and taken[1].copies  # handed to the save
+    assert taken[3] is not None and taken[3].claimed and not taken[3].copies  # another dtype: released
+    assert taken[4] is None  # the remembered weight is gone: nothing to copy early

@@ -41,8 +41,11 @@ from workbench.mesh import MeshSpec
 __all__ = [
     "DEFAULT_MIN_SEGMENT_BYTES",
     "CheckpointFiles",
+    "DirectStep",
     "KeySlot",
+    "box",
     "direct_names",
+    "direct_program",
     "replicating_dims",
     "segment_starts",
     "writes_piece",
@@ -122,6 +125,41 @@ def _key_shape(spec: LoadSpec) -> tuple[int, ...]:
     from workbench.plan.load_plan import expected_key_shape
 
     return tuple(expected_key_shape(spec))
+
+
+DirectStep = tuple[str, torch.dtype | None, tuple[KeyRegion, ...]]
+"""One direct tensor of a rank's program: its name, the save dtype when the rank writes it whole (else None),
+and the pieces the rank writes."""
+
+_PROGRAMS = LRU(16)
+
+
+def direct_program(
+    layout: Layout, key_meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], direct: tuple[str, ...], rank: int
+) -> tuple[DirectStep, ...]:
+    """For each direct tensor, in order: its name, the save dtype when the rank writes it whole (every piece is
+    the rank's and of one dtype: one snapshot of the local tensor) else None, and the pieces the rank writes
+    (replicated pieces: only the replica ``writes_piece`` picks). Remembered per layout, key metadata (the very
+    objects), direct names and rank."""
+
+    def build() -> tuple[DirectStep, ...]:
+        key_index = {k: i for i, k in enumerate(layout.hf_keys)}
+        steps = []
+        for name in direct:
+            spec = layout.specs[name]
+            regions = spec.key_regions(rank)
+            mine = tuple(r for r in regions if writes_piece(spec, layout.mesh, rank, key_index[r.hf_key]))
+            dtypes = {key_meta[r.hf_key][0] for r in mine}
+            whole = len(mine) > 1 and len(mine) == len(regions) and len(dtypes) == 1
+            steps.append((name, dtypes.pop() if whole else None, mine))
+        return tuple(steps)
+
+    return remember_by_identity(_PROGRAMS, (layout, key_meta), (direct, rank), build)
+
+
+def box(region: KeyRegion) -> tuple[slice, ...]:
+    """The index of a key region in its rank's local tensor."""
+    return tuple(slice(o, o + n) for o, n in zip(region.local_offset, region.sizes))
 
 
 @dataclass(frozen=True, slots=True)

@@ -29,6 +29,7 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES
+from workbench.io.early_snapshot import remember_direct_plan, take_early
 from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES
 from workbench.io.host_pool import DEFAULT_POOL_BYTES, host_pool
 from workbench.io.save_session import _IN_FLIGHT, SaveResult, SaveSession
@@ -70,7 +71,7 @@ class AsyncSave:
 
     def done(self) -> bool:
         """True when this rank's files are written (publishing still needs ``wait()``)."""
-        return all(f.done() for f, _ in self._session.pending)
+        return all(f.done() for f, _, _ in self._session.pending)
 
     def wait(self) -> SaveResult:
         """Finish writing, check every rank, publish atomically; returns this rank's result (or raises SaveFailed
@@ -160,6 +161,15 @@ def save_hf(
     """
     _finish_pending()
     start = time.perf_counter()
+    if write_mode not in ("auto", "direct", "gather"):
+        raise CheckpointError(f"write_mode must be 'auto', 'direct' or 'gather', got {write_mode!r}")
+    # an async save with room for its whole snapshot: the pool is unbounded, so copies never wait for writers
+    unbounded = async_save and host_buffer_bytes is None
+    snapshot = Snapshotter((), own_everything=async_save, pool_bytes=host_buffer_bytes or (_UNBOUNDED if async_save
+                                                                                           else None))
+    # a repeat async save of a GPU model starts copying its last plan's pieces now, while it walks, agrees, plans
+    early = take_early(model_or_state_dict, snapshot) if unbounded and layout is None else None
+    early_seconds = time.perf_counter() - start
     mine: BaseException | None = None
     tensors: dict[str, torch.Tensor] = {}
     try:  # local checks first, agreed on over the whole world before any group is built: no rank may hang
@@ -169,8 +179,6 @@ def save_hf(
             tensors = local_tensors(model_or_state_dict, layout)
     except Exception as exc:
         mine = exc
-    if write_mode not in ("auto", "direct", "gather"):
-        raise CheckpointError(f"write_mode must be 'auto', 'direct' or 'gather', got {write_mode!r}")
     # the write mode's host names (and rank 0's probe file) travel with the agreement: one exchange for both
     wanted = write_mode == "auto" and mine is None and _rank(comm) == 0 and not _one_host_known(comm)
     probe = _write_probe(Path(path)) if wanted else None
@@ -186,23 +194,29 @@ def save_hf(
                 "before saving to the same path again"
             )
         mode = _resolve_write_mode(write_mode, comm, seen)
+    except BaseException:
+        if early is not None:
+            early.release()  # from here on the session owns them (its close() releases what is not claimed)
+        raise
     finally:
         if probe is not None:
             Path(probe).unlink(missing_ok=True)
     # an async save snapshots all it writes before returning: by default nothing bounds that but the rank's share
     limit = host_buffer_bytes or (_UNBOUNDED if async_save else budget_bytes or DEFAULT_POOL_BYTES)
-    pool = host_buffer_bytes or (_UNBOUNDED if async_save else None)
-    snapshot = Snapshotter(tensors.values(), own_everything=async_save, pool_bytes=pool)
+    snapshot.add_model_tensors(tensors.values())
     session = SaveSession(
         layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files, limit, snapshot
     )
-    session.write_mode, session.min_segment_bytes = mode, min_segment_bytes
-    session.clock.add("prepare", time.perf_counter() - start)
+    session.write_mode, session.min_segment_bytes, session.early = mode, min_segment_bytes, early
+    session.clock.add("prepare", time.perf_counter() - start - early_seconds)
+    session.clock.add("snapshot", early_seconds)  # issuing the early copies
     try:
         with session.clock.measure("plan"):
             # an async save with room for its whole snapshot copies its direct pieces during the agreement
             session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors,
                          snapshot_early=async_save and limit >= _UNBOUNDED)
+        if async_save and session.direct and limit >= _UNBOUNDED:
+            remember_direct_plan(model_or_state_dict, (layout, session.key_meta, session.direct, session.rank))
         with session.clock.measure("snapshot"):
             session.gather(tensors)
             if async_save:

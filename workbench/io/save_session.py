@@ -22,7 +22,8 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
-from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES, CheckpointFiles, direct_names, writes_piece
+from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES, CheckpointFiles, direct_names, direct_program
+from workbench.io.early_snapshot import EarlySnapshot, take_step
 from workbench.io.file_plan import FilePlan, plan_files
 from workbench.io.index import INDEX_NAME, write_index
 from workbench.io.ownership import MARKER_NAME, Heartbeat
@@ -143,7 +144,7 @@ class SaveSession:
         self.max_shard_bytes = max_shard_bytes
         self.config_files = [Path(c) for c in config_files]
         self.pool = futures.ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="workbench-write")
-        self.pending: list[tuple[futures.Future[int], int]] = []
+        self.pending: list[tuple[futures.Future[int], int, HostCopy | _Writes]] = []  # (job, bytes, its copies)
         self.queued_bytes = 0
         self.in_flight_bytes = in_flight_bytes
         self.snapshot = snapshot
@@ -161,6 +162,7 @@ class SaveSession:
         self.direct: tuple[str, ...] = ()
         self.checkpoint_files: CheckpointFiles | None = None
         self.direct_queued = False  # the direct pieces are snapshotted and queued (before the plan agreement)
+        self.early: EarlySnapshot | None = None  # copies taken at the call's start, for the plan of the last save
         self.writeback = WritebackWindow()  # one per save: its writer threads share the bound
         self.clock = SaveClock()
         self._write_lock = threading.Lock()
@@ -216,6 +218,8 @@ class SaveSession:
             assert self.plan_set is not None
             digests = plan_digests(self.plan_set.schedules[self.rank], self.plan_set.writers, self.layout.mesh,
                                    self.rank)
+        if self.early is not None and not self.direct_queued:
+            self.early.release()  # taken for a direct plan this save does not follow
         everyone = agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort, share=digests)
         assert self.plan_set is not None
         check_agreement(  # the digests came with the planning outcome: no exchange of their own
@@ -352,7 +356,7 @@ class SaveSession:
         self.stopped = problem is not None
         self.gate.set()
         with self.clock.measure("drain"):
-            for future, _ in self.pending:
+            for future, _, _ in self.pending:
                 try:
                     future.result()
                 except Exception as exc:  # recorded by _write already; kept here for a future that never ran it
@@ -450,27 +454,32 @@ class SaveSession:
 
     def _write_direct(self, tensors: Mapping[str, torch.Tensor]) -> None:
         """Queue every piece this rank writes directly: its boxes of the direct tensors, cast to the save dtype
-        and snapshotted (replicated pieces: only the replica chosen by ``writes_piece``). The copies of a batch
-        share one event, recorded when the batch is handed to a writer."""
+        and snapshotted (replicated pieces: only the replica chosen by ``writes_piece``); the copies taken at the
+        call's start are used when they are this plan's (``EarlySnapshot.claim``). The copies of a batch share
+        one event, recorded when the batch is handed to a writer."""
         files = self.checkpoint_files
         assert files is not None
+        program = direct_program(self.layout, self.key_meta, self.direct, self.rank)
+        early = None
+        if self.early is not None:
+            early = self.early.claim((self.layout, self.key_meta, self.direct, self.rank), program, tensors)
         batch = _Writes()
-        for name, whole_dtype, mine in _direct_program(self.layout, self.key_meta, self.direct, self.rank):
-            local = tensors[name]
-            if mine:
-                fault_point("snapshot", self.rank)
+        for index, step in enumerate(program):
+            name, whole_dtype, mine = step
+            if not mine:
+                continue
+            fault_point("snapshot", self.rank)
+            copies = early[index] if early is not None else take_step(self.snapshot, tensors[name], step,
+                                                                      self.key_meta)
             if whole_dtype is not None:
                 # every piece of the tensor is ours: one snapshot of the whole local tensor (one device-to-host copy,
                 # not one per stripe) and one job writing its pieces
-                whole = self.snapshot.take(_as(local, whole_dtype), mark=False)
-
-                def job(pieces: tuple[KeyRegion, ...] = mine, whole: HostCopy = whole) -> int:
+                def job(pieces: tuple[KeyRegion, ...] = mine, whole: HostCopy = copies[0]) -> int:
                     return files.write_local(pieces, whole.wait())
 
-                batch.add(job, whole, name)
+                batch.add(job, copies[0], name)
             else:
-                for region in mine:
-                    copy = self.snapshot.take(_as(local[_box(region)], self.key_meta[region.hf_key][0]), mark=False)
+                for region, copy in zip(mine, copies):
                     batch.add(partial(_write_piece, files, region, copy), copy, region.hf_key)
             if batch.nbytes >= _BATCH_BYTES:
                 self.snapshot.mark()
@@ -484,12 +493,12 @@ class SaveSession:
         """Hand ``job`` to a writer thread; past ``in_flight_bytes`` queued, wait for the oldest writes first."""
         while self.pending and self.queued_bytes + nbytes > self.in_flight_bytes:
             self.gate.set()
-            future, size = self.pending.pop(0)
+            future, size, _ = self.pending.pop(0)
             with self.clock.measure("queue_wait"):
                 futures.wait([future])
             self.queued_bytes -= size
         self.queued_bytes += nbytes
-        self.pending.append((self.pool.submit(self._run_write, job, copy, key), nbytes))
+        self.pending.append((self.pool.submit(self._run_write, job, copy, key), nbytes, copy))
 
     def _run_write(self, job: Any, copy: HostCopy | _Writes, key: str) -> int:
         """A writer thread's job. A failure is recorded (the gathers poll it), never raised."""
@@ -538,49 +547,17 @@ class SaveSession:
         if abandon:
             self.write_problem = self.write_problem or RankProblem(self.rank, "exiting", "abandoned")
         self.pool.shutdown(wait=True, cancel_futures=True)
+        for future, _, copy in self.pending:
+            if future.cancelled():  # never ran, so never gave its pool buffers back
+                copy.release()
+        if self.early is not None:
+            self.early.release()  # copies never claimed (a claimed copy went to a writer job, which released it)
         for writer in self.files.values():
             writer.abandon()
         if self.checkpoint_files is not None:
             self.checkpoint_files.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
-
-
-_PROGRAMS = LRU(16)
-
-_DirectStep = tuple[str, torch.dtype | None, tuple[KeyRegion, ...]]
-
-
-def _direct_program(
-    layout: Layout, key_meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]], direct: tuple[str, ...], rank: int
-) -> tuple[_DirectStep, ...]:
-    """For each direct tensor, in order: its name, the save dtype when the rank writes it whole (every piece is
-    the rank's and of one dtype: one snapshot of the local tensor) else None, and the pieces the rank writes
-    (replicated pieces: only the replica ``writes_piece`` picks). Remembered per layout, key metadata and rank."""
-
-    def build() -> tuple[_DirectStep, ...]:
-        key_index = {k: i for i, k in enumerate(layout.hf_keys)}
-        steps = []
-        for name in direct:
-            spec = layout.specs[name]
-            regions = spec.key_regions(rank)
-            mine = tuple(r for r in regions if writes_piece(spec, layout.mesh, rank, key_index[r.hf_key]))
-            dtypes = {key_meta[r.hf_key][0] for r in mine}
-            whole = len(mine) > 1 and len(mine) == len(regions) and len(dtypes) == 1
-            steps.append((name, dtypes.pop() if whole else None, mine))
-        return tuple(steps)
-
-    return remember_by_identity(_PROGRAMS, (layout, key_meta), (direct, rank), build)
-
-
-def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
-    """``tensor`` in ``dtype`` (itself when it already is)."""
-    return tensor if tensor.dtype == dtype else tensor.to(dtype)
-
-
-def _box(region: KeyRegion) -> tuple[slice, ...]:
-    """The index of a key region in the local tensor."""
-    return tuple(slice(o, o + n) for o, n in zip(region.local_offset, region.sizes))
 
 
 _BATCH_BYTES = 64 << 20  # direct writes handed to a writer thread together: one submit per batch, not per tensor

@@ -106,6 +106,11 @@ class Snapshotter:
             return HostCopy(buffer.tensor, buffer)
         return HostCopy(value)
 
+    def add_model_tensors(self, tensors: Iterable[torch.Tensor]) -> None:
+        """More of the rank's own tensors (a snapshotter made before the model was read)."""
+        self._model_tensors.extend(tensors)
+        self._storages = None
+
     def _model_storages(self) -> set[tuple[str, int]]:
         if self._storages is None:
             self._storages = {_storage_key(t) for t in self._model_tensors}

@@ -256,6 +256,26 @@ def layout_and_locals(
     return layout, _locals_of(tensors, layout)
 
 
+def remembered_locals(model: Any, layout: Layout) -> dict[str, torch.Tensor] | None:
+    """The local tensors of ``layout``'s parameters, from the tensors remembered for ``model`` when ``layout`` was
+    derived (no walk of the model: not checked against what it holds now); None when that is not remembered or a
+    tensor is gone. For speculative work that is checked later (``io/early_snapshot.py``)."""
+    from workbench._compat import dtensor_local
+
+    hit = _MODEL_LAYOUTS.get(id(model))
+    if hit is None or hit[0]() is not model or hit[1].layout is not layout:
+        return None
+    out = {}
+    for _, ref, meta, name in hit[1].tensors:
+        if name is None:
+            continue
+        tensor = ref()
+        if tensor is None:
+            return None
+        out[name] = (dtensor_local(tensor) if meta[2] is not None else tensor).detach()
+    return out
+
+
 def _locals_of(tensors: Mapping[str, torch.Tensor], layout: Layout) -> dict[str, torch.Tensor]:
     from workbench import _compat
 
