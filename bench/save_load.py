@@ -645,6 +645,8 @@ def main() -> None:
     parser.add_argument("--heads", type=int, default=16)
     parser.add_argument("--kv-heads", type=int, default=4)
     parser.add_argument("--head-dim", type=int, default=64)
+    parser.add_argument("--min-segment-kb", type=int, default=None,
+                        help="save_hf's min_segment_bytes in KiB (0: every tensor written directly, no gathers)")
     parser.add_argument("--threads", type=int, default=4, help="writer threads per rank (wb and DCP alike)")
     parser.add_argument("--max-shard-mb", type=int, default=None,
                         help="wb.save_hf's max_shard_bytes in MB (default: wb's own, 5 GB)")
@@ -696,7 +698,8 @@ def main() -> None:
     cfg = {"shape": shape, "mesh": mesh, "load_mesh": load_mesh, "root": str(root), "backend": args.backend,
            "threads": args.threads, "seed": args.seed, "profile": args.profile, "verify": not args.no_verify,
            "skip_dcp": args.skip_dcp, "repeats": args.repeats, "lean": args.lean,
-           "save_kwargs": {} if args.max_shard_mb is None else {"max_shard_bytes": args.max_shard_mb * 10**6},
+           "save_kwargs": ({} if args.max_shard_mb is None else {"max_shard_bytes": args.max_shard_mb * 10**6})
+           | ({} if args.min_segment_kb is None else {"min_segment_bytes": args.min_segment_kb << 10}),
            "nbytes": nbytes}
     t_launch = time.perf_counter()
     results = wb.launch(_rank_main, nprocs=args.ranks, backend=args.backend, args=(cfg,), timeout=args.timeout)

@@ -79,12 +79,17 @@ class EarlySnapshot:
         return self.copies
 
     def release(self) -> None:
-        """Give back every copy not claimed (idempotent); a claimed copy is the save's to release."""
+        """Give back every copy not claimed (idempotent); a claimed copy is the save's to release. The copies are
+        waited for first: a buffer back in the pool must not still be the target of a copy in flight."""
         if self.claimed:
             return
+        self.snapshot.mark()
         for copies in self.copies:
             for copy in copies:
-                self.snapshot.copied_bytes -= copy.nbytes if copy.buffer is not None else 0
+                if copy.buffer is None:
+                    continue
+                copy.wait()
+                self.snapshot.copied_bytes -= copy.nbytes
                 copy.release()
         self.copies.clear()
         self.claimed = True  # nothing left to hand over
