@@ -121,7 +121,7 @@ def test_fused_tensors_written_from_one_snapshot_each_hold_their_own_values(tmp_
             assert torch.equal(reader.read(key), value), key
 
 
-def _files_for(tmp: Path, layout: wb.Layout) -> tuple[dict, object]:
+def _files_for(tmp: Path, layout: wb.Layout, *, map_short_runs: bool = False) -> tuple[dict, object]:
     from workbench.io.direct import CheckpointFiles
     from workbench.io.file_plan import plan_files
     from workbench.plan.load_plan import expected_key_shape
@@ -130,7 +130,7 @@ def _files_for(tmp: Path, layout: wb.Layout) -> tuple[dict, object]:
     sizes = {k: 4 * int(np.prod(shape)) for k, (_, shape) in meta.items()}
     plan = plan_files(dict.fromkeys(meta, 0), sizes, list(meta), max_shard_bytes=1 << 12)  # several files
     tmp.mkdir()
-    files = CheckpointFiles(tmp, plan, meta, {"format": "pt"})
+    files = CheckpointFiles(tmp, plan, meta, {"format": "pt"}, map_short_runs=map_short_runs)
     files.create_all()
     return meta, files
 
@@ -174,6 +174,56 @@ def test_whole_local_writes_merge_runs_and_equal_piece_writes(tmp_path: Path, mo
     by_local.close()
     for f in sorted((tmp_path / "piece").iterdir()):
         assert f.read_bytes() == (tmp_path / "local" / f.name).read_bytes(), f.name
+
+
+@pytest.mark.parametrize("allocate", [True, False])
+def test_short_runs_written_through_a_memory_map_are_the_same_bytes(tmp_path: Path, monkeypatch,
+                                                                    allocate: bool) -> None:
+    """With ``map_short_runs`` (one host), boxes of many short runs (a column cut, a 3-d box) are copied through a
+    shared map of the file by every rank into the same files, with no pwrite; a box of few runs is still
+    pwritten. The bytes equal one pwrite per run. Where blocks cannot be allocated first, the runs are pwritten."""
+    import workbench.io.direct as direct
+
+    if not allocate:
+        monkeypatch.setattr(direct, "_allocate", lambda fd, offset, nbytes: False)
+    mesh = wb.MeshSpec((2, 2), ("fsdp", "tp"))
+    specs = {
+        "cols": wb.LoadSpec.from_placements("cols", "cols.w", (256, 40), mesh, [Shard(0), Shard(1)]),
+        "experts": wb.LoadSpec.from_placements("experts", [f"e{i}.w" for i in range(4)], (4 * 6, 16), mesh,
+                                               [Shard(0), Replicate()], fused_dim=0),
+        "cube": wb.LoadSpec.from_placements("cube", "cube.w", (4, 64, 10), mesh, [Shard(2), Shard(1)]),
+    }
+    layout = wb.Layout(mesh, specs)
+    gen = torch.Generator().manual_seed(1)
+    full = {n: torch.randn(s.global_shape, generator=gen) for n, s in specs.items()}
+    _, by_pwrite = _files_for(tmp_path / "pwrite", layout)
+    _, by_map = _files_for(tmp_path / "map", layout, map_short_runs=True)
+    pwrites: dict[str, int] = {}
+    real = direct._pwrite_all
+    mapped = 0
+    for rank in mesh.all_ranks():
+        for name, spec in specs.items():
+            box = tuple(slice(o, o + n) for o, n in zip(*_local_box(spec, rank)))
+            local = full[name][box].contiguous()
+            regions = [r for r in spec.key_regions(rank) if writes_piece(spec, mesh, rank, 0)]
+            by_pwrite.write_local(regions, local)
+            monkeypatch.setattr(direct, "_pwrite_all", lambda fd, data, offset, name=name: (
+                pwrites.__setitem__(name, pwrites.get(name, 0) + 1), real(fd, data, offset)))
+            written = by_map.write_local(regions, local) if name != "cube" else sum(
+                by_map.write_piece(r, local[tuple(slice(o, o + n) for o, n in zip(r.local_offset, r.sizes))]
+                                   .contiguous()) for r in regions)
+            monkeypatch.setattr(direct, "_pwrite_all", real)
+            assert written == sum(int(np.prod(r.sizes)) * 4 for r in regions)
+            mapped += len(regions) if name != "experts" else 0
+    if allocate:
+        assert set(pwrites) == {"experts"} and by_map.mapped_boxes == mapped
+    else:
+        assert pwrites["cols"] == 4 * 128 and by_map.mapped_boxes == 0  # 128 rows of 20 floats per rank
+    assert by_map.written == by_pwrite.written
+    by_pwrite.close()
+    by_map.close()
+    for f in sorted((tmp_path / "pwrite").iterdir()):
+        assert f.read_bytes() == (tmp_path / "map" / f.name).read_bytes(), f.name
 
 
 def _local_box(spec: wb.LoadSpec, rank: int) -> tuple[tuple[int, ...], tuple[int, ...]]:

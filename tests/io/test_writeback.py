@@ -151,3 +151,21 @@ def test_small_writes_start_together_per_file_and_thread() -> None:
     window.forget(3)
     window.wrote(3, 90_030, 80)  # the run forgotten with the descriptor: 80 bytes alone do not start
     assert rec.calls[-1] == (3, 200, 30, START)
+
+
+def test_a_deferred_range_starts_once_later_writes_follow_it() -> None:
+    """Pages other writers fill too (a column-cut tensor's halves) start their writeback only ``defer_bytes`` of
+    writes later, so a page is not sent half-filled; ordinary writes around them start at once."""
+    rec = Recorder()
+    window = WritebackWindow(1 << 30, start_bytes=0, syscall=rec)
+    window.defer_bytes = 100
+    window.wrote(3, 0, 1000, 60, defer=True)  # 60 bytes in 1000: interleaved with a peer's
+    assert rec.calls == []
+    window.wrote(3, 1000, 50)  # an ordinary write starts at once; 50 < 100 written since the deferred one
+    assert rec.calls == [(3, 1000, 50, START)]
+    window.wrote(3, 1050, 50)  # now 100 bytes later: the deferred range starts too
+    assert rec.calls[1:] == [(3, 1050, 50, START), (3, 0, 1000, START)]
+    window.wrote(4, 0, 10, defer=True)
+    window.forget(4)  # a file closed (fsynced) before its deferred range was due: dropped
+    window.wrote(3, 2000, 500)
+    assert (4, 0, 10, START) not in rec.calls

@@ -18,13 +18,19 @@ What this module decides, with rank-independent arithmetic only (every rank must
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import functools
 import math
+import mmap
 import os
+import sys
 import threading
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import numpy as np
 import torch
@@ -181,6 +187,9 @@ class CheckpointFiles:
         key_meta: ``{key: (save dtype, shape)}``.
         metadata: the safetensors ``__metadata__`` of every file.
         writeback: starts the disk writes as the pieces arrive (a fresh window by default).
+        map_short_runs: write boxes whose contiguous runs are shorter than ``MAPPED_RUN_BYTES`` through a shared
+            memory map of the file (one strided copy per box, no system call per run). Only where every writer
+            shares one page cache (all ranks on one host): two ranks fill the two halves of the same pages.
     """
 
     def __init__(
@@ -190,8 +199,12 @@ class CheckpointFiles:
         key_meta: Mapping[str, tuple[torch.dtype, tuple[int, ...]]],
         metadata: Mapping[str, str],
         writeback: WritebackWindow | None = None,
+        *,
+        map_short_runs: bool = False,
     ) -> None:
         self.directory = directory
+        self.map_short_runs = map_short_runs
+        self.mapped_boxes = 0  # boxes written through a memory map
         self.writeback = writeback if writeback is not None else WritebackWindow()
         self.slots, self.headers, self.data_bytes = _files_layout(file_plan, key_meta, metadata)
         self._fds: dict[str, int] = {}
@@ -221,7 +234,7 @@ class CheckpointFiles:
             fd = self._fds.get(name)
             if fd is None:
                 try:
-                    fd = os.open(self.directory / name, os.O_WRONLY)
+                    fd = os.open(self.directory / name, os.O_RDWR)  # read too: a shared map needs it
                 except OSError as exc:
                     raise CheckpointError(f"cannot open {self.directory / name} for writing: {exc.strerror}") from None
                 self._fds[name] = fd
@@ -234,6 +247,8 @@ class CheckpointFiles:
             raise CheckpointError(
                 f"{region.hf_key}: piece is {piece.dtype} {tuple(piece.shape)}, expected {slot.dtype} {region.sizes}"
             )
+        if self._mapped(region):
+            return self._write_mapped(region, _bytes_of(piece.contiguous()))
         starts, run = segment_starts(slot.shape, region.key_offset, region.sizes)
         data = memoryview(piece.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
         fd = self._fd(slot.file)
@@ -260,6 +275,12 @@ class CheckpointFiles:
         if local.dtype != dtype:
             raise CheckpointError(f"{regions[0].hf_key}: local tensor is {local.dtype}, expected {dtype}")
         local = local.contiguous()  # a view (a transposed weight, say) is copied once; the boxes index it row-major
+        mapped = [r for r in regions if self._mapped(r)]
+        if mapped:
+            whole = _bytes_of(local)
+            total = sum(self._write_mapped(r, whole[box(r)]) for r in mapped)
+            rest = [r for r in regions if not self._mapped(r)]
+            return total + (self.write_local(rest, local) if rest else 0)
         data = memoryview(local.reshape(-1).view(torch.uint8).numpy())
         itemsize = dtype.itemsize
         files, starts, file_starts, lengths = [], [], [], []
@@ -291,6 +312,61 @@ class CheckpointFiles:
                 self.written[name] = self.written.get(name, 0) + size
             total += size
         return total
+
+    def _mapped(self, region: KeyRegion) -> bool:
+        """True when ``region`` goes through a memory map: a shared page cache, and many short runs (a few short
+        runs cost a few ``pwrite``s)."""
+        if not self.map_short_runs or not region.sizes:
+            return False
+        slot = self.slots[region.hf_key]
+        run = _run_elements(slot.shape, tuple(region.sizes))
+        return run * slot.dtype.itemsize < MAPPED_RUN_BYTES and math.prod(region.sizes) >= MAPPED_MIN_RUNS * run
+
+    def _write_mapped(self, region: KeyRegion, source: np.ndarray) -> int:
+        """Copy ``source`` (the box's elements as ``(*sizes, itemsize)`` bytes) into the file through a shared map
+        of the pages the box spans: one strided copy, however many runs it has."""
+        slot = self.slots[region.hf_key]
+        sizes = tuple(region.sizes)
+        itemsize = slot.dtype.itemsize
+        if math.prod(sizes) == 0:
+            return 0
+        strides = [itemsize * math.prod(slot.shape[d + 1 :]) for d in range(len(slot.shape))]
+        first = slot.offset + sum(o * st for o, st in zip(region.key_offset, strides))
+        last = first + sum((n - 1) * st for n, st in zip(sizes, strides)) + itemsize
+        base = first - first % mmap.ALLOCATIONGRANULARITY
+        fd = self._fd(slot.file)
+        # the file is sparse: a store into a hole on a full disk is a SIGBUS, so the blocks are allocated first,
+        # where a full disk is an ordinary error (and where the filesystem cannot, the runs are pwritten)
+        if not _allocate(fd, first, last - first):
+            return self._write_runs(region, source, first, strides)
+        with mmap.mmap(fd, last - base, offset=base) as mapping:
+            pages = np.frombuffer(mapping, dtype=np.uint8)
+            target = np.lib.stride_tricks.as_strided(pages[first - base :], (*sizes, itemsize), (*strides, 1))
+            target[...] = source
+            del target, pages  # the map closes only once no array views it
+        nbytes = math.prod(sizes) * itemsize
+        with self._lock:
+            self.written[slot.file] = self.written.get(slot.file, 0) + nbytes
+            self.mapped_boxes += 1
+        self.writeback.wrote(fd, first, last - first, nbytes, defer=True)
+        return nbytes
+
+    def _write_runs(self, region: KeyRegion, source: np.ndarray, first: int, strides: Sequence[int]) -> int:
+        """``_write_mapped``'s fallback: one ``pwrite`` per run."""
+        slot = self.slots[region.hf_key]
+        sizes = tuple(region.sizes)
+        itemsize = slot.dtype.itemsize
+        run = _run_elements(slot.shape, sizes)
+        data = np.ascontiguousarray(source).reshape(-1)
+        starts, _ = segment_starts(slot.shape, region.key_offset, sizes)
+        fd = self._fd(slot.file)
+        step = run * itemsize
+        for i, start in enumerate(starts.tolist()):
+            _pwrite_all(fd, memoryview(data[i * step : (i + 1) * step]), slot.offset + start * itemsize)
+        nbytes = len(data)
+        with self._lock:
+            self.written[slot.file] = self.written.get(slot.file, 0) + nbytes
+        return nbytes
 
     def _file_index(self, name: str) -> int:
         with self._lock:
@@ -371,6 +447,54 @@ def _box_segments(
     key = (key[:, None] + np.arange(0, key_run, run)[None, :]).reshape(-1)
     local.flags.writeable = key.flags.writeable = False
     return local, key, run
+
+
+MAPPED_RUN_BYTES = 4096
+"""Boxes whose contiguous runs are shorter than this are copied through a memory map when ``map_short_runs``..."""
+MAPPED_MIN_RUNS = 64
+"""... and that have at least this many runs."""
+
+
+def _libc_fallocate() -> Any:
+    try:
+        libc = ctypes.CDLL(ctypes.util.find_library("c") or "libc.so.6", use_errno=True)
+        call = libc.fallocate  # the system call itself (posix_fallocate would write zeros where it is missing)
+    except (OSError, AttributeError):
+        return None
+    call.argtypes = [ctypes.c_int, ctypes.c_int, ctypes.c_int64, ctypes.c_int64]
+    call.restype = ctypes.c_int
+    return call
+
+
+_FALLOCATE = _libc_fallocate() if sys.platform.startswith("linux") else None
+
+
+def _allocate(fd: int, offset: int, nbytes: int) -> bool:
+    """Allocate the blocks of ``[offset, offset + nbytes)`` (data already there is kept). False where the system
+    or filesystem cannot; a full disk raises ``OSError(ENOSPC)``."""
+    if _FALLOCATE is None:
+        return False
+    while _FALLOCATE(fd, 0, offset, nbytes) != 0:
+        code = ctypes.get_errno()
+        if code in (errno.EOPNOTSUPP, errno.ENOSYS, errno.EINVAL):
+            return False
+        if code != errno.EINTR:
+            raise OSError(code, f"allocating {nbytes} bytes of a checkpoint file: {os.strerror(code)}")
+    return True
+
+
+def _run_elements(shape: Sequence[int], sizes: Sequence[int]) -> int:
+    """Elements per contiguous run of a box of a row-major tensor: the dims after the last one the box cuts short
+    are whole, so a run spans that dim's box size times the whole trailing dims (the whole box when none is cut)."""
+    cut = [d for d, (whole, n) in enumerate(zip(shape, sizes)) if whole != n]
+    if not cut:
+        return math.prod(sizes)
+    return sizes[cut[-1]] * math.prod(shape[cut[-1] + 1 :])
+
+
+def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
+    """A contiguous tensor's elements as a ``(*shape, itemsize)`` uint8 array (no copy)."""
+    return tensor.reshape(-1).view(torch.uint8).numpy().reshape(*tensor.shape, tensor.element_size())
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -110,7 +110,7 @@ def save_hf(
     async_save: bool = False,
     host_buffer_bytes: int | None = None,
     write_mode: str = "auto",
-    min_segment_bytes: int = DEFAULT_MIN_SEGMENT_BYTES,
+    min_segment_bytes: int | None = None,
     timeout: float = DEFAULT_TIMEOUT,
     comm: Communicator | None = None,
 ) -> SaveResult | AsyncSave:
@@ -145,7 +145,9 @@ def save_hf(
             GPFS / NFS). ``"gather"``: each key is gathered to one writer rank, which writes it (any
             filesystem). ``"auto"`` (default): direct when all ranks share a host or see a probe file rank 0
             writes next to ``path``; else gather. Policies other than full and minimal always gather.
-        min_segment_bytes: in direct mode, the average segment length below which a tensor is gathered.
+        min_segment_bytes: in direct mode, the average segment length below which a tensor is gathered. None
+            (default): 0 when every rank is on one host, where a tensor of short segments (TP over the last dim)
+            is written through a shared memory map of its file, one strided copy per piece; else 64 KiB.
         timeout: seconds any collective of the save may wait for a peer before the save fails naming it.
         comm: the communicator (default: torch.distributed's default world, or one process).
 
@@ -207,7 +209,12 @@ def save_hf(
     session = SaveSession(
         layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files, limit, snapshot
     )
+    # on one host every writer shares the page cache: short segments go through a memory map, none is gathered
+    one_host = mode == "direct" and len({host for host, _ in seen}) == 1
+    if min_segment_bytes is None:
+        min_segment_bytes = 0 if one_host else DEFAULT_MIN_SEGMENT_BYTES
     session.write_mode, session.min_segment_bytes, session.early = mode, min_segment_bytes, early
+    session.map_short_runs = one_host
     session.clock.add("prepare", time.perf_counter() - start - early_seconds)
     session.clock.add("snapshot", early_seconds)  # issuing the early copies
     try:

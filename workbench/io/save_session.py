@@ -159,6 +159,7 @@ class SaveSession:
         self.write_problem: RankProblem | None = None
         self.write_mode = "gather"
         self.min_segment_bytes = DEFAULT_MIN_SEGMENT_BYTES
+        self.map_short_runs = False  # every writer shares one page cache: short runs go through a memory map
         self.direct: tuple[str, ...] = ()
         self.checkpoint_files: CheckpointFiles | None = None
         self.direct_queued = False  # the direct pieces are snapshotted and queued (before the plan agreement)
@@ -282,7 +283,8 @@ class SaveSession:
             )
         if self.write_mode == "direct":
             self.checkpoint_files = CheckpointFiles(
-                self.publisher.temporary, self.file_plan, self.key_meta, self.metadata, self.writeback
+                self.publisher.temporary, self.file_plan, self.key_meta, self.metadata, self.writeback,
+                map_short_runs=self.map_short_runs,
             )
         if self.rank == 0:
             self.publisher.prepare()

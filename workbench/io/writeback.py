@@ -26,10 +26,11 @@ import time
 from collections import deque
 from collections.abc import Callable
 
-__all__ = ["DEFAULT_WINDOW_BYTES", "WritebackWindow", "sync_file_range"]
+__all__ = ["DEFAULT_DEFER_BYTES", "DEFAULT_WINDOW_BYTES", "WritebackWindow", "sync_file_range"]
 
 DEFAULT_WINDOW_BYTES = 256 << 20
 DEFAULT_START_BYTES = 8 << 20  # writes of one file gathered before their writeback starts: large requests
+DEFAULT_DEFER_BYTES = 128 << 20  # a range other writers share pages with starts this many bytes later
 
 # <linux/fs.h>
 START = 2  # SYNC_FILE_RANGE_WRITE: start writeback of the range's dirty pages, do not wait
@@ -93,6 +94,10 @@ class WritebackWindow:
         self._syscall = syscall if syscall is not None else sync_file_range
         self._ranges: deque[tuple[int, int, int, int]] = deque()  # (fd, offset, span, bytes), oldest first
         self._in_flight = 0
+        # ranges whose pages other writers fill too: (bytes written when recorded, fd, offset, span, bytes)
+        self._deferred: deque[tuple[int, int, int, int, int]] = deque()
+        self._written = 0  # bytes recorded so far
+        self.defer_bytes = DEFAULT_DEFER_BYTES
         self._lock = threading.Lock()
         self.waited_seconds = 0.0  # writers' time waiting for the oldest ranges, summed over threads
         self.disabled_by: str | None = None
@@ -111,19 +116,28 @@ class WritebackWindow:
         """Bytes whose writeback was started and not yet waited for."""
         return self._in_flight
 
-    def wrote(self, fd: int, offset: int, span: int, nbytes: int | None = None) -> None:
+    def wrote(self, fd: int, offset: int, span: int, nbytes: int | None = None, *, defer: bool = False) -> None:
         """Record a write into ``fd`` within ``[offset, offset + span)``: start the writeback of this thread's
         recent writes to ``fd`` once they reach ``start_bytes``; past the window, wait (in this thread) until the
         oldest ranges are on the disk.
 
         ``nbytes``: the bytes actually written there when the write was several segments spread over the span
-        (they, not the span, count towards the window); default ``span``.
+        (they, not the span, count towards the window); default ``span``. ``defer``: other writers fill the rest
+        of the range's pages (a column-cut tensor's halves): its writeback starts only once ``defer_bytes`` more
+        were recorded, by when they have, so each page goes to the disk once rather than half-filled twice.
         """
         counted = span if nbytes is None else nbytes
         if span <= 0 or not self.enabled:
             return
         with self._lock:
-            ready = self._gather(fd, offset, offset + span, counted)
+            self._written += counted
+            if defer:
+                self._deferred.append((self._written, fd, offset, span, counted))
+                ready = []
+            else:
+                ready = self._gather(fd, offset, offset + span, counted)
+            while self._deferred and self._written - self._deferred[0][0] >= self.defer_bytes:
+                ready.append(self._deferred.popleft()[1:])
         started = [r for r in ready if self._call(r[0], r[1], r[2], START)]
         if not started:
             return
@@ -166,6 +180,7 @@ class WritebackWindow:
         with self._lock:
             for key in [k for k in self._pending if k[0] == fd]:
                 del self._pending[key]
+            self._deferred = deque(r for r in self._deferred if r[1] != fd)
             kept = deque(r for r in self._ranges if r[0] != fd)
             self._in_flight = sum(r[3] for r in kept)
             self._ranges = kept
