@@ -247,10 +247,14 @@ class CheckpointFiles:
             raise CheckpointError(
                 f"{region.hf_key}: piece is {piece.dtype} {tuple(piece.shape)}, expected {slot.dtype} {region.sizes}"
             )
-        if self._mapped(region):
-            return self._write_mapped(region, _bytes_of(piece.contiguous()))
+        source = _bytes_of(piece.detach().contiguous())
+        return self._write_mapped(region, source) if self._mapped(region) else self._pwrite_box(region, source)
+
+    def _pwrite_box(self, region: KeyRegion, source: np.ndarray) -> int:
+        """One ``pwrite`` per run of the box (``source``: its elements as ``(*sizes, itemsize)`` bytes)."""
+        slot = self.slots[region.hf_key]
         starts, run = segment_starts(slot.shape, region.key_offset, region.sizes)
-        data = memoryview(piece.detach().contiguous().reshape(-1).view(torch.uint8).numpy())
+        data = memoryview(np.ascontiguousarray(source).reshape(-1))
         fd = self._fd(slot.file)
         itemsize = slot.dtype.itemsize
         step = run * itemsize
@@ -338,7 +342,7 @@ class CheckpointFiles:
         # the file is sparse: a store into a hole on a full disk is a SIGBUS, so the blocks are allocated first,
         # where a full disk is an ordinary error (and where the filesystem cannot, the runs are pwritten)
         if not _allocate(fd, first, last - first):
-            return self._write_runs(region, source, first, strides)
+            return self._pwrite_box(region, source)
         with mmap.mmap(fd, last - base, offset=base) as mapping:
             pages = np.frombuffer(mapping, dtype=np.uint8)
             target = np.lib.stride_tricks.as_strided(pages[first - base :], (*sizes, itemsize), (*strides, 1))
@@ -349,23 +353,6 @@ class CheckpointFiles:
             self.written[slot.file] = self.written.get(slot.file, 0) + nbytes
             self.mapped_boxes += 1
         self.writeback.wrote(fd, first, last - first, nbytes, defer=True)
-        return nbytes
-
-    def _write_runs(self, region: KeyRegion, source: np.ndarray, first: int, strides: Sequence[int]) -> int:
-        """``_write_mapped``'s fallback: one ``pwrite`` per run."""
-        slot = self.slots[region.hf_key]
-        sizes = tuple(region.sizes)
-        itemsize = slot.dtype.itemsize
-        run = _run_elements(slot.shape, sizes)
-        data = np.ascontiguousarray(source).reshape(-1)
-        starts, _ = segment_starts(slot.shape, region.key_offset, sizes)
-        fd = self._fd(slot.file)
-        step = run * itemsize
-        for i, start in enumerate(starts.tolist()):
-            _pwrite_all(fd, memoryview(data[i * step : (i + 1) * step]), slot.offset + start * itemsize)
-        nbytes = len(data)
-        with self._lock:
-            self.written[slot.file] = self.written.get(slot.file, 0) + nbytes
         return nbytes
 
     def _file_index(self, name: str) -> int:
