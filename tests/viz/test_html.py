@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import re
 import warnings
@@ -13,6 +14,7 @@ import pytest
 from tests.viz.support import SAMPLES, cases, expert_tp_16, owners_from_runs
 from workbench.io.hf_load import LoadReport
 from workbench.io.hf_save import SaveResult
+from workbench.io.save_timings import SaveTimings
 from workbench.layout.layout_file import load_layout
 from workbench.plan.load_plan import plan_hf_load
 from workbench.plan.save_plan import plan_hf_save
@@ -78,6 +80,9 @@ def test_results_render() -> None:
                        bytes_written=4096, seconds=0.5, calls=7, predicted_peak_bytes=1 << 20)
     text = render_html(saved)
     assert ">4 KiB<" in text and ">1 MiB<" in text and ">8 KiB/s<" in text
+    timed = dataclasses.replace(saved, timings=SaveTimings(plan=0.012, snapshot=0.25, write=1.5, writeback_wait=0.75))
+    text = render_html(timed)
+    assert "timings" in text and "snapshot 0.250" in text and "writeback_wait 0.750" in text
     loaded = LoadReport(path=Path("/tmp/ckpt"), rank=1, parameters=5, bytes_read=2048, bytes_owned=1024, seconds=0.1,
                         missing=("a.weight",))
     text = render_html(loaded)
