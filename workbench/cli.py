@@ -146,7 +146,9 @@ def register_plan(subparsers: Any) -> None:
                    "long byte segments are written in place by their holders and only the rest is scheduled; "
                    "gather: every key goes through the schedule to a writer")
     p.add_argument("--min-segment", type=_byte_count, default=None,
-                   help="direct mode: average segment length below which a tensor is gathered (default 64KiB)")
+                   help="direct mode: average segment length below which a tensor is gathered (default 64KiB, "
+                   "what save_hf uses across hosts; on one host save_hf uses 0: short segments go through a memory "
+                   "map and nothing is gathered)")
     _add_output(p, "every gather call")
     p.set_defaults(func=_run_plan)
 
@@ -172,7 +174,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         from workbench.plan.save_set import key_meta
 
         meta = key_meta(layout, {n: layout.dtype(n) for n in layout}, None, None)
-        direct = direct_names(layout, meta, args.min_segment or DEFAULT_MIN_SEGMENT_BYTES)
+        minimum = DEFAULT_MIN_SEGMENT_BYTES if args.min_segment is None else args.min_segment
+        direct = direct_names(layout, meta, minimum)
         skip = set(direct)
         layout = Layout(layout.mesh, {n: sp for n, sp in layout.specs.items() if n not in skip},
                         {n: d for n, d in layout.dtypes.items() if n not in skip}, name=layout.name) \
