@@ -10,8 +10,8 @@ import pytest
 import torch
 
 import workbench as wb
+from tests.io.support import read_checkpoint
 from tests.faults.harness import layout_of, new_values, write_old_checkpoint
-from workbench.io.read import CheckpointReader
 
 
 def _save_both_ways(root: str) -> dict:
@@ -33,11 +33,6 @@ def _save_both_ways(root: str) -> dict:
     return results
 
 
-def _read(path: Path) -> dict[str, torch.Tensor]:
-    with CheckpointReader(path) as reader:
-        keys = reader.keys()
-        return {k: reader.read(k) for k in keys}
-
 
 @pytest.mark.slow
 def test_direct_writes_equal_gathered_writes_and_the_reference(tmp_path: Path) -> None:
@@ -45,7 +40,7 @@ def test_direct_writes_equal_gathered_writes_and_the_reference(tmp_path: Path) -
     results = wb.launch(_save_both_ways, nprocs=4, args=(str(tmp_path),), timeout=180)
     want = new_values()
     for name in ("direct-0", "direct-1048576", "gather-0"):
-        got = _read(tmp_path / name)
+        got = read_checkpoint(tmp_path / name)
         assert got.keys() == want.keys()
         for key in want:
             assert got[key].dtype == want[key].dtype and torch.equal(got[key], want[key]), (name, key)

@@ -13,7 +13,7 @@ import torch
 from torch.distributed.tensor import Shard
 
 import workbench as wb
-from workbench.io.read import CheckpointReader
+from tests.io.support import read_checkpoint
 
 NAMES = [f"layers.{i}.proj" for i in range(6)]
 SHAPE = (128, 64)  # each rank: 128 runs of 32 floats (128 bytes): short runs, many of them -> the memory map
@@ -53,23 +53,18 @@ def _save(root: str, step: int, fail_on_allocation: int | None) -> str:
     return "saved"
 
 
-def _read(path: Path) -> dict[str, torch.Tensor]:
-    with CheckpointReader(path) as reader:
-        keys = reader.keys()
-        return {k: reader.read(k) for k in keys}
-
 
 @pytest.mark.slow
 def test_column_cuts_are_mapped_and_a_full_disk_mid_save_publishes_nothing(tmp_path: Path) -> None:
     assert wb.launch(_save, nprocs=2, args=(str(tmp_path), 0, None), timeout=120) == {0: "saved", 1: "saved"}
     want = {n + ".weight": t for n, t in _full(0).items()}
-    got = _read(tmp_path / "ckpt")
+    got = read_checkpoint(tmp_path / "ckpt")
     assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want)
 
     outcomes = wb.launch(_save, nprocs=2, args=(str(tmp_path), 1, 3), timeout=120)
     for rank, outcome in outcomes.items():
         assert outcome.startswith("SaveFailed") and "rank 1" in outcome and "No space left" in outcome, (rank,
                                                                                                          outcome)
-    got = _read(tmp_path / "ckpt")  # the step-0 checkpoint, untouched
+    got = read_checkpoint(tmp_path / "ckpt")  # the step-0 checkpoint, untouched
     assert all(torch.equal(got[k], want[k]) for k in want)
     assert not [p for p in tmp_path.iterdir() if p.name != "ckpt"]  # no temporary directory left behind

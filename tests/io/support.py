@@ -70,3 +70,12 @@ def small_model() -> dict[str, torch.Tensor]:
         "model.layers.0.mask": random_tensor((3, 5), torch.bool, 5),
         "lm_head.weight": random_tensor((8, 4), torch.bfloat16, 6),
     }
+
+
+def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
+    """Every key of a checkpoint directory, read back whole."""
+    from workbench.io.read import CheckpointReader
+
+    with CheckpointReader(path) as reader:
+        keys = reader.keys()
+        return {k: reader.read(k) for k in keys}
