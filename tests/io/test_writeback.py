@@ -157,8 +157,7 @@ def test_a_deferred_range_starts_once_later_writes_follow_it() -> None:
     """Pages other writers fill too (a column-cut tensor's halves) start their writeback only ``defer_bytes`` of
     writes later, so a page is not sent half-filled; ordinary writes around them start at once."""
     rec = Recorder()
-    window = WritebackWindow(1 << 30, start_bytes=0, syscall=rec)
-    window.defer_bytes = 100
+    window = WritebackWindow(1 << 30, start_bytes=0, defer_bytes=100, syscall=rec)
     window.wrote(3, 0, 1000, 60, defer=True)  # 60 bytes in 1000: interleaved with a peer's
     assert rec.calls == []
     window.wrote(3, 1000, 50)  # an ordinary write starts at once; 50 < 100 written since the deferred one

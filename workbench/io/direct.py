@@ -279,12 +279,14 @@ class CheckpointFiles:
         if local.dtype != dtype:
             raise CheckpointError(f"{regions[0].hf_key}: local tensor is {local.dtype}, expected {dtype}")
         local = local.contiguous()  # a view (a transposed weight, say) is copied once; the boxes index it row-major
-        mapped = [r for r in regions if self._mapped(r)]
-        if mapped:
-            whole = _bytes_of(local)
-            total = sum(self._write_mapped(r, whole[box(r)]) for r in mapped)
-            rest = [r for r in regions if not self._mapped(r)]
-            return total + (self.write_local(rest, local) if rest else 0)
+        total = 0
+        if self.map_short_runs:
+            mapped, regions = _split(regions, self._mapped)
+            if mapped:
+                whole = _bytes_of(local)
+                total = sum(self._write_mapped(r, whole[box(r)]) for r in mapped)
+                if not regions:
+                    return total
         data = memoryview(local.reshape(-1).view(torch.uint8).numpy())
         itemsize = dtype.itemsize
         files, starts, file_starts, lengths = [], [], [], []
@@ -305,7 +307,6 @@ class CheckpointFiles:
                       & (file_start[1:] == file_start[:-1] + length[:-1]))
         heads = np.flatnonzero(~joined)
         ends = np.append(heads[1:], len(start))
-        total = 0
         for head, end in zip(heads.tolist(), ends.tolist()):
             name = self._file_names[file_of[head]]
             lo, size = int(start[head]), int(start[end - 1] + length[end - 1] - start[head])
@@ -477,6 +478,15 @@ def _run_elements(shape: Sequence[int], sizes: Sequence[int]) -> int:
     if not cut:
         return math.prod(sizes)
     return sizes[cut[-1]] * math.prod(shape[cut[-1] + 1 :])
+
+
+def _split(regions: Sequence[KeyRegion], test: Any) -> tuple[list[KeyRegion], list[KeyRegion]]:
+    """``regions`` that pass ``test`` and those that do not, each in order."""
+    passed: list[KeyRegion] = []
+    failed: list[KeyRegion] = []
+    for region in regions:
+        (passed if test(region) else failed).append(region)
+    return passed, failed
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:

@@ -16,7 +16,7 @@ from workbench.io.direct import replicating_dims
 from workbench.io.read import CheckpointReader
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
-from workbench.layout.model_layout import Layout, layout_and_locals, local_tensors
+from workbench.layout.model_layout import Layout, layout_and_locals
 from workbench.mesh import MeshDimRef, format_mesh_dim
 from workbench.plan.load_plan import Adapter, expected_key_shape, plan_hf_load
 from workbench.run.guard import LoadFailed, RankProblem, agree, problem_from
@@ -117,10 +117,7 @@ def load_hf(
     reader: CheckpointReader | None = None
     mine: BaseException | None = None
     try:
-        if layout is None:
-            layout, targets = layout_and_locals(model_or_state_dict, key_map)
-        else:
-            targets = local_tensors(model_or_state_dict, layout)
+        layout, targets = layout_and_locals(model_or_state_dict, key_map, layout=layout)
         fault_point("load.plan", rank)
         reader = CheckpointReader(path)
         missing, unexpected, mismatched = _check(reader, layout, targets, adapters, cast)

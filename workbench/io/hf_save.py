@@ -35,7 +35,7 @@ from workbench.io.host_pool import DEFAULT_POOL_BYTES, host_pool
 from workbench.io.save_session import _IN_FLIGHT, SaveResult, SaveSession
 from workbench.io.snapshot import Snapshotter
 from workbench.layout.key_map import KeyMap
-from workbench.layout.model_layout import Layout, layout_and_locals, local_tensors
+from workbench.layout.model_layout import Layout, layout_and_locals
 from workbench.plan.policy import SavePolicy
 from workbench.run.communicator import Communicator
 from workbench.run.guard import SaveFailed, agree, problem_from
@@ -166,19 +166,16 @@ def save_hf(
     if write_mode not in ("auto", "direct", "gather"):
         raise CheckpointError(f"write_mode must be 'auto', 'direct' or 'gather', got {write_mode!r}")
     # an async save with room for its whole snapshot: the pool is unbounded, so copies never wait for writers
-    unbounded = async_save and host_buffer_bytes is None
-    snapshot = Snapshotter((), own_everything=async_save, pool_bytes=host_buffer_bytes or (_UNBOUNDED if async_save
-                                                                                           else None))
+    unbounded = async_save and not host_buffer_bytes
+    pool_bytes = _UNBOUNDED if unbounded else host_buffer_bytes or None
+    snapshot = Snapshotter((), own_everything=async_save, pool_bytes=pool_bytes)
     # a repeat async save of a GPU model starts copying its last plan's pieces now, while it walks, agrees, plans
     early = take_early(model_or_state_dict, snapshot) if unbounded and layout is None else None
     early_seconds = time.perf_counter() - start
     mine: BaseException | None = None
     tensors: dict[str, torch.Tensor] = {}
     try:  # local checks first, agreed on over the whole world before any group is built: no rank may hang
-        if layout is None:
-            layout, tensors = layout_and_locals(model_or_state_dict, key_map)
-        else:
-            tensors = local_tensors(model_or_state_dict, layout)
+        layout, tensors = layout_and_locals(model_or_state_dict, key_map, layout=layout)
     except Exception as exc:
         mine = exc
     # the write mode's host names (and rank 0's probe file) travel with the agreement: one exchange for both
@@ -204,13 +201,13 @@ def save_hf(
         if probe is not None:
             Path(probe).unlink(missing_ok=True)
     # an async save snapshots all it writes before returning: by default nothing bounds that but the rank's share
-    limit = host_buffer_bytes or (_UNBOUNDED if async_save else budget_bytes or DEFAULT_POOL_BYTES)
+    limit = _UNBOUNDED if unbounded else host_buffer_bytes or budget_bytes or DEFAULT_POOL_BYTES
     snapshot.add_model_tensors(tensors.values())
     session = SaveSession(
         layout, Path(path), comm, start, write_threads, max_shard_bytes, config_files, limit, snapshot
     )
     # on one host every writer shares the page cache: short segments go through a memory map, none is gathered
-    one_host = mode == "direct" and len({host for host, _ in seen}) == 1
+    one_host = mode == "direct" and _one_host(seen)
     if min_segment_bytes is None:
         min_segment_bytes = 0 if one_host else DEFAULT_MIN_SEGMENT_BYTES
     session.write_mode, session.min_segment_bytes, session.early = mode, min_segment_bytes, early
@@ -221,8 +218,8 @@ def save_hf(
         with session.clock.measure("plan"):
             # an async save with room for its whole snapshot copies its direct pieces during the agreement
             session.plan(policy, budget_bytes, dtype, fp32_keys_pattern, max_writers, tensors,
-                         snapshot_early=async_save and limit >= _UNBOUNDED)
-        if async_save and session.direct and limit >= _UNBOUNDED:
+                         snapshot_early=unbounded)
+        if unbounded and session.direct:
             remember_direct_plan(model_or_state_dict, (layout, session.key_meta, session.direct, session.rank))
         with session.clock.measure("snapshot"):
             session.gather(tensors)
@@ -260,10 +257,7 @@ def warm_host_pool(
     Returns:
         The bytes of host memory allocated now (0 when the pools already hold such buffers).
     """
-    if layout is None:
-        layout, tensors = layout_and_locals(model_or_state_dict, key_map)
-    else:
-        tensors = local_tensors(model_or_state_dict, layout)
+    layout, tensors = layout_and_locals(model_or_state_dict, key_map, layout=layout)
     sizes: dict[bool, list[int]] = {True: [], False: []}
     for tensor in tensors.values():
         itemsize = dtype.itemsize if dtype is not None and tensor.is_floating_point() else tensor.element_size()
@@ -290,8 +284,13 @@ def _one_host_known(comm: Communicator | None) -> bool:
     return _world_id(comm) in _ONE_HOST
 
 
+def _one_host(seen: Sequence[tuple[str, str | None]]) -> bool:
+    """True when every rank's (host name, probe) share names the same host."""
+    return len({host for host, _ in seen}) == 1
+
+
 def _remember_hosts(comm: Communicator | None, seen: Sequence[tuple[str, str | None]]) -> None:
-    if len({host for host, _ in seen}) == 1:
+    if _one_host(seen):
         _ONE_HOST.add(_world_id(comm))
 
 
@@ -319,9 +318,9 @@ def _resolve_write_mode(write_mode: str, comm: Communicator, seen: Sequence[tupl
     across hosts, one more exchange says whether every rank sees the probe."""
     if write_mode != "auto":
         return write_mode
-    hosts, probe = {h for h, _ in seen}, seen[0][1]
-    if len(hosts) == 1:
+    if _one_host(seen):
         return "direct"
+    probe = seen[0][1]
     visible = comm.all_gather_object(probe is not None and Path(probe).exists())
     return "direct" if all(visible) else "gather"
 

@@ -74,6 +74,7 @@ class WritebackWindow:
         window_bytes: bytes whose writeback may be in progress before a writer waits for the oldest range (None:
             ``WORKBENCH_WRITEBACK_BYTES`` or 256 MiB; 0: off).
         start_bytes: bytes written near each other in one file before their writeback starts (0: every write).
+        defer_bytes: bytes recorded after a deferred range (``wrote(defer=True)``) before its writeback starts.
         syscall: ``sync_file_range``'s stand-in (tests); None: the platform's, or no writeback where there is none.
     """
 
@@ -82,6 +83,7 @@ class WritebackWindow:
         window_bytes: int | None = None,
         *,
         start_bytes: int = DEFAULT_START_BYTES,
+        defer_bytes: int = DEFAULT_DEFER_BYTES,
         syscall: SyncFileRange | None = None,
     ) -> None:
         if window_bytes is None:
@@ -97,7 +99,7 @@ class WritebackWindow:
         # ranges whose pages other writers fill too: (bytes written when recorded, fd, offset, span, bytes)
         self._deferred: deque[tuple[int, int, int, int, int]] = deque()
         self._written = 0  # bytes recorded so far
-        self.defer_bytes = DEFAULT_DEFER_BYTES
+        self.defer_bytes = defer_bytes
         self._lock = threading.Lock()
         self.waited_seconds = 0.0  # writers' time waiting for the oldest ranges, summed over threads
         self.disabled_by: str | None = None

@@ -233,9 +233,10 @@ _MODEL_LAYOUTS = LRU(8)  # id(module) -> (weak reference to the module, _Remembe
 
 
 def layout_and_locals(
-    model: torch.nn.Module | Mapping[str, torch.Tensor], key_map: KeyMap | None = None
+    model: torch.nn.Module | Mapping[str, torch.Tensor], key_map: KeyMap | None = None, *, layout: Layout | None = None
 ) -> tuple[Layout, dict[str, torch.Tensor]]:
-    """``Layout.from_model(model, key_map)`` and ``local_tensors(model, layout)`` from one walk of the model.
+    """``Layout.from_model(model, key_map)`` and ``local_tensors(model, layout)`` from one walk of the model (a
+    ``layout`` given is used as it is: only the local tensors are read).
 
     A module's layout is remembered while it holds the very same tensor objects under the same names, with the
     same shapes, dtypes and placements (checked on every call; weak references, so no module is kept alive), and
@@ -243,6 +244,8 @@ def layout_and_locals(
     (FSDP2's unshard, a ``redistribute``) installs new tensor objects, so a changed layout is a miss.
     """
     tensors = _named_tensors(model)
+    if layout is not None:
+        return layout, _locals_of(tensors, layout)
     if not isinstance(model, torch.nn.Module):
         layout = Layout.from_model(tensors, key_map)
         return layout, _locals_of(tensors, layout)
