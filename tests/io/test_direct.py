@@ -263,3 +263,22 @@ def test_a_world_known_to_be_on_one_host_writes_no_probe(tmp_path: Path, monkeyp
     assert first.write_mode == second.write_mode == "direct"
     assert probes == [tmp_path / "a"]  # the first save learnt the hosts; the second needed no probe
     assert not list(tmp_path.glob(".*probe*"))
+
+
+def test_block_allocation_failures_name_the_bytes_and_the_cause(tmp_path: Path) -> None:
+    import errno
+    import os
+
+    import workbench.io.direct as direct
+
+    if direct._FALLOCATE is None:
+        pytest.skip("no fallocate on this platform")
+    path = tmp_path / "f"
+    path.write_bytes(b"x")
+    fd = os.open(path, os.O_RDONLY)  # allocating through a read-only descriptor fails with EBADF
+    try:
+        with pytest.raises(OSError, match=r"allocating 4096 bytes of a checkpoint file") as caught:
+            direct._allocate(fd, 0, 4096)
+        assert caught.value.errno == errno.EBADF
+    finally:
+        os.close(fd)

@@ -100,3 +100,22 @@ def test_take_early_needs_a_remembered_gpu_plan(tmp_path: Path) -> None:
     assert remembered_locals(model, layout)["a.weight"].data_ptr() == model.a.weight.data_ptr()
     wb.save_hf(model, tmp_path / "ckpt", async_save=True, write_mode="direct").wait()
     assert take_early(model, snapshot) is None  # remembered, but a CPU model's copies would block: not taken
+
+
+def test_a_copy_that_fails_after_the_snapshot_agreement_fails_wait_and_publishes_nothing(
+    tmp_path: Path, monkeypatch
+) -> None:
+    """The snapshot is agreed on while the last copies land; a copy that then fails makes ``wait()`` raise on
+    every rank (here one), naming the stage, and nothing is published."""
+    import pytest
+
+    from workbench.io import snapshot as snapshot_module
+
+    def broken(self: Snapshotter) -> None:
+        raise RuntimeError("the copy engine reported an error")
+
+    monkeypatch.setattr(snapshot_module.Snapshotter, "settle", broken)
+    handle = wb.save_hf(_Model(), tmp_path / "ckpt", async_save=True)  # the agreement came before the failure
+    with pytest.raises(wb.SaveFailed, match=r"a copy did not land.*copy engine reported an error"):
+        handle.wait()
+    assert not (tmp_path / "ckpt").exists() and not list(tmp_path.iterdir())
