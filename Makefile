@@ -20,7 +20,7 @@ demo: $(STAMP)
 	$(VENV)/bin/workbench demo
 
 test: $(STAMP)
-	$(VENV)/bin/ruff check workbench tests bench
+	$(VENV)/bin/ruff check workbench tests bench notebooks
 	$(PY) -m pytest -q
 
 bench: $(STAMP)
