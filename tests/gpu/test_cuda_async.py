@@ -152,3 +152,25 @@ def test_a_repeat_async_save_copies_early_and_still_writes_call_time_values(
     assert taken[1] is not None and taken[1].claimed and taken[1].copies  # handed to the save
     assert taken[3] is not None and taken[3].claimed and not taken[3].copies  # another dtype: released
     assert taken[4] is None  # the remembered weight is gone: nothing to copy early
+
+
+@pytest.mark.parametrize("write_mode", ["direct", "gather"])
+def test_an_async_save_of_cuda_tensors_larger_than_its_pinned_pool_completes(tmp_path: Path, monkeypatch,
+                                                                            write_mode: str) -> None:
+    """32 MiB of CUDA tensors through a 16 MiB pinned pool: the writers start once the pool is full (the call
+    returns late, not never), and every buffer reused after its copy landed holds the call-time values."""
+    from workbench.io import host_pool as pools
+
+    monkeypatch.setattr(pools, "_POOLS", {})
+    gen = torch.Generator(device="cuda").manual_seed(1)
+    state = {f"w{i}": torch.randn(1024, 1024, device="cuda", generator=gen) for i in range(8)}
+    expected = {k: v.cpu() for k, v in state.items()}
+    handle = wb.save_hf(state, tmp_path / "ckpt", async_save=True, write_mode=write_mode,
+                        host_buffer_bytes=16 << 20)
+    for tensor in state.values():
+        tensor.add_(1)
+    handle.wait()
+    read = _read(tmp_path / "ckpt")
+    assert all(torch.equal(read[k], expected[k]) for k in expected)
+    pool = pools._POOLS[True]
+    assert pool.bytes_out == 0 and pool.bytes_held <= 16 << 20

@@ -278,6 +278,11 @@ class CheckpointFiles:
         dtype = self.slots[regions[0].hf_key].dtype
         if local.dtype != dtype:
             raise CheckpointError(f"{regions[0].hf_key}: local tensor is {local.dtype}, expected {dtype}")
+        for region in regions:
+            if self.slots[region.hf_key].dtype != dtype:
+                raise CheckpointError(
+                    f"{region.hf_key}: saved as {self.slots[region.hf_key].dtype}, the tensor's other keys as {dtype}"
+                )
         local = local.contiguous()  # a view (a transposed weight, say) is copied once; the boxes index it row-major
         total = 0
         if self.map_short_runs:
@@ -292,8 +297,6 @@ class CheckpointFiles:
         files, starts, file_starts, lengths = [], [], [], []
         for region in regions:
             slot = self.slots[region.hf_key]
-            if slot.dtype != dtype:
-                raise CheckpointError(f"{region.hf_key}: saved as {slot.dtype}, the tensor's other keys as {dtype}")
             at, to, run = _box_segments(tuple(local.shape), slot.shape, region.local_offset, region.key_offset,
                                         tuple(region.sizes))
             files.append(np.full(len(at), self._file_index(slot.file), dtype=np.int64))
@@ -341,14 +344,18 @@ class CheckpointFiles:
         base = first - first % mmap.ALLOCATIONGRANULARITY
         fd = self._fd(slot.file)
         # the file is sparse: a store into a hole on a full disk is a SIGBUS, so the blocks are allocated first,
-        # where a full disk is an ordinary error (and where the filesystem cannot, the runs are pwritten)
-        if not _allocate(fd, first, last - first):
+        # where a full disk is an ordinary error (and where the filesystem cannot, the runs are pwritten). A store
+        # dirties its whole page, so whole pages are allocated (a page may span several blocks)
+        page_first = first - first % mmap.PAGESIZE
+        page_last = min(-(-last // mmap.PAGESIZE) * mmap.PAGESIZE, self.headers[slot.file][1])
+        if not _allocate(fd, page_first, page_last - page_first):
             return self._pwrite_box(region, source)
         with mmap.mmap(fd, last - base, offset=base) as mapping:
             pages = np.frombuffer(mapping, dtype=np.uint8)
-            target = np.lib.stride_tricks.as_strided(pages[first - base :], (*sizes, itemsize), (*strides, 1))
-            target[...] = source
-            del target, pages  # the map closes only once no array views it
+            try:
+                np.lib.stride_tricks.as_strided(pages[first - base :], (*sizes, itemsize), (*strides, 1))[...] = source
+            finally:
+                del pages  # the map closes only once no array views it (on the way out of a failed copy too)
         nbytes = math.prod(sizes) * itemsize
         with self._lock:
             self.written[slot.file] = self.written.get(slot.file, 0) + nbytes
@@ -370,12 +377,19 @@ class CheckpointFiles:
             os.fsync(fd)
 
     def close(self) -> None:
-        """Close every descriptor (idempotent)."""
+        """Close every descriptor (idempotent). Each one is closed even when an earlier close fails (a network
+        filesystem may report a deferred write error there); the first failure is raised after, naming its file."""
         with self._lock:
-            fds, self._fds = list(self._fds.values()), {}
-        for fd in fds:
+            fds, self._fds = dict(self._fds), {}
+        failed: OSError | None = None
+        for name, fd in fds.items():
             self.writeback.forget(fd)
-            os.close(fd)
+            try:
+                os.close(fd)
+            except OSError as exc:
+                failed = failed or OSError(exc.errno, f"closing {self.directory / name}: {exc.strerror}")
+        if failed is not None:
+            raise failed
 
     def missing_bytes(self, written_by_rank: Iterable[Mapping[str, int]]) -> list[str]:
         """Files whose data bytes, summed over every rank's writes, differ from what the header promises."""

@@ -39,9 +39,16 @@ def take_step(snapshot: Snapshotter, local: torch.Tensor, step: DirectStep,
     _, whole_dtype, pieces = step
     if whole_dtype is not None:
         return (snapshot.take(_as(local, whole_dtype), mark=False),)
-    return tuple(
-        snapshot.take(_as(local[box(region)], key_meta[region.hf_key][0]), mark=False) for region in pieces
-    )
+    copies: list[HostCopy] = []
+    try:
+        for region in pieces:
+            copies.append(snapshot.take(_as(local[box(region)], key_meta[region.hf_key][0]), mark=False))
+    except BaseException:  # the copies taken so far are nobody's: given back once they have landed
+        snapshot.mark()
+        for copy in copies:
+            copy.discard()
+        raise
+    return tuple(copies)
 
 
 def _as(tensor: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
@@ -88,9 +95,8 @@ class EarlySnapshot:
             for copy in copies:
                 if copy.buffer is None:
                     continue
-                copy.wait()
                 self.snapshot.copied_bytes -= copy.nbytes
-                copy.release()
+                copy.discard()
         self.copies.clear()
         self.claimed = True  # nothing left to hand over
 

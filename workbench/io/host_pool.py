@@ -11,13 +11,16 @@ at least 1 MiB), then frees idle buffers of other classes to make room, and when
 reach the capacity it **waits** until a writer gives one back. A save therefore blocks, never over-allocates:
 an async save whose share of the checkpoint exceeds the capacity returns only once enough of it is written.
 One request larger than the capacity is served alone (it waits until the pool is empty) so it cannot deadlock.
+A save may itself hold the buffers it waits for (copies not yet handed to its writers, writers gated until its
+snapshot is complete): its ``on_full`` hands them over and opens the gate, and when no writer is left to give
+one back the request is served beyond the capacity, as an oversized one is, rather than waiting forever.
 """
 
 from __future__ import annotations
 
 import math
 import threading
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
 
 import torch
@@ -65,24 +68,48 @@ class HostPool:
         """The buffer size serving ``nbytes``: a power of two, at least 1 MiB."""
         return max(_MIN_CLASS, 1 << max(0, math.ceil(math.log2(max(nbytes, 1)))))
 
-    def acquire(self, shape: tuple[int, ...], dtype: torch.dtype) -> HostBuffer:
-        """A buffer for a tensor of ``shape`` and ``dtype``; waits while the pool is full (see the module doc)."""
+    def acquire(
+        self, shape: tuple[int, ...], dtype: torch.dtype, *, on_full: Callable[[], bool] | None = None
+    ) -> HostBuffer:
+        """A buffer for a tensor of ``shape`` and ``dtype``; waits while the pool is full (see the module doc).
+
+        ``on_full`` (a caller that may itself hold the buffers it waits for): called, without the pool's lock,
+        each time the pool is found full; it hands what the caller holds to whoever gives buffers back, and
+        returns False when nobody will, and the buffer is then allocated beyond the capacity instead of waiting
+        forever (given back, it is dropped, like an oversized request's)."""
         nbytes = math.prod(shape) * dtype.itemsize
         size = self.size_class(nbytes)
-        with self._cond:
-            while True:
-                storage = self._take_free(size)
-                if storage is not None:
-                    break
-                if self._held + size > self.capacity:
-                    self._evict(self._held + size - self.capacity)
-                if self._held + size <= self.capacity or self._held == 0:
+        nobody = False  # on_full said no writer will give a buffer back
+        while True:
+            with self._cond:
+                storage = self._take_or_allocate(size)
+                while storage is None and on_full is None:
+                    self._cond.wait()
+                    storage = self._take_or_allocate(size)
+                if storage is None and nobody:
                     storage = self._allocate(size)
+                if storage is not None:
+                    self._out += storage.numel()
                     break
-                self._cond.wait()
-            self._out += storage.numel()
+            assert on_full is not None
+            nobody = not on_full()
+            if not nobody:
+                with self._cond:  # a buffer given back between on_full and this wait wakes nobody: bounded
+                    self._cond.wait(timeout=0.05)
         view = storage[:nbytes].view(dtype).view(shape) if nbytes else torch.empty(shape, dtype=dtype)
         return HostBuffer(storage, view, self)
+
+    def _take_or_allocate(self, size: int) -> torch.Tensor | None:
+        """A free buffer of class ``size``, or a new one when it fits (idle buffers evicted to make room) or the
+        pool is empty; None when the pool is full. Holds the lock."""
+        storage = self._take_free(size)
+        if storage is not None:
+            return storage
+        if self._held + size > self.capacity:
+            self._evict(self._held + size - self.capacity)
+        if self._held + size <= self.capacity or self._held == 0:
+            return self._allocate(size)
+        return None
 
     def reserve(self, sizes: Iterable[int]) -> int:
         """Allocate now the buffers that requests of these byte sizes, all held at once, would need, so a later

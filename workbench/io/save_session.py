@@ -8,6 +8,7 @@ heartbeat, and the problem it will report at the status exchange. Every way out 
 from __future__ import annotations
 
 import concurrent.futures as futures
+import contextlib
 import math
 import shutil
 import threading
@@ -177,6 +178,8 @@ class SaveSession:
         self.gate = threading.Event()
         if not snapshot.own_everything:
             self.gate.set()
+        self._batch = _Writes()  # direct writes snapshotted and not yet handed to a writer
+        snapshot.on_full = self._make_room
         _IN_FLIGHT.add(self.target)
 
     # -- stages ------------------------------------------------------------------------------------------------
@@ -376,8 +379,10 @@ class SaveSession:
                     written = sum(self.checkpoint_files.written.values()) + self.checkpoint_files.header_bytes
             except Exception as exc:
                 problem = problem or problem_from(exc, self.rank, "fsyncing its files")
-            finally:
+            try:  # a network filesystem may report a deferred write error only here: a problem like any other
                 self.checkpoint_files.close()
+            except Exception as exc:
+                problem = problem or problem_from(exc, self.rank, "closing its files")
         for writer in self.files.values():
             try:
                 if problem is None:
@@ -465,31 +470,54 @@ class SaveSession:
         early = None
         if self.early is not None:
             early = self.early.claim((self.layout, self.key_meta, self.direct, self.rank), program, tensors)
-        batch = _Writes()
-        for index, step in enumerate(program):
-            name, whole_dtype, mine = step
-            if not mine:
-                continue
-            fault_point("snapshot", self.rank)
-            copies = early[index] if early is not None else take_step(self.snapshot, tensors[name], step,
-                                                                      self.key_meta)
-            if whole_dtype is not None:
-                # every piece of the tensor is ours: one snapshot of the whole local tensor (one device-to-host copy,
-                # not one per stripe) and one job writing its pieces
-                def job(pieces: tuple[KeyRegion, ...] = mine, whole: HostCopy = copies[0]) -> int:
-                    return files.write_local(pieces, whole.wait())
+        reached = 0  # the early copies of the steps before this one are the batch's or a writer's
+        try:
+            for index, step in enumerate(program):
+                reached = index
+                name, whole_dtype, mine = step
+                if not mine:
+                    continue
+                fault_point("snapshot", self.rank)
+                copies = early[index] if early is not None else take_step(self.snapshot, tensors[name], step,
+                                                                          self.key_meta)
+                reached = index + 1
+                if whole_dtype is not None:
+                    # every piece of the tensor is ours: one snapshot of the whole local tensor (one device-to-host
+                    # copy, not one per stripe) and one job writing its pieces
+                    def job(pieces: tuple[KeyRegion, ...] = mine, whole: HostCopy = copies[0]) -> int:
+                        return files.write_local(pieces, whole.wait())
 
-                batch.add(job, copies[0], name)
-            else:
-                for region, copy in zip(mine, copies):
-                    batch.add(partial(_write_piece, files, region, copy), copy, region.hf_key)
-            if batch.nbytes >= _BATCH_BYTES:
-                self.snapshot.mark()
-                self._queue(batch.nbytes, batch, batch, name)
-                batch = _Writes()
+                    self._batch.add(job, copies[0], name)
+                else:
+                    for region, copy in zip(mine, copies):
+                        self._batch.add(partial(_write_piece, files, region, copy), copy, region.hf_key)
+                if self._batch.nbytes >= _BATCH_BYTES:
+                    self._flush_batch(name)
+            self._flush_batch("the last pieces")
+        except BaseException:
+            # no writer will release these: the batch not handed over, and the early copies of the steps not reached
+            self.snapshot.mark()
+            self._batch.discard()
+            self._batch = _Writes()
+            for copies in early[reached:] if early is not None else ():
+                for copy in copies:
+                    copy.discard()
+            raise
+
+    def _flush_batch(self, key: str) -> None:
+        """Hand the direct writes snapshotted so far to a writer thread (their copies' event recorded first)."""
         self.snapshot.mark()
-        if batch.items:
-            self._queue(batch.nbytes, batch, batch, "the last pieces")
+        if self._batch.items:
+            self._queue(self._batch.nbytes, self._batch, self._batch, key)
+            self._batch = _Writes()
+
+    def _make_room(self) -> bool:
+        """The host pool is full while this rank snapshots: hand what it took to the writers and let them run
+        (an async save's writers then start before its snapshot is complete). True while a queued write is yet
+        to give its buffers back; False when none is (the pool then serves the copy beyond its capacity)."""
+        self._flush_batch("the pieces taken so far")
+        self.gate.set()
+        return any(not future.done() for future, _, _ in self.pending)
 
     def _queue(self, nbytes: int, job: Any, copy: HostCopy | _Writes, key: str) -> None:
         """Hand ``job`` to a writer thread; past ``in_flight_bytes`` queued, wait for the oldest writes first."""
@@ -521,7 +549,7 @@ class SaveSession:
                     self.write_problem = problem_from(exc, self.rank, f"writing {what!r}")
             return 0
         finally:
-            copy.release()
+            copy.discard()  # written: already landed; skipped (a failed save): waited for before it is reused
 
     def _submit(self, writer: StreamWriter, key: str, copy: HostCopy) -> None:
         """Queue one whole key's write into this rank's own file (gather mode)."""
@@ -551,13 +579,15 @@ class SaveSession:
         self.pool.shutdown(wait=True, cancel_futures=True)
         for future, _, copy in self.pending:
             if future.cancelled():  # never ran, so never gave its pool buffers back
-                copy.release()
+                copy.discard()
+        self._batch.discard()  # snapshotted, never handed to a writer
         if self.early is not None:
             self.early.release()  # copies never claimed (a claimed copy went to a writer job, which released it)
         for writer in self.files.values():
             writer.abandon()
         if self.checkpoint_files is not None:
-            self.checkpoint_files.close()
+            with contextlib.suppress(OSError):  # a failed save: what a close reports changes nothing
+                self.checkpoint_files.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
 
@@ -593,9 +623,14 @@ class _Writes:
         return total
 
     def release(self) -> None:
-        """Free every copy (after the job, or when the save is abandoned; releasing twice is harmless)."""
+        """Free every copy (after the job; releasing twice is harmless)."""
         for _, copy, _ in self.items:
             copy.release()
+
+    def discard(self) -> None:
+        """Free every copy once no device-to-host copy is landing in it (a failed or abandoned save)."""
+        for _, copy, _ in self.items:
+            copy.discard()
 
 
 def _write_piece(files: CheckpointFiles, region: KeyRegion, copy: HostCopy) -> int:

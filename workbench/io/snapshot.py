@@ -15,7 +15,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Callable, Iterable
 from dataclasses import dataclass
 from typing import Any
 
@@ -52,11 +52,25 @@ class HostCopy:
         return self.host
 
     def release(self) -> None:
-        """Give the pool buffer back (after the tensor is written, or when the save is abandoned)."""
+        """Give the pool buffer back (after the tensor is written)."""
         self.event = None
         if self.buffer is not None:
             self.buffer.release()
             self.buffer = None
+
+    def discard(self) -> None:
+        """Give the pool buffer back once no copy is still landing in it (a failed or abandoned save): a buffer
+        back in the pool may be the next save's, which a late copy would overwrite. Never raises."""
+        if self.buffer is not None:
+            try:
+                if self.event is _UNMARKED:  # no event of its own: wait for every device
+                    for device in range(torch.cuda.device_count()):
+                        torch.cuda.synchronize(device)
+                elif self.event is not None:
+                    self.event.synchronize()
+            except Exception:  # the copy failed: nothing is landing any more
+                pass
+        self.release()
 
 
 class Snapshotter:
@@ -78,6 +92,9 @@ class Snapshotter:
         self._streams: dict[torch.device, Any] = {}  # per device, the stream its copies run on (the caller's)
         self._last: dict[torch.device, Any] = {}  # per device, the event of its latest copy
         self._unmarked: list[tuple[HostCopy, torch.device]] = []  # device copies waiting for mark()
+        # called when a bounded pool is full: hands the copies taken so far to the writers, and says whether a
+        # writer will give a buffer back (else the pool serves the copy beyond its capacity rather than hang)
+        self.on_full: Callable[[], bool] | None = None
 
     def _pool(self, pinned: bool) -> HostPool:
         if pinned not in self._pools:
@@ -91,7 +108,7 @@ class Snapshotter:
         every such copy, and must run before any of them is handed to a writer."""
         value = value.detach()
         if value.device.type != "cpu":
-            buffer = self._pool(pinned=True).acquire(tuple(value.shape), value.dtype)
+            buffer = self._pool(pinned=True).acquire(tuple(value.shape), value.dtype, on_full=self.on_full)
             buffer.tensor.copy_(value, non_blocking=True)
             self.copied_bytes += value.numel() * value.element_size()
             copy = HostCopy(buffer.tensor, buffer, _UNMARKED)
@@ -100,7 +117,7 @@ class Snapshotter:
                 self.mark()
             return copy
         if self.own_everything and _storage_key(value) in self._model_storages():
-            buffer = self._pool(pinned=False).acquire(tuple(value.shape), value.dtype)
+            buffer = self._pool(pinned=False).acquire(tuple(value.shape), value.dtype, on_full=self.on_full)
             buffer.tensor.copy_(value)
             self.copied_bytes += value.numel() * value.element_size()
             return HostCopy(buffer.tensor, buffer)
