@@ -2,11 +2,13 @@
 
 from __future__ import annotations
 
+import hashlib
 import math
 import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -116,6 +118,8 @@ def load_hf(
     what = f"load of {path}"
     reader: CheckpointReader | None = None
     mine: BaseException | None = None
+    replicas: dict[str, ReplicaRead] = {}
+    batches: dict[str, ReplicaBatch] = {}
     try:
         layout, targets = layout_and_locals(model_or_state_dict, key_map, layout=layout)
         fault_point("load.plan", rank)
@@ -123,18 +127,20 @@ def load_hf(
         missing, unexpected, mismatched = _check(reader, layout, targets, adapters, cast)
         if strict and (missing or unexpected or mismatched):
             raise CheckpointError(_problem(path, missing, unexpected, mismatched))
+        bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
+        wanted = {n: s for n, s in layout.specs.items() if not bad.intersection(s.hf_keys)}
+        if read_replicas_once and rank == channel.rank and _live():
+            replicas = replica_readers(layout, wanted, rank)
+            batches = replica_batches(layout, replicas, targets, rank)
     except Exception as exc:
         mine = exc
     try:
-        _agree(channel, mine, rank, "checking the checkpoint against the layout", what)
+        shared = _agree(channel, mine, rank, "checking the checkpoint against the layout", what,
+                        share={key: batch.digest() for key, batch in batches.items()})
+        _check_replica_groups(shared, what)
         assert reader is not None
         problem = None
         loaded = owned = received = 0
-        bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
-        wanted = {n: s for n, s in layout.specs.items() if not bad.intersection(s.hf_keys)}
-        replicas = (
-            replica_readers(layout, wanted, rank) if read_replicas_once and rank == channel.rank and _live() else {}
-        )
         try:
             for name, spec in wanted.items():
                 plan = spec.memo(("load_plan", rank), lambda spec=spec: plan_hf_load(spec, rank))
@@ -152,7 +158,7 @@ def load_hf(
         except Exception as exc:
             problem = problem_from(exc, rank, "reading its slices")
         if replicas:
-            problem = _share_replicas(layout, replicas, targets, timeout, problem)
+            problem = _share_replicas(layout, replicas, batches, targets, rank, timeout, problem)
         try:
             fault_point("load.status", rank)
         except Exception as exc:
@@ -212,49 +218,120 @@ def replica_readers(layout: Layout, specs: Mapping[str, LoadSpec], rank: int) ->
     return out
 
 
+@dataclass(frozen=True, slots=True)
+class ReplicaBatch:
+    """One broadcast of replicated parameters: the replica group (its mesh dim and ranks), the group rank that
+    reads them, their names and element counts, and a digest of all of it that every member must share."""
+
+    mesh_dim: MeshDimRef
+    group: tuple[int, ...]
+    reader: int
+    names: tuple[str, ...]
+    numels: tuple[int, ...]
+
+    def digest(self) -> tuple[tuple[int, ...], int, str, str]:
+        """What the members compare: the group, the reader, the first name and a hash of every name and size."""
+        text = repr((format_mesh_dim(self.mesh_dim), self.reader, self.names, self.numels))
+        return self.group, self.reader, self.names[0], hashlib.sha1(text.encode()).hexdigest()
+
+
+def replica_batches(
+    layout: Layout, replicas: Mapping[str, ReplicaRead], targets: Mapping[str, torch.Tensor], rank: int
+) -> dict[str, ReplicaBatch]:
+    """This rank's broadcasts of replicated parameters, one per (group, reader, dtype, device), in the order they
+    run. Every member of a replica group must have the very same batches (``_check_replica_groups``), or a
+    broadcast would pair one rank's parameter with another's."""
+    found: dict[str, tuple[ReplicaRead, list[str]]] = {}
+    for name, r in replicas.items():
+        t = targets[name]
+        found.setdefault(f"{format_mesh_dim(r.mesh_dim)}|{r.reader}|{t.dtype}|{t.device.type}", (r, []))[1].append(name)
+    return {
+        key: ReplicaBatch(r.mesh_dim, layout.mesh.group_ranks(rank, r.mesh_dim), r.reader, tuple(names),
+                          tuple(targets[n].numel() for n in names))
+        for key, (r, names) in found.items()
+    }
+
+
 def _share_replicas(
     layout: Layout,
     replicas: Mapping[str, ReplicaRead],
+    batches: Mapping[str, ReplicaBatch],
     targets: Mapping[str, torch.Tensor],
+    rank: int,
     timeout: float,
     problem: RankProblem | None,
 ) -> RankProblem | None:
-    """Broadcast every replicated parameter from its reader to its replica group, batched per (group, reader,
-    dtype, device). Before each batch the group exchanges a "failed" flag, so a reader that could not read never
-    leaves its replicas waiting; returns this rank's problem (a peer's failure is a secondary one)."""
+    """Broadcast every replicated parameter from its reader to its replica group, batch by batch
+    (``replica_batches``). Before each batch the group exchanges a "failed" flag, with this rank's failure to read
+    or to make the batch's buffer in it, so no rank leaves its replicas waiting; returns this rank's problem (a
+    peer's failure is a secondary one)."""
     from workbench.run.torch_comm import TorchCommunicator
 
-    comm = TorchCommunicator(layout.mesh, {r.mesh_dim for r in replicas.values()}, timeout=timeout)
-    batches: dict[tuple, list[str]] = {}
-    for name, r in replicas.items():
-        t = targets[name]
-        batches.setdefault((format_mesh_dim(r.mesh_dim), r.reader, str(t.dtype), str(t.device)), []).append(name)
-    for names in batches.values():
-        first = replicas[names[0]]
+    stage = "sharing replicated parameters"
+    try:
+        comm = TorchCommunicator(layout.mesh, {r.mesh_dim for r in replicas.values()}, timeout=timeout)
+    except Exception as exc:
+        return problem or problem_from(exc, rank, stage, broken=True)
+    for batch in batches.values():
+        mesh_dim, reader, names = batch.mesh_dim, batch.reader, batch.names
+        reads = replicas[names[0]].reads
+        tensors = [targets[n] for n in names]
+        flat = None
+        if problem is None:
+            try:  # one buffer per batch, made before the flag: a rank that cannot make it says so there
+                flat = torch.cat([t.reshape(-1) for t in tensors]) if reads else torch.empty(
+                    sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device
+                )
+            except Exception as exc:
+                problem = problem_from(exc, comm.rank, stage)
         try:
-            stop = comm.any_flag(first.mesh_dim, problem is not None)
+            stop = comm.any_flag(mesh_dim, problem is not None)
         except Exception as exc:
-            return problem or problem_from(exc, comm.rank, "sharing replicated parameters", broken=True)
+            return problem or problem_from(exc, comm.rank, stage, broken=True)
         if stop:
             problem = problem or RankProblem(
-                comm.rank, "sharing replicated parameters",
-                f"a peer in its {format_mesh_dim(first.mesh_dim)} replica group failed", secondary=True,
+                comm.rank, stage, f"a peer in its {format_mesh_dim(mesh_dim)} replica group failed", secondary=True,
             )
             continue
-        tensors = [targets[n] for n in names]
-        flat = torch.cat([t.reshape(-1) for t in tensors]) if first.reads else torch.empty(
-            sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device
-        )
+        assert flat is not None
         try:
-            comm.broadcast(flat, first.mesh_dim, first.reader)
+            comm.broadcast(flat, mesh_dim, reader)
         except Exception as exc:
-            return problem or problem_from(exc, comm.rank, "sharing replicated parameters", broken=True)
-        if not first.reads:
-            offset = 0
-            for t in tensors:
-                t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-                offset += t.numel()
+            return problem or problem_from(exc, comm.rank, stage, broken=True)
+        if not reads:
+            try:
+                offset = 0
+                for t in tensors:
+                    t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+                    offset += t.numel()
+            except Exception as exc:  # the group is fine: the next batch's flag tells the peers
+                problem = problem_from(exc, comm.rank, stage)
+        del flat
     return problem
+
+
+def _check_replica_groups(shared: list[Any], what: str) -> None:
+    """Every member of each replica group must broadcast the same batches (the same parameters, sizes and readers,
+    in the same order); else raise LoadFailed on every rank (each sees every digest, so each decides alike), naming
+    the ranks and a parameter. A model whose ranks hold different parameters (pipeline stages) is loaded stage by
+    stage, each with its own layout."""
+    for rank, digests in enumerate(shared):
+        for key, (group, _, first, _) in (digests or {}).items():
+            for peer in group:
+                theirs = (shared[peer] or {}).get(key)
+                in_order = [k for k in digests if k in (shared[peer] or {})] == [k for k in shared[peer] or {}
+                                                                                 if k in digests]
+                if theirs != digests[key] or not in_order:
+                    dims = key.split("|")[0]
+                    differs = (f"rank {rank} shares {first!r} first, rank {peer} {theirs[2]!r}" if theirs
+                               else f"rank {peer} shares nothing over them")
+                    problem = RankProblem(
+                        rank, "planning the replica reads",
+                        f"ranks {rank} and {peer} are replicas over {dims!r} but hold different replicated parameters "
+                        f"({differs}); every rank must hold the same model (a pipeline stage loads with its own "
+                        "layout)",
+                    )
+                    raise LoadFailed(f"{what} failed; no tensor was changed.\n  {problem.cause}", [problem])
 
 
 def _check(
@@ -285,11 +362,14 @@ def _check(
     return missing, unexpected, mismatched
 
 
-def _agree(channel: ControlChannel, mine: BaseException | None, rank: int, stage: str, what: str) -> None:
-    """Every rank learns whether any rank failed ``stage``; the failing rank raises its own error."""
+def _agree(
+    channel: ControlChannel, mine: BaseException | None, rank: int, stage: str, what: str, *, share: Any = None
+) -> list[Any]:
+    """Every rank learns whether any rank failed ``stage``; the failing rank raises its own error. Returns every
+    rank's ``share``, in rank order."""
     problem = problem_from(mine, rank, stage) if mine is not None else None
     try:
-        agree(channel, problem, what=what, error=LoadFailed, outcome="no tensor was changed")
+        return agree(channel, problem, what=what, error=LoadFailed, outcome="no tensor was changed", share=share)
     except LoadFailed:
         if mine is not None:
             raise mine from None

@@ -121,11 +121,19 @@ class TorchCommunicator:
         self._groups: dict[MeshDimRef, Any] = {}
         self._flags: dict[MeshDimRef, Any] = {}
         self._sizes: dict[MeshDimRef, int] = {}
+        self._members: dict[MeshDimRef, tuple[int, ...]] = {}  # this rank's group, in mesh (group-rank) order
+        self._reorder: dict[MeshDimRef, torch.Tensor] = {}  # where torch's order differs: mesh position -> torch's
         for ref in sorted({mesh.resolve(r) for r in mesh_dims}, key=format_mesh_dim):
             groups = mesh.groups(ref)
             self._sizes[ref] = len(groups[0])
             if len(groups[0]) == 1:
                 continue
+            # torch numbers a group's ranks in sorted order; a mesh may list them otherwise (a custom rank array, a
+            # flattened dim): collectives are mapped back to the mesh's order, or pieces would land permuted
+            members = self._members[ref] = mesh.group_ranks(self.rank, ref)
+            torch_order = sorted(members)
+            if list(members) != torch_order:
+                self._reorder[ref] = torch.tensor([torch_order.index(r) for r in members])
             self._groups[ref] = _subgroup(groups, None, self.timeout)
             self._flags[ref] = self._groups[ref] if backend == "gloo" else _subgroup(groups, "gloo", self.timeout)
 
@@ -152,6 +160,9 @@ class TorchCommunicator:
         send = send.contiguous()
         out = send.new_empty(world * send.numel())
         _compat.all_gather_flat(out, send, self._groups[ref])
+        reorder = self._reorder.get(ref)
+        if reorder is not None:  # torch's order (sorted ranks) to the mesh's
+            out = out.view(world, -1)[reorder.to(out.device)].reshape(-1)
         return out
 
     def broadcast(self, tensor: torch.Tensor, mesh_dim: MeshDimRef, src: int) -> torch.Tensor:
@@ -159,8 +170,10 @@ class TorchCommunicator:
         ref, world = self._check(mesh_dim)
         if world == 1:
             return tensor
-        group = self._groups[ref]
-        dist.broadcast(tensor, src=dist.get_global_rank(group, src), group=group)
+        if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:  # gloo has no float8: send the bytes
+            self.broadcast(tensor.view(torch.uint8), mesh_dim, src)
+            return tensor
+        dist.broadcast(tensor, src=self._members[ref][src], group=self._groups[ref])  # src: a global rank
         return tensor
 
     def any_flag(self, mesh_dim: MeshDimRef, flag: bool) -> bool:
