@@ -326,3 +326,20 @@ def test_replicated_tensor_every_rank_reads_everything() -> None:
         out = execute_load(plan, reader_from_tensors({"norm.weight": x}), torch.empty(5, dtype=torch.bfloat16))
         assert_same(out, x)
     assert canonical_tensor(s, {"norm.weight": x}, torch.bfloat16).shape == (5,)
+
+
+def test_an_adapter_of_another_dtype_is_refused_unless_cast() -> None:
+    """The checkpoint check cannot see an adapter's output dtype: without cast, a bf16 canonical key is not copied
+    silently into a float32 tensor."""
+    import pytest
+
+    mesh = MeshSpec((2,), ("etp",))
+    s = spec("w", "packed", (8, 3), mesh, [InterleavedShard(0, 4)])
+    packed = torch.arange(24.0).reshape(2, 3, 4)
+    adapters = {"packed": lambda key, t: t.permute(0, 2, 1).reshape(8, 3).to(torch.bfloat16)}
+    plan = plan_hf_load(s, 1)
+    with pytest.raises(PlanError, match=r"'w', rank 1: adapter for 'packed' returned torch.bfloat16, the model's "
+                                        r"tensor is torch.float32 \(pass cast=True"):
+        execute_load(plan, reader_from_tensors({"packed": packed}), torch.empty(4, 3), adapters, cast=False)
+    out = execute_load(plan, reader_from_tensors({"packed": packed}), torch.empty(4, 3), adapters, cast=True)
+    assert torch.equal(out, packed.permute(0, 2, 1).reshape(8, 3)[[1, 3, 5, 7]])

@@ -154,7 +154,7 @@ def load_hf(
                     received += nbytes
                     continue
                 fault_point("load.read", rank)
-                execute_load(plan, reader.read, targets[name], adapters)
+                execute_load(plan, reader.read, targets[name], adapters, cast=cast)
         except Exception as exc:
             problem = problem_from(exc, rank, "reading its slices")
         if replicas:

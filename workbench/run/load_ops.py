@@ -32,11 +32,14 @@ def execute_load(
     read: SliceReader,
     out: torch.Tensor,
     adapters: Mapping[str, Adapter] | None = None,
+    *,
+    cast: bool = True,
 ) -> torch.Tensor:
     """Fill ``out`` (the rank's local tensor) from the checkpoint as ``plan`` says; returns ``out``.
 
     Keys with an adapter are read whole and canonicalized before slicing; all others are read by slice.
-    Tail padding is zeroed.
+    Tail padding is zeroed. ``cast=False``: an adapter's output of another dtype than ``out`` is an error (the
+    checkpoint check cannot see it), not a silent conversion.
     """
     if tuple(out.shape) != plan.target_shape:
         raise PlanError(
@@ -57,6 +60,11 @@ def execute_load(
                     raise PlanError(
                         f"parameter {plan.name!r}: adapter for {r.hf_key!r} returned shape {tuple(whole.shape)}, "
                         f"the layout's canonical key shape is {plan.key_shape}"
+                    )
+                if not cast and whole.dtype != out.dtype:
+                    raise PlanError(
+                        f"parameter {plan.name!r}, rank {plan.rank}: adapter for {r.hf_key!r} returned {whole.dtype}, "
+                        f"the model's tensor is {out.dtype} (pass cast=True to convert)"
                     )
                 canonical[r.hf_key] = whole
             piece = canonical[r.hf_key][r.key_slices()]
