@@ -2,9 +2,10 @@
 
 torch numbers the ranks of a process group in sorted order; a device mesh may list them otherwise (a custom rank
 array, a flattened dim). A gather or a replica broadcast must follow the mesh's order, or pieces land permuted:
-values are compared with the source tensors, read back with safetensors itself. Ranks that call ``load_hf`` as
-replicas but hold different parameters (pipeline stages over one root mesh) must fail on every rank, not
-exchange each other's values. A replica whose batch buffer cannot be made must not leave its peers waiting.
+values are compared with the source tensors, read back with safetensors itself. Ranks that hold different
+parameters (pipeline stages over one root mesh) but call ``save_hf`` or ``load_hf`` as one model must fail on every
+rank: not publish a checkpoint that lacks a stage, not exchange each other's values. A replica whose batch buffer
+cannot be made must not leave its peers waiting.
 """
 
 from __future__ import annotations
@@ -59,8 +60,9 @@ def test_a_mesh_in_another_order_than_torchs_gathers_and_shares_in_its_own(tmp_p
     assert torch.equal(gathered["model.w.weight"], FULL["model.w.weight"])
 
 
-def _stages(root: str) -> tuple[str, str]:
-    """Two pipeline stages on one (pp, dp) root mesh, each holding its own layer, call load_hf as if one model."""
+def _stages(root: str) -> dict[str, tuple[str, str]]:
+    """Two pipeline stages on one (pp, dp) root mesh, each holding its own layer, call save_hf and load_hf as if
+    one model: each stage's parameter looks replicated over pp."""
     import torch.distributed as dist
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
@@ -68,20 +70,34 @@ def _stages(root: str) -> tuple[str, str]:
     rank = dist.get_rank()
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "dp"))
     key = f"model.layers.{rank // 2}.w"
-    state = {key: distribute_tensor(torch.zeros(4, 8), mesh["dp"], [Shard(0)])}
+    state = {key: distribute_tensor(torch.full((4, 8), float(rank // 2)), mesh["dp"], [Shard(0)])}
+    out = {}
+    try:
+        wb.save_hf(state, Path(root) / "saved", timeout=30)
+        out["save"] = ("saved", "")
+    except wb.SaveFailed as exc:
+        out["save"] = ("SaveFailed", str(exc))
     try:
         wb.load_hf(state, Path(root) / "stages", strict=False, timeout=30)
+        out["load"] = ("loaded", str(state[key].to_local().tolist()))
     except wb.LoadFailed as exc:
-        return "LoadFailed", str(exc)
-    return "loaded", str(state[key].to_local().tolist())
+        out["load"] = ("LoadFailed", str(exc))
+    return out
 
 
 @pytest.mark.slow
-def test_replicas_holding_different_parameters_fail_on_every_rank(tmp_path: Path) -> None:
+def test_stages_called_as_one_model_fail_on_every_rank(tmp_path: Path) -> None:
+    """Saved as one model, the stages published a checkpoint holding layer 0 alone; loaded as one, stage 1 got
+    layer 0's values. Both are refused on every rank before any data moves, naming the ranks."""
     wb.save_hf({"model.layers.0.w": torch.zeros(4, 8), "model.layers.1.w": torch.ones(4, 8)}, tmp_path / "stages")
     results = wb.launch(_stages, nprocs=4, args=(str(tmp_path),), timeout=180)
-    assert {r[0] for r in results.values()} == {"LoadFailed"}, results
-    assert all("replicas over 'pp' but hold different replicated parameters" in r[1] for r in results.values())
+    assert {r["save"][0] for r in results.values()} == {"SaveFailed"}, results
+    assert all("rank(s) 0, 1: 1 parameters, the first 'model.layers.0.w'; rank(s) 2, 3" in r["save"][1]
+               for r in results.values())
+    assert not (tmp_path / "saved").exists() and not list(tmp_path.glob(".saved*"))
+    assert {r["load"][0] for r in results.values()} == {"LoadFailed"}, results
+    assert all("replicas over 'pp' but hold different replicated parameters" in r["load"][1]
+               for r in results.values())
 
 
 def _no_buffer(root: str) -> tuple[str, float]:

@@ -40,7 +40,15 @@ from workbench.plan.policy import SavePolicy
 from workbench.plan.save_set import SavePlanSet, key_meta, layout_fingerprint, plan_save
 from workbench.run.communicator import Communicator
 from workbench.run.executor import WaveOutput, unshard
-from workbench.run.guard import RankProblem, agree, check_agreement, drive_guarded, plan_digests, problem_from
+from workbench.run.guard import (
+    RankProblem,
+    SaveFailed,
+    agree,
+    check_agreement,
+    drive_guarded,
+    plan_digests,
+    problem_from,
+)
 from workbench.run.unshard_ops import split_keys
 
 __all__ = ["SaveResult", "SaveSession"]
@@ -224,12 +232,34 @@ class SaveSession:
                                    self.rank)
         if self.early is not None and not self.direct_queued:
             self.early.release()  # taken for a direct plan this save does not follow
-        everyone = agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort, share=digests)
+        model = (self.metadata["layout"], len(self.layout.specs), next(iter(self.layout.specs), None))
+        everyone = agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort,
+                         share=(digests, model))
+        self._check_same_model([m for _, m in everyone])
         assert self.plan_set is not None
         check_agreement(  # the digests came with the planning outcome: no exchange of their own
             self.comm, self.plan_set.schedules[self.rank], self.plan_set.writers, self.layout.mesh,
-            what=f"save to {self.path}", digests=everyone,
+            what=f"save to {self.path}", digests=[d for d, _ in everyone],
         )
+
+    def _check_same_model(self, models: Sequence[tuple[str, int, str | None]]) -> None:
+        """Every rank must save the same layout: ranks that hold different parameters (pipeline stages called as one
+        model) would each leave the others' tensors to a writer that does not have them, and publish a checkpoint
+        without them. Raises SaveFailed on every rank (each sees every rank's fingerprint), before any data moves."""
+        by_layout: dict[str, list[int]] = {}
+        for rank, (fingerprint, _, _) in enumerate(models):
+            by_layout.setdefault(fingerprint, []).append(rank)
+        if len(by_layout) == 1:
+            return
+        groups = "; ".join(
+            f"rank(s) {_ranks(ranks)}: {models[ranks[0]][1]} parameters, the first {models[ranks[0]][2]!r}"
+            for ranks in by_layout.values()
+        )
+        cause = (f"the ranks hold different layouts ({groups}); every rank must save the same model (pipeline "
+                 "stages save with save_hf_pipeline)")
+        self._abort()
+        raise SaveFailed(f"save to {self.path} refused before any data moved: {cause}",
+                         [RankProblem(self.rank, "checking that the ranks save the same model", cause)])
 
     def _plan(
         self,
@@ -631,6 +661,11 @@ class _Writes:
         """Free every copy once no device-to-host copy is landing in it (a failed or abandoned save)."""
         for _, copy, _ in self.items:
             copy.discard()
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > 8 else "")
 
 
 def _write_piece(files: CheckpointFiles, region: KeyRegion, copy: HostCopy) -> int:
