@@ -41,6 +41,8 @@ def _ranks(ref: str, out: str) -> dict:
     _compat.fully_shard(model, mesh=mesh["fsdp"])
     pipeline = pipeline_layout_from_model(model)
     save_hf_pipeline(model, out, pipeline, config_files=[Path(ref) / "config.json"], max_shard_bytes=20_000)
+    # by gathers too: the stage communicator's groups, in the stage mesh's order
+    save_hf_pipeline(model, out + "-gather", pipeline, config_files=[Path(ref) / "config.json"], write_mode="gather")
     return {"rank": dist.get_rank(), "stage": stage, "params": [len(s) for s in pipeline.stages],
             "stage_ranks": [pipeline.stage_ranks(s) for s in range(2)]}
 
@@ -63,6 +65,8 @@ def test_two_stages_save_one_checkpoint_transformers_loads(tmp_path: Path) -> No
     want, got = single.state_dict(), loaded.state_dict()
     assert want.keys() == got.keys()
     assert all(torch.equal(want[k], got[k]) and want[k].dtype == got[k].dtype for k in want)
+    gathered = transformers.Qwen3ForCausalLM.from_pretrained(tmp_path / "out-gather", dtype=torch.bfloat16)
+    assert all(torch.equal(want[k], v) for k, v in gathered.state_dict().items())
     ids = torch.randint(0, CONFIG["vocab_size"], (2, 5), generator=torch.Generator().manual_seed(1))
     with torch.no_grad():
         assert torch.equal(loaded(ids).logits, single(ids).logits)

@@ -72,11 +72,15 @@ class StageCommunicator(TorchCommunicator):
         self._groups: dict[MeshDimRef, Any] = {}
         self._flags: dict[MeshDimRef, Any] = {}
         self._sizes: dict[MeshDimRef, int] = {}
+        self._members: dict[MeshDimRef, tuple[int, ...]] = {}
+        self._reorder: dict[MeshDimRef, torch.Tensor] = {}
+        mine = pipeline.stage_ranks(self.stage)
         for ref in sorted(refs, key=format_mesh_dim):
             local = self.mesh.groups(ref)
             self._sizes[ref] = len(local[0])
             if len(local[0]) == 1:
                 continue
+            self._bind_order(ref, [mine[r] for r in self.mesh.group_ranks(self.rank, ref)])
             partition = [[pipeline.stage_ranks(s)[r] for r in g] for s in range(count) for g in local]
             self._groups[ref] = _partition(partition, None, timeout)
             self._flags[ref] = self._groups[ref] if gloo else _partition(partition, "gloo", timeout)

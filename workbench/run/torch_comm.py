@@ -15,7 +15,7 @@ torch until the job ends, so making them per save would leak):
 from __future__ import annotations
 
 import datetime
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 from typing import Any
 
 import torch
@@ -128,14 +128,18 @@ class TorchCommunicator:
             self._sizes[ref] = len(groups[0])
             if len(groups[0]) == 1:
                 continue
-            # torch numbers a group's ranks in sorted order; a mesh may list them otherwise (a custom rank array, a
-            # flattened dim): collectives are mapped back to the mesh's order, or pieces would land permuted
-            members = self._members[ref] = mesh.group_ranks(self.rank, ref)
-            torch_order = sorted(members)
-            if list(members) != torch_order:
-                self._reorder[ref] = torch.tensor([torch_order.index(r) for r in members])
+            self._bind_order(ref, mesh.group_ranks(self.rank, ref))
             self._groups[ref] = _subgroup(groups, None, self.timeout)
             self._flags[ref] = self._groups[ref] if backend == "gloo" else _subgroup(groups, "gloo", self.timeout)
+
+    def _bind_order(self, ref: MeshDimRef, members: Sequence[int]) -> None:
+        """Remember this rank's group along ``ref`` as global ranks in mesh order. torch numbers a group's ranks in
+        sorted order; a mesh may list them otherwise (a custom rank array, a flattened dim): collectives are mapped
+        back to the mesh's order, or pieces would land permuted."""
+        members = self._members[ref] = tuple(members)
+        torch_order = sorted(members)
+        if list(members) != torch_order:
+            self._reorder[ref] = torch.tensor([torch_order.index(r) for r in members])
 
     def __repr__(self) -> str:
         refs = ", ".join(f"{format_mesh_dim(r)}={n}" for r, n in self._sizes.items())
