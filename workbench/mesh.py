@@ -209,10 +209,14 @@ class MeshSpec:
 
     def groups(self, ref: MeshDimRef) -> tuple[tuple[int, ...], ...]:
         """Every group along ``ref``, each in group-rank order; groups ordered by their first rank."""
-        seen: dict[tuple[int, ...], None] = {}
+        covered: set[int] = set()
+        found = []
         for rank in self.all_ranks():
-            seen.setdefault(self.group_ranks(rank, ref), None)
-        return tuple(sorted(seen, key=lambda g: g[0]))
+            if rank not in covered:  # each group built once, not once per member
+                group = self.group_ranks(rank, ref)
+                covered.update(group)
+                found.append(group)
+        return tuple(sorted(found, key=lambda g: g[0]))
 
     def _repr_html_(self) -> str:
         """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""

@@ -27,11 +27,20 @@ FULL = {
 }
 
 
+EP_FSDP = {
+    "model.w1": torch.arange(28.0).reshape(7, 4).to(torch.bfloat16),
+    "model.w2": torch.arange(24.0).reshape(6, 4).to(torch.bfloat16),
+    "model.n1": torch.tensor([1.0, 2.0]),
+    "model.experts": torch.arange(8.0).reshape(2, 4).to(torch.bfloat16),
+    "model.n2": torch.tensor([3.0, 4.0]),
+}
+
+
 def _permuted(root: str) -> dict:
     """On a mesh [[0, 2], [1, 3]]: save the rows of w cut over both dims by gathers; load the replicated norms and
     an FP8 vector (replicated over both dims: one flattened group in the mesh's order, not torch's)."""
     import torch.distributed as dist
-    from torch.distributed.device_mesh import DeviceMesh
+    from torch.distributed.device_mesh import DeviceMesh, init_device_mesh
     from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 
     rank = dist.get_rank()
@@ -48,12 +57,22 @@ def _permuted(root: str) -> dict:
     report = wb.load_hf(target, Path(root) / "source", strict=False, timeout=30)
     wrong = [k for k, t in target.items() if not torch.equal(t.full_tensor().view(torch.uint8),
                                                               FULL[k].view(torch.uint8))]
+    # EP x FSDP with uneven shards and two dtypes: replicated over dp for the experts, over ep for the rest, with
+    # readers that differ between the two groups of a rank (a legitimate model: it must load)
+    mesh2 = init_device_mesh("cpu", (2, 2), mesh_dim_names=("dp", "ep"))
+    placements = {"w1": [Shard(0), Replicate()], "w2": [Shard(0), Replicate()], "n1": [Shard(0), Replicate()],
+                  "experts": [Replicate(), Shard(0)], "n2": [Shard(0), Replicate()]}
+    target2 = {f"model.{n}": distribute_tensor(torch.zeros_like(EP_FSDP[f"model.{n}"]), mesh2, p)
+               for n, p in placements.items()}
+    wb.load_hf(target2, Path(root) / "ep_fsdp", timeout=30)
+    wrong += [k for k, t in target2.items() if not torch.equal(t.full_tensor(), EP_FSDP[k])]
     return {"received": report.bytes_received > 0, "wrong": wrong, "rank": rank}
 
 
 @pytest.mark.slow
 def test_a_mesh_in_another_order_than_torchs_gathers_and_shares_in_its_own(tmp_path: Path) -> None:
     wb.save_hf(FULL, tmp_path / "source")
+    wb.save_hf(EP_FSDP, tmp_path / "ep_fsdp")
     results = wb.launch(_permuted, nprocs=4, args=(str(tmp_path),), timeout=180)
     assert all(r["wrong"] == [] and r["received"] for r in results.values()), results
     gathered = load_file(next((tmp_path / "gathered").glob("*.safetensors")))

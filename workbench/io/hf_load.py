@@ -19,7 +19,7 @@ from workbench.io.read import CheckpointReader
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, layout_and_locals
-from workbench.mesh import MeshDimRef, format_mesh_dim
+from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 from workbench.plan.load_plan import Adapter, expected_key_shape, plan_hf_load
 from workbench.run.guard import LoadFailed, RankProblem, agree, problem_from
 from workbench.run.load_ops import execute_load
@@ -131,13 +131,13 @@ def load_hf(
         wanted = {n: s for n, s in layout.specs.items() if not bad.intersection(s.hf_keys)}
         if read_replicas_once and rank == channel.rank and _live():
             replicas = replica_readers(layout, wanted, rank)
-            batches = replica_batches(layout, replicas, targets, rank)
+            batches = replica_batches(replicas, targets)
     except Exception as exc:
         mine = exc
     try:
         shared = _agree(channel, mine, rank, "checking the checkpoint against the layout", what,
-                        share={key: batch.digest() for key, batch in batches.items()})
-        _check_replica_groups(shared, what)
+                        share=replica_digests(batches))
+        _check_replica_groups(shared, layout.mesh, what)
         assert reader is not None
         problem = None
         loaded = owned = received = 0
@@ -220,36 +220,45 @@ def replica_readers(layout: Layout, specs: Mapping[str, LoadSpec], rank: int) ->
 
 @dataclass(frozen=True, slots=True)
 class ReplicaBatch:
-    """One broadcast of replicated parameters: the replica group (its mesh dim and ranks), the group rank that
-    reads them, their names and element counts, and a digest of all of it that every member must share."""
+    """One broadcast of replicated parameters: the replicating mesh dims, the group rank that reads them, and
+    their names and element counts."""
 
     mesh_dim: MeshDimRef
-    group: tuple[int, ...]
     reader: int
     names: tuple[str, ...]
     numels: tuple[int, ...]
 
-    def digest(self) -> tuple[tuple[int, ...], int, str, str]:
-        """What the members compare: the group, the reader, the first name and a hash of every name and size."""
-        text = repr((format_mesh_dim(self.mesh_dim), self.reader, self.names, self.numels))
-        return self.group, self.reader, self.names[0], hashlib.sha1(text.encode()).hexdigest()
-
 
 def replica_batches(
-    layout: Layout, replicas: Mapping[str, ReplicaRead], targets: Mapping[str, torch.Tensor], rank: int
+    replicas: Mapping[str, ReplicaRead], targets: Mapping[str, torch.Tensor]
 ) -> dict[str, ReplicaBatch]:
-    """This rank's broadcasts of replicated parameters, one per (group, reader, dtype, device), in the order they
-    run. Every member of a replica group must have the very same batches (``_check_replica_groups``), or a
-    broadcast would pair one rank's parameter with another's."""
+    """This rank's broadcasts of replicated parameters, one per (mesh dims, reader, dtype, device), in the order
+    they run: sorted by that key, so every rank runs the batches of one mesh dim before the next one's, and groups
+    that overlap cannot wait on each other in a cycle. Every member of a replica group must have the very same
+    batches (``replica_digests``), or a broadcast would pair one rank's parameter with another's."""
     found: dict[str, tuple[ReplicaRead, list[str]]] = {}
     for name, r in replicas.items():
         t = targets[name]
-        found.setdefault(f"{format_mesh_dim(r.mesh_dim)}|{r.reader}|{t.dtype}|{t.device.type}", (r, []))[1].append(name)
+        found.setdefault(f"{format_mesh_dim(r.mesh_dim)}|{r.reader:08d}|{t.dtype}|{t.device.type}", (r, []))[1].append(
+            name)
     return {
-        key: ReplicaBatch(r.mesh_dim, layout.mesh.group_ranks(rank, r.mesh_dim), r.reader, tuple(names),
-                          tuple(targets[n].numel() for n in names))
-        for key, (r, names) in found.items()
+        key: ReplicaBatch(r.mesh_dim, r.reader, tuple(names), tuple(targets[n].numel() for n in names))
+        for key, (r, names) in sorted(found.items())
     }
+
+
+def replica_digests(batches: Mapping[str, ReplicaBatch]) -> dict[str, tuple[MeshDimRef, str, str, int]]:
+    """What a rank's replica groups compare, per replicating mesh dims: (the dims, a hash of every batch in order,
+    the first parameter, the parameter count). A few short entries per rank, whatever the world's size."""
+    by_dims: dict[str, list] = {}
+    for key, batch in batches.items():
+        by_dims.setdefault(format_mesh_dim(batch.mesh_dim), []).append((key, batch))
+    out = {}
+    for dims, entries in by_dims.items():
+        text = repr([(key, b.reader, b.names, b.numels) for key, b in entries])
+        names = [n for _, b in entries for n in b.names]
+        out[dims] = (entries[0][1].mesh_dim, hashlib.sha1(text.encode()).hexdigest(), names[0], len(names))
+    return out
 
 
 def _share_replicas(
@@ -310,28 +319,31 @@ def _share_replicas(
     return problem
 
 
-def _check_replica_groups(shared: list[Any], what: str) -> None:
+def _check_replica_groups(shared: list[Any], mesh: MeshSpec, what: str) -> None:
     """Every member of each replica group must broadcast the same batches (the same parameters, sizes and readers,
-    in the same order); else raise LoadFailed on every rank (each sees every digest, so each decides alike), naming
-    the ranks and a parameter. A model whose ranks hold different parameters (pipeline stages) is loaded stage by
-    stage, each with its own layout."""
+    in the same order): each rank's digests are compared with its group leader's (the group's first rank), and each
+    leader checks that its members have digests too, so the work is one pass over the ranks. Else raise LoadFailed
+    on every rank (each sees every digest, so each decides alike), naming the ranks and a parameter. A model whose
+    ranks hold different parameters (pipeline stages) is loaded stage by stage, each with its own layout."""
+    group_of: dict[str, dict[int, tuple[int, ...]]] = {}  # per mesh dims: each rank's group
     for rank, digests in enumerate(shared):
-        for key, (group, _, first, _) in (digests or {}).items():
-            for peer in group:
-                theirs = (shared[peer] or {}).get(key)
-                in_order = [k for k in digests if k in (shared[peer] or {})] == [k for k in shared[peer] or {}
-                                                                                 if k in digests]
-                if theirs != digests[key] or not in_order:
-                    dims = key.split("|")[0]
-                    differs = (f"rank {rank} shares {first!r} first, rank {peer} {theirs[2]!r}" if theirs
-                               else f"rank {peer} shares nothing over them")
-                    problem = RankProblem(
-                        rank, "planning the replica reads",
-                        f"ranks {rank} and {peer} are replicas over {dims!r} but hold different replicated parameters "
-                        f"({differs}); every rank must hold the same model (a pipeline stage loads with its own "
-                        "layout)",
-                    )
-                    raise LoadFailed(f"{what} failed; no tensor was changed.\n  {problem.cause}", [problem])
+        for dims, mine in (digests or {}).items():
+            if dims not in group_of:
+                group_of[dims] = {r: g for g in mesh.groups(mine[0]) for r in g}
+            group = group_of[dims][rank]
+            peers = [group[0]] if rank != group[0] else group[1:]  # a member: its leader; the leader: its members
+            for peer in peers:
+                theirs = (shared[peer] or {}).get(dims)
+                if theirs == mine:
+                    continue
+                differs = (f"rank {rank} shares {mine[3]} starting with {mine[2]!r}, rank {peer} {theirs[3]} starting "
+                           f"with {theirs[2]!r}" if theirs else f"rank {peer} shares nothing over them")
+                problem = RankProblem(
+                    rank, "planning the replica reads",
+                    f"ranks {rank} and {peer} are replicas over {dims!r} but hold different replicated parameters "
+                    f"({differs}); every rank must hold the same model (a pipeline stage loads with its own layout)",
+                )
+                raise LoadFailed(f"{what} failed; no tensor was changed.\n  {problem.cause}", [problem])
 
 
 def _check(
