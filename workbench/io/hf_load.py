@@ -157,8 +157,8 @@ def load_hf(
                 execute_load(plan, reader.read, targets[name], adapters, cast=cast)
         except Exception as exc:
             problem = problem_from(exc, rank, "reading its slices")
-        if replicas:
-            problem = _share_replicas(layout, replicas, batches, targets, rank, timeout, problem)
+        if batches:
+            problem = _share_replicas(layout, batches, targets, rank, timeout, problem)
         try:
             fault_point("load.status", rank)
         except Exception as exc:
@@ -263,7 +263,6 @@ def replica_digests(batches: Mapping[str, ReplicaBatch]) -> dict[str, tuple[Mesh
 
 def _share_replicas(
     layout: Layout,
-    replicas: Mapping[str, ReplicaRead],
     batches: Mapping[str, ReplicaBatch],
     targets: Mapping[str, torch.Tensor],
     rank: int,
@@ -278,12 +277,12 @@ def _share_replicas(
 
     stage = "sharing replicated parameters"
     try:
-        comm = TorchCommunicator(layout.mesh, {r.mesh_dim for r in replicas.values()}, timeout=timeout)
+        comm = TorchCommunicator(layout.mesh, {b.mesh_dim for b in batches.values()}, timeout=timeout)
     except Exception as exc:
         return problem or problem_from(exc, rank, stage, broken=True)
     for batch in batches.values():
         mesh_dim, reader, names = batch.mesh_dim, batch.reader, batch.names
-        reads = replicas[names[0]].reads
+        reads = layout.mesh.group_rank(rank, mesh_dim) == reader
         tensors = [targets[n] for n in names]
         flat = None
         if problem is None:
