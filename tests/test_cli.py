@@ -167,15 +167,18 @@ def test_console_script_runs() -> None:
 
 
 def test_plan_shows_which_tensors_are_written_in_place(capsys) -> None:
-    # the toy's down projections are cut by TP on their last dim (rows of 2 elements): the only tensor whose pieces
-    # are too short to write in place; the other four are written by their holders, with no gather
+    # by default `workbench plan` plans as save_hf does on one host (no minimum segment): all five tensors in place
     assert main(["plan", str(TOY), "--rank", "5", "--budget", "200B"]) == 0
+    assert capsys.readouterr().out.splitlines()[0].startswith("write mode direct: all 5 tensors written in place")
+    # across hosts the toy's down projections, cut by TP on their last dim (rows of 2 elements), are the only tensor
+    # whose pieces are too short to write in place; the other four are written by their holders, with no gather
+    assert main(["plan", str(TOY), "--rank", "5", "--budget", "200B", "--across-hosts"]) == 0
     first = capsys.readouterr().out.splitlines()[0]
     assert first.startswith("write mode direct: 4 tensor(s) written in place") and "covers the 1 gathered" in first
-    assert main(["plan", str(TOY), "--rank", "5", "--json"]) == 0
+    assert main(["plan", str(TOY), "--rank", "5", "--json", "--across-hosts"]) == 0
     data = json.loads(capsys.readouterr().out)
     assert data["write_mode"] == "direct" and "model.layers.0.mlp.experts.fused_w2" not in data["direct_tensors"]
     assert len(data["direct_tensors"]) == 4
-    for minimum in ("1B", "0"):  # no minimum (save_hf on one host): all five in place
-        assert main(["plan", str(TOY), "--rank", "5", "--min-segment", minimum]) == 0
+    for minimum in ("1B", "0"):  # an explicit minimum wins over --across-hosts
+        assert main(["plan", str(TOY), "--rank", "5", "--min-segment", minimum, "--across-hosts"]) == 0
         assert capsys.readouterr().out.splitlines()[0].startswith("write mode direct: all 5 tensors written in place")

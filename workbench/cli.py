@@ -146,9 +146,12 @@ def register_plan(subparsers: Any) -> None:
                    "long byte segments are written in place by their holders and only the rest is scheduled; "
                    "gather: every key goes through the schedule to a writer")
     p.add_argument("--min-segment", type=_byte_count, default=None,
-                   help="direct mode: average segment length below which a tensor is gathered (default 64KiB, "
-                   "what save_hf uses across hosts; on one host save_hf uses 0: short segments go through a memory "
-                   "map and nothing is gathered)")
+                   help="direct mode: average segment length below which a tensor is gathered (default: what "
+                   "save_hf uses, 0 on one host, where short segments go through a memory map and nothing is "
+                   "gathered; 64KiB with --across-hosts)")
+    p.add_argument("--across-hosts", action="store_true",
+                   help="plan as save_hf does when the ranks span several hosts (direct mode gathers tensors "
+                   "whose segments are shorter than 64KiB)")
     _add_output(p, "every gather call")
     p.set_defaults(func=_run_plan)
 
@@ -174,7 +177,8 @@ def _run_plan(args: argparse.Namespace) -> int:
         from workbench.plan.save_set import key_meta
 
         meta = key_meta(layout, {n: layout.dtype(n) for n in layout}, None, None)
-        minimum = DEFAULT_MIN_SEGMENT_BYTES if args.min_segment is None else args.min_segment
+        default = DEFAULT_MIN_SEGMENT_BYTES if args.across_hosts else 0  # what save_hf picks
+        minimum = default if args.min_segment is None else args.min_segment
         direct = direct_names(layout, meta, minimum)
         skip = set(direct)
         layout = Layout(layout.mesh, {n: sp for n, sp in layout.specs.items() if n not in skip},
