@@ -194,7 +194,9 @@ def read_header(path: Path | str) -> tuple[dict[str, KeyInfo], dict[str, str], l
     problems: list[str] = []
     try:
         size = path.stat().st_size
-        with open(path, "rb") as f:
+        with open(path, "rb", buffering=0) as f:
+            if hasattr(os, "posix_fadvise"):  # no readahead: it would read (and mark for more) tensor data
+                os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             prefix = f.read(8)
             if len(prefix) < 8:
                 return {}, {}, [f"{path}: truncated file: {size} bytes, too short for the 8-byte header length"]
