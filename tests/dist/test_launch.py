@@ -1,15 +1,21 @@
 """wb.launch on 4 local gloo ranks: results in rank order, rank-prefixed output, the failing rank named with its own
-traceback, a hung rank told apart from the ranks waiting for it, and the caller's signal handlers given back.
+traceback, a hung rank told apart from the ranks waiting for it, and the caller's signal handlers given back; ranks
+that die before the function runs (its module cannot be imported there, the process group cannot be made) are named
+with their own traceback, which their log holds too.
 
 Each launch costs seconds (4 spawned interpreters), so every test checks as much as it can from one launch.
 """
 
 from __future__ import annotations
 
+import importlib
 import inspect
 import os
 import signal
+import sys
 import time
+import uuid
+from pathlib import Path
 
 import pytest
 
@@ -153,3 +159,92 @@ def test_a_hung_rank_is_named_stuck_outside_any_collective() -> None:
         ), waiting.message
     assert "rank 1 timed out" in str(error)
     assert _handlers() == before
+
+
+def _stderr_logs(log_dir: str) -> dict[int, str]:
+    """Each local rank's stderr.log under the launch's log folder (torch's elastic layout: .../attempt_0/RANK/)."""
+    return {int(p.parent.name): p.read_text() for p in Path(log_dir).rglob("stderr.log")}
+
+
+@pytest.mark.slow
+def test_a_function_whose_module_the_ranks_cannot_import_is_named_with_the_import_error(tmp_path: Path) -> None:
+    # a module this process imports from a folder the ranks do not have on their path: the function travels by
+    # reference, so each rank dies unpickling it, before the function runs
+    name = f"wb_only_here_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text("def work():\n    return 42\n")
+    sys.path.insert(0, str(tmp_path))
+    try:
+        module = importlib.import_module(name)
+    finally:
+        sys.path.remove(str(tmp_path))
+    try:
+        with pytest.raises(LaunchError) as info:
+            launch(module.work, nprocs=2, timeout=60)
+    finally:
+        sys.modules.pop(name, None)
+
+    error = info.value
+    assert sorted(f.rank for f in error.failures) == [0, 1], str(error)
+    for failure in error.failures:
+        lines = failure.message.splitlines()
+        assert lines[0] == f"ModuleNotFoundError: No module named '{name}'", failure.message
+        assert lines[1] == f"(before running {name}.work, while loading it in the rank (unpickling imports its module))"
+        assert "register_pickle_by_value" in failure.message  # what to do about it
+        assert "Traceback (most recent call last)" in failure.message and "cloudpickle.loads" in failure.message
+        assert not failure.timed_out and failure.exitcode == 1
+    text = str(error)
+    assert "rank 0 (error), rank 1 (error)" in text and f"No module named '{name}'" in text
+    logs = _stderr_logs(error.log_dir)  # the rank's own log holds its traceback (it was empty)
+    assert sorted(logs) == [0, 1]
+    for rank, log in logs.items():
+        assert f"rank {rank} failed before running {name}.work" in log, log
+        assert f"ModuleNotFoundError: No module named '{name}'" in log and "Traceback" in log
+
+
+@pytest.mark.slow
+def test_a_rank_that_cannot_join_the_process_group_is_named_with_its_traceback() -> None:
+    # gloo asked to use a network interface that does not exist: init_process_group raises in every rank
+    nic = "wbnosuchnic0"
+    with pytest.raises(LaunchError) as info:
+        launch(_hello, nprocs=2, args=([0.0, 0.0],), timeout=60, env={"GLOO_SOCKET_IFNAME": nic})
+
+    error = info.value
+    assert sorted(f.rank for f in error.failures) == [0, 1], str(error)
+    for failure in error.failures:
+        lines = failure.message.splitlines()
+        assert lines[0].startswith("RuntimeError: ") and f"Unable to find address for: {nic}" in lines[0], lines
+        assert lines[1] == f"(before running {__name__}._hello, while initializing the 'gloo' process group)", lines
+        assert "init_process_group" in failure.message and "Traceback" in failure.message
+    logs = _stderr_logs(error.log_dir)
+    assert all(f"Unable to find address for: {nic}" in log for log in logs.values()) and sorted(logs) == [0, 1]
+    assert "GLOO_SOCKET_IFNAME" not in os.environ or os.environ["GLOO_SOCKET_IFNAME"] != nic  # given back
+
+
+@pytest.mark.slow
+def test_a_rank_that_crashes_before_the_function_runs_shows_its_stack_from_its_log(tmp_path: Path) -> None:
+    # rank 1 dies in native code (SIGSEGV) while importing the function's module: no Python exception, no record;
+    # the error shows the signal and the rank's own stack, which faulthandler wrote into its stderr log
+    name = f"wb_crashes_on_import_{uuid.uuid4().hex[:8]}"
+    (tmp_path / f"{name}.py").write_text(
+        "import os\n"
+        "if os.environ.get('RANK') == os.environ.get('WB_TEST_CRASH_RANK', '-'):\n"
+        "    import ctypes\n"
+        "    ctypes.string_at(0)  # a read of address 0\n"
+        "def work():\n"
+        "    return 1\n"
+    )
+    sys.path.insert(0, str(tmp_path))  # the ranks import it too (spawn hands them this path)
+    try:
+        module = importlib.import_module(name)
+        with pytest.raises(LaunchError) as info:
+            launch(module.work, nprocs=2, timeout=60, env={"WB_TEST_CRASH_RANK": "1"})
+    finally:
+        sys.path.remove(str(tmp_path))
+        sys.modules.pop(name, None)
+
+    error = info.value
+    first = error.failures[0]
+    assert first.rank == 1 and first.exitcode == -signal.SIGSEGV, str(error)
+    assert first.message.startswith("killed by signal SIGSEGV; the end of its stderr log:\n"), first.message
+    assert "Segmentation fault" in first.message
+    assert f'File "{tmp_path / name}.py", line 4 in <module>' in first.message  # the crashing line of the module

@@ -6,7 +6,9 @@ initializes the default process group in each, runs ``fn(*args)`` and returns ``
 * Functions defined in a notebook cell work: ``fn`` travels by value (cloudpickle), not by import path.
 * Output comes back prefixed with the rank (``[rank3]: ...``), in the notebook cell too.
 * A rank that raises stops the others at once (no collective hang); ``LaunchError`` names the rank and
-  carries its traceback.
+  carries its traceback. So does a rank that fails before ``fn`` runs (its module cannot be imported in the
+  rank, the pickled function cannot be loaded, the process group cannot be initialized): its bootstrap names
+  the step that failed and writes the traceback into the rank's log too.
 * ``timeout``: a watchdog in every rank prints all of that rank's Python stacks and stops it; the error names
   each rank with the frame it was stuck in, so a rank blocked in user code stands out from ranks waiting for it
   in a collective.
@@ -127,7 +129,7 @@ def launch(
     for q in quiet:
         q.setLevel(logging.CRITICAL)
     try:
-        results = elastic_launch(config, _worker)(payload, backend, timeout)
+        results = elastic_launch(config, _worker)(payload, backend, timeout, _name_of(fn))
     except ChildFailedError as exc:
         raise LaunchError(_failures(exc, log_dir), log_dir) from None
     finally:
@@ -146,24 +148,19 @@ def launch(
     return dict(sorted(results.items()))
 
 
-def _worker(payload: bytes, backend: str, timeout: float | None) -> Any:
+def _worker(payload: bytes, backend: str, timeout: float | None, name: str = "the function") -> Any:
     """Entry point of every rank (module level, so spawn can import it)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
-    return record(_run)(payload, backend, timeout)
+    return record(_run)(payload, backend, timeout, name)
 
 
-def _run(payload: bytes, backend: str, timeout: float | None) -> Any:
-    import cloudpickle
-    import torch
+def _run(payload: bytes, backend: str, timeout: float | None, name: str = "the function") -> Any:
+    rank = int(os.environ.get("RANK", "0"))
+    fn, args = _bootstrap(payload, backend, rank, name)
     import torch.distributed as dist
 
-    fn, args = cloudpickle.loads(payload)
-    rank = int(os.environ.get("RANK", "0"))
     stop = threading.Event()
-    if backend == "nccl":
-        torch.cuda.set_device(int(os.environ.get("LOCAL_RANK", "0")))
-    dist.init_process_group(backend)
     if timeout is not None:  # started after the rendezvous, so every rank's clock starts together
         threading.Thread(target=_watchdog, args=(rank, timeout, stop), daemon=True).start()
     try:
@@ -180,6 +177,52 @@ def _run(payload: bytes, backend: str, timeout: float | None) -> Any:
         from workbench.run.torch_comm import forget_groups
 
         forget_groups()
+
+
+def _bootstrap(payload: bytes, backend: str, rank: int, name: str) -> tuple[Callable[..., Any], tuple]:
+    """Load the function and join the process group. Whatever fails here (an import inside the unpickling, a bad
+    device, ``init_process_group``) is recorded with the step and its traceback, and printed to the rank's stderr
+    (its log), before the rank exits; a crash in native code prints the rank's Python stack there too."""
+    import faulthandler
+
+    with contextlib.suppress(Exception):  # stderr may be a stream without a file descriptor
+        faulthandler.enable()
+    step = "loading it in the rank (unpickling imports its module)"
+    try:
+        import cloudpickle
+        import torch
+        import torch.distributed as dist
+
+        fn, args = cloudpickle.loads(payload)
+        if backend == "nccl":
+            local = int(os.environ.get("LOCAL_RANK", "0"))
+            step = f"selecting its GPU (cuda:{local})"
+            torch.cuda.set_device(local)
+        step = f"initializing the {backend!r} process group"
+        dist.init_process_group(backend)
+    except BaseException as exc:
+        text = traceback.format_exc()
+        cause = f"{type(exc).__name__}: {exc}"
+        hint = _HINT if isinstance(exc, ImportError) and step.startswith("loading") else ""
+        _write_record(rank, {"kind": "bootstrap", "step": step, "name": name, "message": cause,
+                             "hint": hint, "traceback": text})
+        print(f"rank {rank} failed before running {name}, while {step}:\n{text.rstrip()}{hint}", file=sys.stderr,
+              flush=True)
+        raise
+    return fn, args
+
+
+_HINT = (
+    "\n(a function from an importable module travels by reference: every rank imports its module, so the module "
+    "must be importable there too, e.g. on PYTHONPATH; or send it by value with "
+    "cloudpickle.register_pickle_by_value(module))"
+)
+
+
+def _name_of(fn: Callable[..., Any]) -> str:
+    module = getattr(fn, "__module__", None)
+    qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
+    return f"{module}.{qualname}" if module and module != "__main__" else qualname
 
 
 def _watchdog(rank: int, timeout: float, stop: threading.Event) -> None:
@@ -243,14 +286,41 @@ def _failures(exc: Any, log_dir: str) -> list[RankFailure]:
                         RankFailure(rank, exit_codes.get(rank, _TIMEOUT_EXIT), message, True)))
         else:
             message = f"{record['message']}\n{record['traceback']}"
+            if record["kind"] == "bootstrap":  # it never reached the function: say where it stopped
+                message = (f"{record['message']}\n(before running {record['name']}, while {record['step']})"
+                           f"{record.get('hint', '')}\n{record['traceback']}")
             secondary = any(s in record["message"] for s in _PEER_FAILURE)  # a symptom of another rank's death
             out.append((2 if secondary else 0, record["time"], RankFailure(rank, exit_codes.get(rank, 1), message,
                                                                           False)))
     for rank, failure in exc.failures.items():  # crashes that left no record (a signal, os._exit)
         if int(rank) not in records:
-            out.append((3, failure.timestamp, RankFailure(int(rank), int(failure.exitcode),
-                        f"exit code {failure.exitcode} (signal or crash; see the rank's log)", False)))
+            out.append((3, failure.timestamp, RankFailure(int(rank), int(failure.exitcode), _crash(failure, log_dir),
+                                                           False)))
     return [f for _, _, f in sorted(out, key=lambda item: (item[0], item[1]))]
+
+
+def _crash(failure: Any, log_dir: str) -> str:
+    """What is known of a rank that left no record: its signal or exit code and the end of its stderr log (where a
+    native crash's Python stack lands, and anything it printed before it exited)."""
+    code = int(failure.exitcode)
+    what = f"exit code {code}, no error recorded (a crash or os._exit)"
+    if code < 0:
+        with contextlib.suppress(ValueError):
+            what = f"killed by signal {signal.Signals(-code).name}"
+    tail = _log_tail(log_dir, getattr(failure, "local_rank", None))
+    return f"{what}; the end of its stderr log:\n{tail}" if tail else f"{what}; its stderr log is empty"
+
+
+def _log_tail(log_dir: str, local_rank: int | None, limit: int = 40) -> str:
+    """The last ``limit`` lines of the rank's stderr log (torch's layout: ``RUN/attempt_N/LOCAL_RANK/stderr.log``)."""
+    if local_rank is None:
+        return ""
+    logs = sorted(Path(log_dir).glob(f"*/attempt_*/{int(local_rank)}/stderr.log"), key=lambda p: p.parent.parent.name)
+    try:
+        text = logs[-1].read_text(errors="replace") if logs else ""
+    except OSError:
+        return ""
+    return "\n".join(text.rstrip().splitlines()[-limit:])
 
 
 def _free_port() -> int:
