@@ -120,14 +120,17 @@ def save_hf(
         model_or_state_dict: a module whose parameters are DTensors (FSDP2, EP, ETP...) or plain tensors, or
             a state dict of them.
         path: the checkpoint directory to create or replace.
-        layout: the model's Layout (default: ``Layout.from_model(model, key_map)``).
+        layout: the model's Layout (default: ``Layout.from_model(model, key_map)``). Each tensor is saved in its
+            own dtype: a parameter the layout gives no dtype takes its tensor's, and a given dtype that disagrees
+            with the tensor is an error (LayoutError on that rank, SaveFailed on its peers, before any data moves).
         key_map: runtime name -> HF key(s) (callable or regex table); None keeps the names.
         policy: ``SavePolicy.minimal()`` (default: the full checkpoint, gathering only what whole keys need),
             ``full()`` (gather everything everywhere) or ``preserve(...)`` (each EP rank writes its experts).
         budget_bytes: memory budget of the all-gather schedule (None: no bound).
         max_shard_bytes: the largest file a writer makes (a bigger key gets a file alone).
-        fp32_keys_pattern: regexes of HF keys saved in float32.
-        dtype: save dtype of the other floating keys (default: their runtime dtype).
+        fp32_keys_pattern: regexes of HF keys saved in float32 (floating keys only; every other key is saved in
+            its tensor's own dtype).
+        dtype: an explicit cast of the other floating keys (default None: none, each tensor's own dtype).
         config_files: files copied next to the weights (config.json, tokenizer files...); a name that is one of
             the files the save writes (the index, a weight file) is refused.
         max_writers: cap on the number of writer ranks (default: every rank may write).
@@ -176,6 +179,8 @@ def save_hf(
     tensors: dict[str, torch.Tensor] = {}
     try:  # local checks first, agreed on over the whole world before any group is built: no rank may hang
         layout, tensors = layout_and_locals(model_or_state_dict, key_map, layout=layout)
+        # each tensor is written in its own dtype: a layout that says nothing is told it, one that disagrees fails
+        layout = layout.with_tensor_dtypes(tensors)
     except Exception as exc:
         mine = exc
     # the write mode's host names (and rank 0's probe file) travel with the agreement: one exchange for both

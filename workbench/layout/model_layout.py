@@ -27,7 +27,10 @@ class Layout:
     Args:
         mesh: the device mesh every spec refers to.
         specs: ``{parameter name: LoadSpec}`` in model (state-dict) order.
-        dtypes: ``{parameter name: dtype name}``, e.g. ``"bfloat16"``; missing names default to float32.
+        dtypes: ``{parameter name: dtype name}``, e.g. ``"bfloat16"``. A name left out has no given dtype
+            (``given_dtype`` is None): planning without tensors (``workbench plan``, ``SimulatedWorld``) counts
+            it as float32 (``dtype``), while a real save takes the dtype of the tensor it writes
+            (``with_tensor_dtypes``).
         name: a label for reports (the file it came from, the model family).
     """
 
@@ -121,8 +124,24 @@ class Layout:
         return len(self.specs)
 
     def dtype(self, name: str) -> torch.dtype:
-        """Runtime dtype of a parameter (float32 when the layout does not say)."""
+        """Runtime dtype of a parameter for planning without tensors: the given one, else float32 (a documented
+        default for sizes in reports and plans; a save takes each tensor's own dtype, see ``with_tensor_dtypes``)."""
         return getattr(torch, self.dtypes.get(name, "float32"))
+
+    def given_dtype(self, name: str) -> torch.dtype | None:
+        """The dtype this layout was given for a parameter, or None when it was not told (unknown)."""
+        given = self.dtypes.get(name)
+        return None if given is None else getattr(torch, given)
+
+    def with_tensor_dtypes(self, tensors: Mapping[str, torch.Tensor]) -> Layout:
+        """This layout with every parameter's dtype taken from its tensor in ``tensors`` (``{name: tensor}``, e.g.
+        this rank's local tensors): what a save writes. The layout itself when it already says exactly that.
+
+        Raises:
+            LayoutError: a dtype the layout was given disagrees with the tensor (naming the parameter and both
+                dtypes), or a parameter has no tensor.
+        """
+        return _with_tensor_dtypes(self, tensors)
 
     def fingerprint(self) -> str:
         """A short hash of everything that decides where bytes go: mesh, names, keys, shapes, cuts, dtypes."""
@@ -167,6 +186,42 @@ class Layout:
         total = sum(math.prod(s.visible_shape) * self.dtype(n).itemsize for n, s in self.specs.items())
         return (f"Layout({self.name!r}, mesh={self.mesh!r}, params={len(self.specs)}, hf_keys={keys}, "
                 f"size={format_bytes(total)})")
+
+
+_FILLED = LRU(8)  # id(layout) -> (layout, dtypes it was filled with, the filled layout)
+
+
+def _with_tensor_dtypes(layout: Layout, tensors: Mapping[str, torch.Tensor]) -> Layout:
+    dtypes: dict[str, str] = {}
+    wrong = []
+    for name in layout.specs:
+        tensor = tensors.get(name)
+        if tensor is None:
+            raise LayoutError(f"the layout names parameter {name!r}, which has no tensor to save")
+        own = _DTYPE_NAMES.get(tensor.dtype) or str(tensor.dtype).removeprefix("torch.")
+        given = layout.dtypes.get(name)
+        if given is not None and given != own:
+            wrong.append(f"{name!r}: the layout says {given}, the tensor is {own}")
+        dtypes[name] = own
+    if wrong:
+        raise LayoutError(
+            f"{len(wrong)} parameter(s) whose layout dtype disagrees with the tensor: {'; '.join(wrong[:5])}. A save "
+            "writes each tensor in its own dtype (fp32_keys_pattern picks keys saved in float32): correct the layout's "
+            "dtypes or leave them out"
+        )
+    if dtypes == layout.dtypes:
+        return layout
+    hit = _FILLED.get(id(layout))
+    if hit is not None and hit[0] is layout and hit[1] == dtypes:
+        return hit[2]
+    filled = Layout(layout.mesh, layout.specs, dtypes, name=layout.name)
+    _FILLED.put(id(layout), (layout, dtypes, filled))
+    return filled
+
+
+_DTYPE_NAMES = {d: str(d).removeprefix("torch.") for d in (
+    torch.float32, torch.bfloat16, torch.float16, torch.float64, torch.int64, torch.int32, torch.int16, torch.int8,
+    torch.uint8, torch.bool)}
 
 
 def _named_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor]) -> dict[str, torch.Tensor]:
