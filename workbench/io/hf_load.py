@@ -14,13 +14,14 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
+from workbench.io.box_reads import BoxReader
 from workbench.io.direct import replicating_dims
 from workbench.io.read import CheckpointReader
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, layout_and_locals
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
-from workbench.plan.load_plan import Adapter, expected_key_shape, plan_hf_load
+from workbench.plan.load_plan import Adapter, HFLoadPlan, expected_key_shape, plan_hf_load
 from workbench.run.guard import LoadFailed, RankProblem, agree, problem_from
 from workbench.run.load_ops import execute_load
 from workbench.run.torch_comm import DEFAULT_TIMEOUT, ControlChannel
@@ -30,7 +31,12 @@ __all__ = ["LoadReport", "load_hf"]
 
 @dataclass(frozen=True, slots=True, kw_only=True)
 class LoadReport:
-    """What one rank loaded: keys, bytes read versus bytes it owns, and what did not match."""
+    """What one rank loaded: keys, bytes read versus bytes it owns, and what did not match.
+
+    ``bytes_read`` is what the rank's positional reads asked the files for (a box of short runs close together is
+    read as its one span, so it may exceed the box); the disk's own count, readahead included, is
+    ``/proc/self/io``'s ``read_bytes`` (``bench/save_load.py`` reports it).
+    """
 
     path: Path
     rank: int
@@ -86,10 +92,13 @@ def load_hf(
     read_replicas_once: bool = True,
     timeout: float = DEFAULT_TIMEOUT,
     rank: int | None = None,
+    read_threads: int = 8,
+    budget_bytes: int = 1 << 30,
 ) -> LoadReport:
     """Load a HuggingFace checkpoint into a model whose parameters are DTensors (or plain tensors), in place.
 
-    Each rank reads, with ``safe_open(...).get_slice``, exactly the slices of each key its local tensors own,
+    Each rank reads exactly the slices of each key its local tensors own, with positional reads (``pread``) from
+    ``read_threads`` threads ahead of the copies, neighbouring slices of a file in one read (``BoxReader``),
     runs the per-key canonical ``adapters`` (whole keys) first where given, copies into its local shards and
     zeroes tail (FP8) padding. The ranks agree twice over the load's own gloo group (within ``timeout``):
     after checking the checkpoint against the layout, and at the end, so a failure on one rank is an error on
@@ -104,6 +113,9 @@ def load_hf(
             instead of being read by every replica.
         timeout: seconds to wait for a peer at an agreement before failing.
         rank: the rank to load for (default: this process's rank).
+        read_threads: threads reading the files.
+        budget_bytes: host memory for slices read ahead of their copies; the load holds at most this much plus
+            the largest single read (pinned memory when the model is on a GPU).
 
     Raises:
         CheckpointError: on the rank whose checkpoint check failed (one error listing every missing, unexpected,
@@ -117,6 +129,7 @@ def load_hf(
     rank = channel.rank if rank is None else rank
     what = f"load of {path}"
     reader: CheckpointReader | None = None
+    boxes: BoxReader | None = None
     mine: BaseException | None = None
     replicas: dict[str, ReplicaRead] = {}
     batches: dict[str, ReplicaBatch] = {}
@@ -142,8 +155,13 @@ def load_hf(
         problem = None
         loaded = owned = received = 0
         try:
-            for name, spec in wanted.items():
-                plan = spec.memo(("load_plan", rank), lambda spec=spec: plan_hf_load(spec, rank))
+            plans = {name: spec.memo(("load_plan", rank), lambda spec=spec: plan_hf_load(spec, rank))
+                     for name, spec in wanted.items()}
+            to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
+            on_gpu = any(targets[n].device.type == "cuda" for n in to_read)
+            boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters), threads=read_threads,
+                              budget_bytes=budget_bytes, pin_memory=on_gpu)
+            for name, plan in plans.items():
                 nbytes = sum(
                     r.numel * reader.dtype(r.hf_key).itemsize for r in plan.reads
                     if not (adapters and r.hf_key in adapters)
@@ -154,7 +172,7 @@ def load_hf(
                     received += nbytes
                     continue
                 fault_point("load.read", rank)
-                execute_load(plan, reader.read, targets[name], adapters, cast=cast)
+                execute_load(plan, boxes.read, targets[name], adapters, cast=cast)
         except Exception as exc:
             problem = problem_from(exc, rank, "reading its slices")
         if batches:
@@ -168,7 +186,7 @@ def load_hf(
             path=Path(path),
             rank=rank,
             parameters=loaded,
-            bytes_read=reader.bytes_read,
+            bytes_read=boxes.bytes_fetched if boxes is not None else 0,
             bytes_owned=owned,
             bytes_received=received,
             seconds=time.perf_counter() - start,
@@ -177,8 +195,28 @@ def load_hf(
             mismatched=tuple(mismatched),
         )
     finally:
+        if boxes is not None:
+            boxes.close()
         if reader is not None:
             reader.close()
+
+
+def _reads_in_order(
+    plans: Mapping[str, HFLoadPlan], names: list[str], adapters: Mapping[str, Adapter] | None
+) -> list[tuple[str, tuple[slice, ...] | None]]:
+    """Every ``(key, box)`` ``execute_load`` will ask for, in its order: the owned box of each key, or the whole
+    key (once per parameter) where an adapter canonicalizes it."""
+    reads: list[tuple[str, tuple[slice, ...] | None]] = []
+    for name in names:
+        whole: set[str] = set()
+        for r in plans[name].reads:
+            if adapters and r.hf_key in adapters:
+                if r.hf_key not in whole:
+                    whole.add(r.hf_key)
+                    reads.append((r.hf_key, None))
+            else:
+                reads.append((r.hf_key, r.key_slices()))
+    return reads
 
 
 @dataclass(frozen=True, slots=True)

@@ -1,0 +1,325 @@
+"""Read boxes of safetensors tensors with ``pread``: only their bytes, in parallel, in the order a load uses them.
+
+A safetensors tensor is row-major bytes at a known offset, so the box a rank owns is a set of byte runs the plan
+knows before anything is read. ``BoxReader`` reads them with positional reads into buffers it allocates
+(``os.preadv``, which releases the GIL), from a few threads, ahead of the consumer, within a byte budget:
+
+- a box whose runs are dense (rows cut on a leading dim: one run; a column cut of narrow rows) is read as the one
+  span from its first byte to its last and viewed with the tensor's strides; a box of long runs far apart (a
+  column cut of wide rows) is read run by run into a contiguous buffer, so the disk reads what is owned;
+- boxes that follow each other in a file (neighbouring keys, or the halves of one key) are read by one request;
+- a request larger than ``chunk_bytes`` is split over the threads.
+
+Files are opened with ``POSIX_FADV_RANDOM``: the kernel's readahead (8 MiB on the VMs we measure on) would read
+past a box into bytes another rank owns, and the reads here are large and parallel already. Reading through
+``safe_open`` maps the file instead, and the readahead of a mapping read a whole 24 MiB file for the 16 MiB two
+ranks owned of it. What the OS reads is counted in ``tests/dist/test_os_read_bytes.py`` from ``/proc/self/io``.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import threading
+from collections import deque
+from collections.abc import Sequence
+from concurrent.futures import Future, ThreadPoolExecutor
+from dataclasses import dataclass
+
+import torch
+
+from workbench.errors import CheckpointError
+from workbench.io.index import CheckpointIndex, KeyInfo, torch_dtype
+
+__all__ = ["BoxReader", "box_runs"]
+
+Box = tuple[slice, ...] | None
+
+DENSE_FILL = 0.9  # a box is read as one span when its bytes fill at least this share of the span
+CHUNK_BYTES = 16 << 20  # requests are split into pieces of this size, read by the threads in parallel
+
+
+def box_runs(shape: Sequence[int], itemsize: int, box: Box) -> list[tuple[int, int]]:
+    """The byte runs ``(offset, length)`` of ``box`` in a row-major tensor of ``shape``, in row-major order, each
+    as long as it can be (trailing dims the box holds whole are folded into one run)."""
+    shape = tuple(shape)
+    full = [slice(0, n) for n in shape]
+    box = tuple(box or ()) + tuple(full[len(box or ()):])
+    sizes = [s.stop - s.start for s in box]
+    if not shape:
+        return [(0, itemsize)]
+    if any(n == 0 for n in sizes):
+        return []
+    strides = [itemsize * math.prod(shape[d + 1:]) for d in range(len(shape))]
+    # fold the trailing dims that are whole, and the last cut dim, into one run
+    k = len(shape) - 1
+    while k > 0 and sizes[k] == shape[k]:
+        k -= 1
+    run = sizes[k] * strides[k]
+    starts = [box[k].start * strides[k] + sum(box[d].start * strides[d] for d in range(k))]
+    for d in range(k - 1, -1, -1):  # every index of the leading dims, the innermost varying fastest
+        starts = [s + i * strides[d] for i in range(sizes[d]) for s in starts]
+    return [(s, run) for s in starts]
+
+
+@dataclass(frozen=True, slots=True)
+class _Box:
+    """One requested box: where its bytes are and how its tensor is made from the buffer they land in."""
+
+    key: str
+    box: Box
+    file: str
+    start: int  # absolute file offset of the first byte read for it
+    length: int  # bytes read for it (the span, or the runs packed)
+    runs: tuple[tuple[int, int], ...]  # absolute (offset, length) read into the buffer, packed in order
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]  # element strides of the box within its buffer
+    dtype: torch.dtype
+
+
+class _Request:
+    """Boxes read together into one buffer: the runs of one or more boxes of one file, in file order."""
+
+    def __init__(self, file: str, boxes: list[_Box]) -> None:
+        self.file = file
+        self.boxes = boxes
+        self.nbytes = sum(b.length for b in boxes)
+        self.remaining = len(boxes)  # boxes not handed out yet
+        self.buffer: torch.Tensor | None = None
+        self.futures: list[Future] = []
+
+
+class BoxReader:
+    """Serve ``read(key, box)`` from reads issued ahead, in the order ``expected`` lists them.
+
+    Args:
+        index: the checkpoint's parsed index.
+        expected: every ``(key, box)`` the consumer will ask for, in order (``box`` None for the whole key). A
+            request that does not come next in this order is still served, by a read of its own.
+        threads: reader threads.
+        budget_bytes: bytes of buffers read ahead and not yet handed out, at most (at least one request).
+        pin_memory: allocate buffers in pinned memory (for host-to-device copies that overlap).
+
+    ``bytes_read`` counts the bytes of every box handed out; ``bytes_fetched`` the bytes ``pread`` asked the files
+    for (the same unless a dense span held bytes outside its box).
+    """
+
+    def __init__(
+        self,
+        index: CheckpointIndex,
+        expected: Sequence[tuple[str, Box]],
+        *,
+        threads: int = 8,
+        budget_bytes: int = 1 << 30,
+        pin_memory: bool = False,
+    ) -> None:
+        self.index = index
+        self.budget_bytes = budget_bytes
+        self.pin_memory = pin_memory
+        self.bytes_read = 0
+        self.bytes_fetched = 0
+        self.reads = 0
+        self._fds: dict[str, tuple[int, int]] = {}
+        self._lock = threading.Lock()
+        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="wb-read")
+        requests = _merge([self._describe(key, box) for key, box in expected])
+        self._queue: deque[tuple[_Box, _Request]] = deque((b, r) for r in requests for b in r.boxes)
+        self._pending: deque[_Request] = deque(requests)  # not issued yet, in order
+        self._in_flight = 0  # bytes of issued requests whose boxes are not all handed out
+
+    # -- the consumer's side ---------------------------------------------------------------------------------------
+
+    def read(self, key: str, box: Box = None) -> torch.Tensor:
+        """The tensor of ``key`` (or of ``box`` of it), read ahead when it was expected here."""
+        if self._queue and self._queue[0][0].key == key and self._queue[0][0].box == _normal(box):
+            item, request = self._queue.popleft()
+            self._issue()
+            if request.buffer is None:  # boxes asked out of order hold the budget: issue this one all the same
+                self._pending.remove(request)
+                self._start(request)
+                self._in_flight += request.nbytes
+            tensor = self._take(item, request)
+            request.remaining -= 1
+            if not request.remaining:
+                self._in_flight -= request.nbytes
+                request.buffer = None  # the tensors handed out keep what they view
+                self._issue()
+        else:  # not in the expected order: a read of its own
+            item = self._describe(key, box)
+            request = _Request(item.file, [item])
+            self._start(request)
+            tensor = self._take(item, request)
+        self.bytes_read += tensor.numel() * tensor.element_size()
+        self.reads += 1
+        return tensor
+
+    def close(self) -> None:
+        """Wait for reads in flight, then close every file."""
+        self._pool.shutdown(wait=True, cancel_futures=True)
+        fds, self._fds = self._fds, {}
+        for fd, _ in fds.values():
+            os.close(fd)
+
+    def __enter__(self) -> BoxReader:
+        return self
+
+    def __exit__(self, *exc: object) -> None:
+        self.close()
+
+    # -- issuing and taking ----------------------------------------------------------------------------------------
+
+    def _issue(self) -> None:
+        """Issue pending requests in order while the bytes in flight stay within the budget (one at least)."""
+        while self._pending:
+            request = self._pending[0]
+            if self._in_flight and self._in_flight + request.nbytes > self.budget_bytes:
+                return
+            self._pending.popleft()
+            self._start(request)
+            self._in_flight += request.nbytes
+
+    def _start(self, request: _Request) -> None:
+        buffer = torch.empty(request.nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        request.buffer = buffer
+        fd, data_start = self._fd(request.file)
+        view = memoryview(buffer.numpy())
+        pos = 0
+        pieces: list[tuple[int, memoryview]] = []
+        for item in request.boxes:
+            for offset, length in item.runs:
+                for at in range(0, length, CHUNK_BYTES):
+                    n = min(CHUNK_BYTES, length - at)
+                    pieces.append((data_start + offset + at, view[pos + at:pos + at + n]))
+                pos += length
+        # one task per chunk-sized group of pieces, so a big request is read by several threads
+        group: list[tuple[int, memoryview]] = []
+        size = 0
+        for piece in pieces:
+            group.append(piece)
+            size += len(piece[1])
+            if size >= CHUNK_BYTES:
+                request.futures.append(self._pool.submit(self._pread, fd, request.file, group))
+                group, size = [], 0
+        if group:
+            request.futures.append(self._pool.submit(self._pread, fd, request.file, group))
+
+    def _pread(self, fd: int, file: str, pieces: list[tuple[int, memoryview]]) -> None:
+        for offset, view in pieces:
+            done = 0
+            while done < len(view):
+                try:
+                    n = os.preadv(fd, [view[done:]], offset + done)
+                except OSError as exc:
+                    raise CheckpointError(f"{self.index.path_of(file)}: reading byte {offset + done} failed: "
+                                          f"{exc}") from exc
+                if n <= 0:
+                    path = self.index.path_of(file)
+                    raise CheckpointError(f"{path}: short read at byte {offset + done} (file truncated?)")
+                done += n
+        with self._lock:
+            self.bytes_fetched += sum(len(v) for _, v in pieces)
+
+    def _take(self, item: _Box, request: _Request) -> torch.Tensor:
+        for future in request.futures:
+            future.result()
+        assert request.buffer is not None
+        at = 0
+        for b in request.boxes:
+            if b is item:
+                break
+            at += b.length
+        raw = request.buffer[at:at + item.length]
+        if at % item.dtype.itemsize:  # a key of another dtype before it left it unaligned for a view
+            raw = raw.clone()
+        return raw.view(item.dtype).as_strided(item.sizes, item.strides)
+
+    # -- describing boxes ------------------------------------------------------------------------------------------
+
+    def _describe(self, key: str, box: Box) -> _Box:
+        info = self._info(key)
+        dtype = torch_dtype(info.dtype)
+        itemsize = dtype.itemsize
+        box = _normal(box)
+        index = _fit(info, box, self.index)
+        sizes = tuple(s.stop - s.start for s in index)
+        runs = box_runs(info.shape, itemsize, index)
+        base = info.data_offsets[0]
+        needed = sum(n for _, n in runs)
+        shape_strides = [math.prod(info.shape[d + 1:]) for d in range(len(info.shape))]
+        if not runs:
+            return _Box(key, box, info.file, base, 0, (), sizes, tuple(shape_strides), dtype)
+        span = runs[-1][0] + runs[-1][1] - runs[0][0]
+        if needed >= DENSE_FILL * span:  # one span, viewed with the tensor's own strides
+            return _Box(key, box, info.file, base + runs[0][0], span, ((base + runs[0][0], span),), sizes,
+                        tuple(shape_strides), dtype)
+        # runs packed one after the other: the box's own contiguous strides
+        packed = tuple(math.prod(sizes[d + 1:]) for d in range(len(sizes)))
+        return _Box(key, box, info.file, base + runs[0][0], needed, tuple((base + o, n) for o, n in runs), sizes,
+                    packed, dtype)
+
+    def _info(self, key: str) -> KeyInfo:
+        try:
+            return self.index.keys[key]
+        except KeyError:
+            raise CheckpointError(f"key {key!r} is not in checkpoint {self.index.directory} "
+                                  f"({len(self.index.keys)} keys)") from None
+
+    def _fd(self, file: str) -> tuple[int, int]:
+        with self._lock:
+            got = self._fds.get(file)
+            if got is None:
+                path = self.index.path_of(file)
+                try:
+                    fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
+                except OSError as exc:
+                    raise CheckpointError(f"{path}: cannot open: {exc}") from exc
+                if hasattr(os, "posix_fadvise"):  # no readahead: the reads are large and parallel already, and
+                    os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # readahead reads bytes nobody owns
+                head = os.pread(fd, 8, 0)
+                if len(head) < 8:
+                    os.close(fd)
+                    raise CheckpointError(f"{path}: truncated file: no 8-byte header length")
+                got = (fd, 8 + int.from_bytes(head, "little"))
+                self._fds[file] = got
+            return got
+
+
+def _normal(box: Box) -> Box:
+    if box is None:
+        return None
+    return tuple(slice(s.start, s.stop, s.step) for s in box)
+
+
+def _fit(info: KeyInfo, box: Box, index: CheckpointIndex) -> tuple[slice, ...]:
+    """``box`` with every dim's bounds made explicit, checked against the key's shape."""
+    where = f"key {info.hf_key!r} ({info.dtype}{list(info.shape)}) in {index.directory}"
+    box = box or ()
+    if len(box) > len(info.shape):
+        raise CheckpointError(f"index has {len(box)} slices but {where} has {len(info.shape)} dims")
+    out = []
+    for dim, size in enumerate(info.shape):
+        s = box[dim] if dim < len(box) else slice(None)
+        if not isinstance(s, slice) or s.step not in (None, 1):
+            raise CheckpointError(f"index[{dim}] = {s!r} must be a slice with step 1, for {where}")
+        start = 0 if s.start is None else int(s.start)
+        stop = size if s.stop is None else int(s.stop)
+        if not 0 <= start <= stop <= size:
+            raise CheckpointError(f"index[{dim}] = {s} does not fit dim {dim} of size {size} of {where}")
+        out.append(slice(start, stop))
+    return tuple(out)
+
+
+def _merge(boxes: list[_Box]) -> list[_Request]:
+    """Group consecutive boxes of one file whose bytes touch into one request (packed boxes stay alone)."""
+    requests: list[_Request] = []
+    for b in boxes:
+        last = requests[-1] if requests else None
+        prev = last.boxes[-1] if last is not None else None
+        if (last is not None and prev is not None and last.file == b.file and len(b.runs) == 1
+                and len(prev.runs) == 1 and b.length and prev.start + prev.length == b.start):
+            last.boxes.append(b)
+            last.nbytes += b.length
+            last.remaining += 1
+        else:
+            requests.append(_Request(b.file, [b]))
+    return requests
