@@ -175,7 +175,7 @@ CORRUPTIONS = [
     (
         "header length garbled",  # not a safetensors file at all
         lambda d: (d / FIRST).write_bytes(b"PK\x03\x04zipzipzip" + (d / FIRST).read_bytes()[12:]),
-        [FIRST, "corrupt header", "beyond safetensors'"],
+        [FIRST, "corrupt header", "beyond the 100000000-byte limit (MAX_HEADER_BYTES, safetensors' own)"],
     ),
     (
         "weight_map names a missing file",
@@ -366,3 +366,11 @@ def test_a_header_with_a_non_string_dtype_is_a_problem_not_a_crash(tmp_path) -> 
     path.write_bytes(struct.pack("<Q", len(header)) + header + b"\0" * 4)
     keys, _, problems = read_header(path)
     assert keys == {} and any("unknown dtype ['F32']" in p for p in problems), problems
+
+
+def test_total_size_as_a_whole_float_is_read(ckpt) -> None:
+    """Some writers store ``total_size`` as a JSON float (``1234.0``): a whole number is accepted."""
+    total = read_checkpoint(ckpt).total_size
+    edit_index(ckpt, lambda body: body["metadata"].update(total_size=float(total)))
+    index = read_checkpoint(ckpt)
+    assert index.total_size == total and type(index.total_size) is int

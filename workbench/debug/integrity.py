@@ -8,13 +8,12 @@ would escape the folder (refused before any file is opened), keys the index does
 
 from __future__ import annotations
 
-import json
 import re
 from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.debug.findings import Finding
-from workbench.io.index import INDEX_NAME, CheckpointIndex, KeyInfo, read_header, scan_checkpoint
+from workbench.io.index import INDEX_NAME, CheckpointIndex, KeyInfo, read_header, read_index, scan_checkpoint
 from workbench.io.publish import OLD_SUFFIX
 from workbench.io.publish_types import is_temporary_path, temporary_path
 
@@ -46,6 +45,9 @@ def _classify(problem: str, directory: Path) -> Finding:
     if detail.startswith(("corrupt header", "corrupt file")):
         return Finding("corrupt_header", key, evidence, "this file is not a valid safetensors file any more: "
                        "re-save it; do not load this checkpoint")
+    if detail.startswith("corrupt index"):
+        return Finding("index_inconsistent", key, evidence, "the index does not parse as an HF index (damaged, "
+                       "or crafted): rebuild it from the files' headers, or re-save; do not load it")
     if detail.startswith("missing file"):
         return Finding("index_inconsistent", key, evidence, "copy the missing file (an incomplete copy or "
                        "upload?), or re-save the checkpoint")
@@ -101,12 +103,10 @@ def _siblings(path: Path) -> list[Finding]:
 
 
 def _index_files(index_file: Path) -> set[str] | None:
-    try:
-        body = json.loads(index_file.read_text(encoding="utf-8"))
-        weight_map = body["weight_map"]
-        return {v for v in weight_map.values() if isinstance(v, str)}
-    except Exception:
+    weight_map, _, problems = read_index(index_file)
+    if not weight_map and problems:
         return None  # scan_checkpoint words this problem
+    return set(weight_map.values())
 
 
 def _safe_header(path: Path) -> tuple[dict[str, KeyInfo], dict[str, str], list[str]]:
@@ -122,8 +122,9 @@ def _scan_without(directory: Path, index_file: Path | None, bad: set[str], findi
     """Parse the weight-map entries whose file stays in the folder (the others are findings already), one
     header at a time, each parser failure a finding; ``lone`` is a single file without index."""
     if index_file is not None:
-        body = json.loads(index_file.read_text(encoding="utf-8"))
-        weight_map = {k: v for k, v in body["weight_map"].items() if isinstance(v, str) and v not in bad}
+        parsed, _, problems = read_index(index_file)
+        findings.extend(_classify(p, directory) for p in problems)
+        weight_map = {k: v for k, v in parsed.items() if v not in bad}
     else:
         assert lone is not None
         header, _, _ = _safe_header(lone)

@@ -4,7 +4,9 @@ A safetensors file is ``[u64 little-endian header length n][n bytes of JSON head
 maps every key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets relative to the data
 start) plus an optional ``"__metadata__"`` of str -> str. ``read_checkpoint`` parses the index and every
 header directly, checks them against each other and the file sizes, and names the file and the problem
-when something is off (missing, truncated, corrupt).
+when something is off (missing, truncated, corrupt). Both are parsed within the bounds of
+``workbench.io.limits`` (size, nesting depth, no NaN/Infinity, sizes and offsets in u64), so a hostile
+file is a named problem, never another exception.
 """
 
 from __future__ import annotations
@@ -20,6 +22,7 @@ from pathlib import Path
 import torch
 
 from workbench.errors import CheckpointError
+from workbench.io import limits
 from workbench.io.file_plan import FilePlan
 from workbench.io.write import fsync_dir, fsync_file
 
@@ -30,6 +33,7 @@ __all__ = [
     "KeyInfo",
     "read_checkpoint",
     "read_header",
+    "read_index",
     "safetensors_dtype",
     "scan_checkpoint",
     "torch_dtype",
@@ -38,8 +42,8 @@ __all__ = [
 
 INDEX_NAME = "model.safetensors.index.json"
 SINGLE_FILE_NAME = "model.safetensors"
-_MAX_HEADER_BYTES = 100 * 1024 * 1024  # safetensors' own limit
 _MAX_LISTED = 20  # problems shown in one error message
+_U64 = limits.MAX_STORED_INT
 
 # safetensors dtype string -> bits per element (sizes), and -> torch dtype where torch has one.
 _DTYPE_BITS = {
@@ -192,6 +196,7 @@ def read_header(path: Path | str) -> tuple[dict[str, KeyInfo], dict[str, str], l
     path = Path(path)
     name = path.name
     problems: list[str] = []
+    cap = limits.MAX_HEADER_BYTES
     try:
         size = path.stat().st_size
         with open(path, "rb", buffering=0) as f:
@@ -201,10 +206,10 @@ def read_header(path: Path | str) -> tuple[dict[str, KeyInfo], dict[str, str], l
             if len(prefix) < 8:
                 return {}, {}, [f"{path}: truncated file: {size} bytes, too short for the 8-byte header length"]
             (n,) = struct.unpack("<Q", prefix)
-            if n > _MAX_HEADER_BYTES:
+            if n > cap:
                 problem = (
-                    f"{path}: corrupt header: header length {n} bytes is beyond safetensors' "
-                    f"{_MAX_HEADER_BYTES}-byte limit (not a safetensors file, or garbled)"
+                    f"{path}: corrupt header: header length {n} bytes is beyond the {cap}-byte limit "
+                    "(MAX_HEADER_BYTES, safetensors' own); not a safetensors file, or garbled"
                 )
                 return {}, {}, [problem]
             if 8 + n > size:
@@ -214,12 +219,12 @@ def read_header(path: Path | str) -> tuple[dict[str, KeyInfo], dict[str, str], l
                 )
                 return {}, {}, [problem]
             raw = f.read(n)
-    except OSError as exc:
+    except (OSError, ValueError) as exc:  # ValueError: a name with a NUL byte
         return {}, {}, [f"{path}: cannot read: {exc}"]
     try:
-        header = json.loads(raw.decode("utf-8"))
-    except (UnicodeDecodeError, json.JSONDecodeError) as exc:
-        return {}, {}, [f"{path}: corrupt header: the {n}-byte JSON header does not parse ({exc})"]
+        header = limits.parse_json(raw)
+    except ValueError as exc:
+        return {}, {}, [f"{path}: corrupt header: the {n}-byte JSON header does not parse: {exc}"]
     if not isinstance(header, dict):
         return {}, {}, [f"{path}: corrupt header: expected a JSON object, got {type(header).__name__}"]
 
@@ -264,16 +269,20 @@ def _parse_entry(path: Path, name: str, key: str, entry: object, problems: list[
     if not isinstance(dtype, str) or dtype not in _DTYPE_BITS:
         problems.append(f"{path}: corrupt header: key {key!r} has unknown dtype {dtype!r}")
         return None
-    if not isinstance(shape, list) or not all(isinstance(s, int) and s >= 0 for s in shape):
-        problems.append(f"{path}: corrupt header: key {key!r} has shape {shape!r}, expected a list of sizes >= 0")
+    if not isinstance(shape, list) or not all(_is_u64(s) for s in shape):
+        problems.append(
+            f"{path}: corrupt header: key {key!r} has shape {shape!r:.120}, expected a list of integer sizes "
+            f"in [0, {_U64}]"
+        )
         return None
-    if (
-        not isinstance(offsets, list)
-        or len(offsets) != 2
-        or not all(isinstance(o, int) for o in offsets)
-        or not 0 <= offsets[0] <= offsets[1]
-    ):
-        problems.append(f"{path}: corrupt header: key {key!r} has data_offsets {offsets!r}, expected [begin, end]")
+    if not isinstance(offsets, list) or len(offsets) != 2 or not all(_is_u64(o) for o in offsets):
+        problems.append(
+            f"{path}: corrupt header: key {key!r} has data_offsets {offsets!r:.120}, expected [begin, end] of "
+            f"integers in [0, {_U64}]"
+        )
+        return None
+    if offsets[0] > offsets[1]:
+        problems.append(f"{path}: corrupt header: key {key!r} has data_offsets {offsets}, which end before they begin")
         return None
     expected = (math.prod(shape) * _DTYPE_BITS[dtype] + 7) // 8
     if offsets[1] - offsets[0] != expected:
@@ -285,6 +294,11 @@ def _parse_entry(path: Path, name: str, key: str, entry: object, problems: list[
     return KeyInfo(hf_key=key, file=name, dtype=dtype, shape=tuple(shape), data_offsets=(offsets[0], offsets[1]))
 
 
+def _is_u64(value: object) -> bool:
+    """An integer a safetensors file may hold as a size or offset (JSON true/false are not integers)."""
+    return type(value) is int and 0 <= value <= _U64
+
+
 def _parse_well_formed(name: str, key: str, entry: object) -> KeyInfo | None:
     """The KeyInfo of an entry with nothing wrong, or None (the caller then finds and names the problem)."""
     if type(entry) is not dict:
@@ -294,11 +308,11 @@ def _parse_well_formed(name: str, key: str, entry: object) -> KeyInfo | None:
         return None
     bits = _DTYPE_BITS.get(dtype)
     begin, end = offsets
-    if bits is None or type(begin) is not int or type(end) is not int or not 0 <= begin <= end:
+    if bits is None or type(begin) is not int or type(end) is not int or not 0 <= begin <= end <= _U64:
         return None
     n = 1
     for size in shape:
-        if type(size) is not int or size < 0:
+        if type(size) is not int or not 0 <= size <= _U64:
             return None
         n *= size
     if end - begin != (n * bits + 7) // 8:
@@ -329,26 +343,44 @@ def _locate(path: Path) -> tuple[Path, Path | None, Path | None, list[str]]:
     return path, None, None, [f"{path}: no {INDEX_NAME} and no {SINGLE_FILE_NAME}{found}"]
 
 
-def _read_index(index_file: Path, problems: list[str]) -> tuple[dict[str, str], int | None]:
+def read_index(index_file: Path | str) -> tuple[dict[str, str], int | None, list[str]]:
+    """Parse ``model.safetensors.index.json``: ``(weight_map, total_size, problems)``; never raises.
+
+    The file is refused unread above ``limits.MAX_INDEX_BYTES`` and parsed with ``limits.parse_json`` (depth
+    bound, no NaN/Infinity). ``problems`` name the file and what is wrong; an unusable weight map gives
+    ``{}``, a bad ``metadata.total_size`` (not an integer in [0, 2**64-1]) gives None.
+    """
+    index_file = Path(index_file)
     try:
-        body = json.loads(index_file.read_text(encoding="utf-8"))
-    except (OSError, UnicodeDecodeError, json.JSONDecodeError) as exc:
-        problems.append(f"{index_file}: corrupt index: {exc}")
-        return {}, None
+        body = limits.parse_json(limits.read_capped(index_file, limits.MAX_INDEX_BYTES, "MAX_INDEX_BYTES"))
+    except OSError as exc:
+        return {}, None, [f"{index_file}: cannot read: {exc}"]
+    except ValueError as exc:
+        return {}, None, [f"{index_file}: corrupt index: {exc}"]
     weight_map = body.get("weight_map") if isinstance(body, dict) else None
     if not isinstance(weight_map, dict) or not all(
         isinstance(k, str) and isinstance(v, str) for k, v in weight_map.items()
     ):
-        problems.append(f"{index_file}: corrupt index: 'weight_map' must be an object of key -> file name")
-        return {}, None
-    metadata = body.get("metadata") or {}
-    total = metadata.get("total_size") if isinstance(metadata, dict) else None
-    if total is not None:
-        try:
-            total = int(total)
-        except (TypeError, ValueError):
-            problems.append(f"{index_file}: corrupt index: metadata.total_size {total!r} is not an integer")
-            total = None
+        return {}, None, [f"{index_file}: corrupt index: 'weight_map' must be an object of key -> file name"]
+    metadata = body.get("metadata")
+    if metadata is not None and not isinstance(metadata, dict):
+        return weight_map, None, [f"{index_file}: corrupt index: 'metadata' is {metadata!r:.80}, not an object"]
+    total = (metadata or {}).get("total_size")
+    if total is None:
+        return weight_map, None, []
+    if type(total) is float and total.is_integer():
+        total = int(total)  # 123.0: a size some writers store as a JSON float
+    if not _is_u64(total):
+        return weight_map, None, [
+            f"{index_file}: corrupt index: metadata.total_size {total!r:.60} is not an integer byte count in "
+            f"[0, {_U64}]"
+        ]
+    return weight_map, total, []
+
+
+def _read_index(index_file: Path, problems: list[str]) -> tuple[dict[str, str], int | None]:
+    weight_map, total, found = read_index(index_file)
+    problems.extend(found)
     return weight_map, total
 
 
