@@ -133,7 +133,12 @@ def save_hf(
         dtype: an explicit cast of the other floating keys (default None: none, each tensor's own dtype).
         config_files: files copied next to the weights (config.json, tokenizer files...); a name that is one of
             the files the save writes (the index, a weight file) is refused.
-        max_writers: cap on the number of writer ranks (default: every rank may write).
+        max_writers: cap on the number of ranks that write files (default: every rank may write); the allowed
+            ranks are spread over the world (``writer_pool``; rank 0 always among them). Honored in every write
+            mode: the other ranks open no file. In direct mode their pieces are gathered to the allowed writers,
+            who write whole keys into the shared files; under ``minimal`` a key kept on ranks none of which may
+            write makes the save gather as ``full`` does; under ``preserve`` it is an error (every rank, before
+            any data moves).
         write_threads: file writers per rank (tensors are written to their files as soon as they are whole).
         async_save: return as soon as every byte this rank writes is copied into host memory the save owns;
             files are written in the background and ``.wait()`` publishes.

@@ -37,7 +37,8 @@ from workbench.layout.load_spec import KeyRegion
 from workbench.layout.model_layout import Layout
 from workbench.memo import LRU, remember_by_identity
 from workbench.plan.policy import SavePolicy
-from workbench.plan.save_set import SavePlanSet, key_meta, layout_fingerprint, plan_save
+from workbench.plan.save_set import SavePlanSet, key_meta, layout_fingerprint, plan_save_within_writers
+from workbench.plan.writers import writer_pool
 from workbench.run.communicator import Communicator
 from workbench.run.executor import WaveOutput, unshard
 from workbench.run.guard import (
@@ -276,7 +277,11 @@ class SaveSession:
         missing = [c for c in self.config_files if not c.is_file()]
         if missing:
             raise CheckpointError(f"config file(s) to copy do not exist: {[str(m) for m in missing]}")
-        direct = self.write_mode == "direct" and policy.mode in ("full", "minimal")
+        # a cap on the writers: the capped ranks write nothing, so their pieces are gathered to allowed writers, who
+        # write whole keys into the files rank 0 made (rank 0 is always allowed: writer_pool starts at the lowest)
+        mesh = self.layout.mesh
+        capped = max_writers is not None and len(writer_pool(mesh.all_ranks(), max_writers)) < mesh.size
+        direct = self.write_mode == "direct" and policy.mode in ("full", "minimal") and not capped
         self.key_meta, self.direct = _key_meta_and_direct(
             self.layout, dtype, fp32_keys_pattern, self.min_segment_bytes if direct else None
         )
@@ -294,7 +299,7 @@ class SaveSession:
                 {n: s for n, s in self.layout.specs.items() if n not in skip},
                 {n: d for n, d in self.layout.dtypes.items() if n not in skip},
             )
-        self.plan_set = plan_save(
+        self.plan_set = plan_save_within_writers(
             gathered,
             ranks=[self.rank],
             policy=policy,

@@ -35,7 +35,7 @@ from workbench.plan.load_plan import expected_key_shape
 from workbench.plan.policy import SavePolicy
 from workbench.plan.save_plan import HFSavePlan, gather_dtype, plan_hf_save, save_dtypes
 from workbench.plan.schedule import UnshardSchedule, check_schedules, schedule_unshard
-from workbench.plan.writers import assign_writers
+from workbench.plan.writers import assign_writers, writer_pool
 
 __all__ = [
     "PlanCacheInfo",
@@ -46,6 +46,7 @@ __all__ = [
     "layout_fingerprint",
     "plan_cache_info",
     "plan_save",
+    "plan_save_within_writers",
     "save_key_holders",
 ]
 
@@ -203,6 +204,37 @@ def plan_save(
     if key is not None:
         _PLANS.put(key, result)
     return result
+
+
+def plan_save_within_writers(layout: Layout, *, policy: SavePolicy | None = None, max_writers: int | None = None,
+                             **options: Any) -> SavePlanSet:
+    """``plan_save`` whose every writer is one of the ``max_writers`` ranks ``writer_pool`` allows: what ``save_hf``
+    runs. (``plan_save`` alone gives a key none of whose holders is in the pool to one of its holders.)
+
+    Under ``minimal``, a kept cut can leave a key on ranks none of which may write (experts of an EP rank outside
+    the pool): the save is then planned as ``full`` (the same checkpoint, every cut gathered), so a rank of the pool
+    holds every key. ``options`` go to ``plan_save``.
+
+    Raises:
+        PlanError: under ``preserve``, a key the policy keeps on ranks none of which may write (naming the key,
+            its holders and the allowed writers), besides what ``plan_save`` raises.
+    """
+    policy = policy or SavePolicy.full()
+    plan_set = plan_save(layout, policy=policy, max_writers=max_writers, **options)
+    everyone = layout.mesh.all_ranks()
+    pool = set(writer_pool(everyone, max_writers))
+    if len(pool) == len(everyone) or all(rank in pool for rank in plan_set.writers.values()):
+        return plan_set
+    if policy.mode == "minimal":
+        return plan_save(layout, policy=SavePolicy.full(), max_writers=max_writers, **options)
+    outside = next(key for key, rank in plan_set.writers.items() if rank not in pool)
+    holders = save_key_holders(layout, policy, dtype=options.get("dtype"),
+                               fp32_keys_pattern=options.get("fp32_keys_pattern"))[outside]
+    raise PlanError(
+        f"max_writers={max_writers} lets ranks {sorted(pool)} write, but SavePolicy {policy} keeps HF key "
+        f"{outside!r} on ranks {list(holders)} only, none of which may write: raise max_writers, or save under "
+        "SavePolicy.minimal() or full() (which gather every key to an allowed writer)"
+    )
 
 
 def _plan_save(
