@@ -180,7 +180,7 @@ def _check_hf_conversion(dcp_dir: Path, hf_dir: Path) -> None:
     shapes = _global_shapes()
     plain = {n: torch.empty(s, dtype=d) for n, (s, d) in shapes.items()}
     layout = Layout.from_model(plain, qwen3_moe_key_map(SHAPE.num_experts))
-    dcp_to_hf(dcp_dir, hf_dir, layout, budget_bytes=2048, max_shard_bytes=4096)
+    dcp_to_hf(dcp_dir, hf_dir, layout, budget_bytes=2048, max_shard_bytes=4096, allow_pickle=True)
     got = {}
     for f in hf_dir.glob("*.safetensors"):
         got.update(load_file(f))

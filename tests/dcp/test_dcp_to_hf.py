@@ -1,8 +1,11 @@
-"""dcp_to_hf in one process: fused keys on dim 1, FP8 tail padding, fp32 keys, several files and several batches."""
+"""dcp_to_hf in one process: fused keys on dim 1, FP8 tail padding, fp32 keys, several files and several batches;
+the pickled ``.metadata`` is opened only with ``allow_pickle=True``."""
 
 from __future__ import annotations
 
 import json
+import os
+import pickle
 from pathlib import Path
 
 import pytest
@@ -58,7 +61,7 @@ def test_dcp_to_hf_splits_trims_casts_in_small_batches(tmp_path: Path) -> None:
     config.write_text("{}")
     result = dcp_to_hf(tmp_path / "dcp", tmp_path / "hf", _layout(), dtype=torch.bfloat16,
                        fp32_keys_pattern=r"norm\.weight$", budget_bytes=100, max_shard_bytes=64,
-                       config_files=[config])
+                       config_files=[config], allow_pickle=True)
     got = _read_hf(tmp_path / "hf")
     want = {f"k{i}": tensors["fused"][:, 2 * i:2 * i + 2].to(torch.bfloat16) for i in range(4)}
     want["padded.weight"] = tensors["padded"][:10].to(torch.bfloat16)
@@ -75,8 +78,42 @@ def test_dcp_to_hf_names_what_does_not_match(tmp_path: Path) -> None:
     _save_dcp(tmp_path / "dcp")
     layout = _layout()
     with pytest.raises(CheckpointError, match=r"'other\.fused': not in the checkpoint"):
-        dcp_to_hf(tmp_path / "dcp", tmp_path / "hf", layout, prefix="other.")
+        dcp_to_hf(tmp_path / "dcp", tmp_path / "hf", layout, prefix="other.", allow_pickle=True)
     wrong = Layout(ONE, {"norm": LoadSpec(name="norm", hf_keys=["norm.weight"], global_shape=(6,), mesh=ONE)})
     with pytest.raises(CheckpointError, match=r"'model\.norm': saved global shape \(5,\), the layout says \(6,\)"):
-        dcp_to_hf(tmp_path / "dcp", tmp_path / "hf", wrong)
+        dcp_to_hf(tmp_path / "dcp", tmp_path / "hf", wrong, allow_pickle=True)
     assert not (tmp_path / "hf").exists() and not (tmp_path / ".hf.incomplete").exists()
+
+
+class _Tripwire:
+    """Unpickling this creates the directory ``path``: a side effect that shows the pickle was loaded."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def __reduce__(self):
+        return os.mkdir, (str(self.path),)
+
+
+def test_dcp_to_hf_refuses_the_pickle_without_opt_in(tmp_path: Path) -> None:
+    (tmp_path / "dcp").mkdir()
+    tripwire = tmp_path / "unpickled"
+    (tmp_path / "dcp" / ".metadata").write_bytes(pickle.dumps(_Tripwire(tripwire)))
+    with pytest.raises(CheckpointError) as info:
+        dcp_to_hf(tmp_path / "dcp", tmp_path / "hf", _layout())
+    message = str(info.value)
+    for words in (str(tmp_path / "dcp" / ".metadata"), "is a Python pickle", "runs whatever code the file holds",
+                  "dcp_to_hf(..., allow_pickle=True)"):
+        assert words in message, message
+    assert not tripwire.exists() and not (tmp_path / "hf").exists() and not (tmp_path / ".hf.incomplete").exists()
+
+    # opted in, the pickle is loaded (the tripwire fires) and what it held is named as not DCP metadata
+    with pytest.raises(CheckpointError, match=r"\.metadata does not hold DCP metadata: AttributeError"):
+        dcp_to_hf(tmp_path / "dcp", tmp_path / "hf", _layout(), allow_pickle=True)
+    assert tripwire.is_dir() and not (tmp_path / "hf").exists()
+
+
+def test_dcp_to_hf_without_metadata_is_not_a_dcp_checkpoint(tmp_path: Path) -> None:
+    (tmp_path / "dcp").mkdir()
+    with pytest.raises(CheckpointError, match=r"dcp is not a DCP checkpoint: it has no \.metadata file"):
+        dcp_to_hf(tmp_path / "dcp", tmp_path / "hf", _layout(), allow_pickle=True)

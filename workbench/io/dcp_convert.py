@@ -9,6 +9,9 @@ DCP's resharding assembles each full runtime tensor from whatever chunks were sa
 
 Per parameter: the full runtime tensor (``global_shape``) is trimmed to its checkpoint-visible shape (FP8 tail
 padding dropped), cast to the key's save dtype, and split into its HF keys along ``fused_dim``.
+
+A DCP checkpoint's ``.metadata`` is a Python pickle, and unpickling runs whatever code the file holds: like
+``inspect_checkpoint``, ``dcp_to_hf`` opens it only when the caller opts in with ``allow_pickle=True``.
 """
 
 from __future__ import annotations
@@ -32,6 +35,8 @@ from workbench.layout.model_layout import Layout
 from workbench.plan.save_plan import save_dtypes
 
 __all__ = ["ConvertResult", "dcp_to_hf"]
+
+DCP_METADATA = ".metadata"
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -73,6 +78,7 @@ def dcp_to_hf(
     budget_bytes: int = 1 << 30,
     max_shard_bytes: int = DEFAULT_MAX_SHARD_BYTES,
     config_files: Sequence[str | Path] = (),
+    allow_pickle: bool = False,
 ) -> ConvertResult:
     """Write the parameters of a DCP checkpoint as an HF checkpoint at ``hf_path`` (one process, no group).
 
@@ -88,24 +94,39 @@ def dcp_to_hf(
         budget_bytes: bytes of full tensors assembled per DCP load (a larger tensor is loaded alone).
         max_shard_bytes: size cap of one safetensors file.
         config_files: files copied next to the weights (config.json, tokenizer files).
+        allow_pickle: required: the checkpoint's ``.metadata`` (and any non-tensor entry) is a Python pickle,
+            and unpickling runs code from the file. Pass True only for checkpoints whose origin you trust.
 
     Raises:
-        CheckpointError: a parameter of the layout is missing from the DCP checkpoint, holds a non-tensor, or its
-            saved global shape differs from the layout's (both named), or a config file is missing.
+        CheckpointError: ``allow_pickle`` is false (nothing is read), ``dcp_path`` has no ``.metadata`` or
+            it does not unpickle to DCP metadata, a parameter of the layout is missing from the DCP checkpoint,
+            holds a non-tensor, or its saved global shape differs from the layout's (both named), or a config
+            file is missing.
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
     from torch.distributed.checkpoint.metadata import TensorStorageMetadata
 
     dcp_path, hf_path = Path(dcp_path), Path(hf_path)
+    metadata_file = dcp_path / DCP_METADATA
+    if not metadata_file.is_file():
+        raise CheckpointError(f"{dcp_path} is not a DCP checkpoint: it has no {DCP_METADATA} file")
+    if not allow_pickle:
+        raise CheckpointError(
+            f"dcp_to_hf(allow_pickle=False): {metadata_file} is a Python pickle, and unpickling it runs whatever "
+            "code the file holds, so it was not opened. If you trust where this checkpoint came from (you saved "
+            "it, or its source is trusted), call dcp_to_hf(..., allow_pickle=True)"
+        )
     missing_configs = [str(c) for c in config_files if not Path(c).is_file()]
     if missing_configs:
         raise CheckpointError(f"config file(s) to copy do not exist: {missing_configs}")
     reader = dcp.FileSystemReader(str(dcp_path))
     try:
         saved = reader.read_metadata().state_dict_metadata
-    except (OSError, ValueError, RuntimeError) as exc:
-        raise CheckpointError(f"{dcp_path} is not a readable DCP checkpoint: {exc}") from exc
+    except Exception as exc:  # an unpickled object of any kind, or a broken pickle: not DCP metadata
+        raise CheckpointError(
+            f"{metadata_file} does not hold DCP metadata: {type(exc).__name__}: {exc}"
+        ) from exc
     params, problems = [], []
     for name, spec in layout.specs.items():
         fqn = prefix + name
