@@ -56,6 +56,8 @@ def test_remove_refuses_kernels_that_are_not_ours(tmp_path: Path, capsys: pytest
 def test_install_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     assert _run(["kernel", "install", "--nprocs", "0", "--prefix", str(tmp_path)]) == 2
     assert "nprocs 0: give >= 1 local ranks, or 0 with listen" in capsys.readouterr().err
+    assert _run(["kernel", "install", "--nprocs", "0", "--listen", "node0:http", "--prefix", str(tmp_path)]) == 2
+    assert "listen 'node0:http': expected HOST:PORT, :PORT or PORT" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # --user and --prefix exclude each other
         _parser().parse_args(["kernel", "install", "--nprocs", "2", "--user", "--prefix", str(tmp_path)])
 

@@ -10,9 +10,9 @@ __all__ = ["register"]
 _INSTALL_EXAMPLE = """examples:
   workbench kernel install --nprocs 4                      # 4 local gloo ranks, in this environment
   workbench kernel install --nprocs 8 --backend nccl --name gpu8 --user
-  workbench kernel install --nprocs 0 --listen 0.0.0.0:5555 --backend nccl --name cluster
-      # ranks started by your scheduler join with:
-      #   torchrun ... -m workbench.run.kernel.worker --connect tcp://HOST:5555#TOKEN  (%ranks_connect prints it)
+  workbench kernel install --nprocs 0 --listen login-node:5555 --backend nccl --name cluster
+      # ranks started by your scheduler join with (%ranks_connect prints it; the token stays in a 0600 file):
+      #   torchrun ... -m workbench.run.kernel.worker --connect tcp://login-node:5555 --token-file PATH
 """
 
 
@@ -39,7 +39,8 @@ def register(subparsers: argparse._SubParsersAction) -> None:
     where.add_argument("--prefix", default=None, help="install into PREFIX/share/jupyter/kernels (default: "
                        "this Python environment)")
     install.add_argument("--listen", default=None, metavar="HOST:PORT",
-                         help="also accept ranks started by a scheduler (torchrun ... --connect)")
+                         help="also accept ranks started by a scheduler (torchrun ... --connect); HOST defaults "
+                         "to 127.0.0.1, 0.0.0.0 binds every interface (with a warning)")
     install.add_argument("--hang-timeout", type=float, default=None, metavar="SECONDS",
                          help="report every rank's stack when a cell runs longer (default: never)")
     install.add_argument("--hang-action", choices=("report", "interrupt"), default="report",

@@ -33,6 +33,7 @@ from ipykernel.kernelbase import Kernel
 
 from workbench.run.kernel.fold import Folder, format_ranks
 from workbench.run.kernel.magics import MagicError, parse_cell
+from workbench.run.kernel.protocol import ENV_TOKEN, ENV_TOKEN_FILE
 from workbench.run.kernel.ranks import RankSet
 
 __all__ = ["SPMDKernel"]
@@ -51,6 +52,7 @@ class _Config:
     hang_action: str
     startup_timeout: float
     close_sockets: bool
+    token_file: str | None
 
     @classmethod
     def from_env(cls) -> _Config:
@@ -62,7 +64,8 @@ class _Config:
                    hang_timeout=float(timeout) if timeout not in ("", "off") else None,
                    hang_action=env.get("WORKBENCH_KERNEL_HANG_ACTION", "report"),
                    startup_timeout=float(env.get("WORKBENCH_KERNEL_STARTUP_TIMEOUT", "300")),
-                   close_sockets=env.get("WORKBENCH_KERNEL_CLOSE_SOCKETS", "1") not in ("0", "off", "false"))
+                   close_sockets=env.get("WORKBENCH_KERNEL_CLOSE_SOCKETS", "1") not in ("0", "off", "false"),
+                   token_file=env.get(ENV_TOKEN_FILE) or None)
 
 
 @dataclass
@@ -109,7 +112,9 @@ class SPMDKernel(Kernel):
         self.hang_timeout = self.config_.hang_timeout
         self.hang_action = self.config_.hang_action
         self.generation = 0
-        self.rankset = RankSet(nprocs=self.config_.nprocs, backend=self.config_.backend, listen=self.config_.listen)
+        self.rankset = RankSet(nprocs=self.config_.nprocs, backend=self.config_.backend, listen=self.config_.listen,
+                               token_file=self.config_.token_file, log=self.log)
+        self._warnings = list(self.rankset.warnings)  # shown once more, in the first cell that runs
         for msg_type in ("comm_open", "comm_msg", "comm_close"):
             self.shell_handlers[msg_type] = self._forward_comm
         self._last_ping = 0.0
@@ -148,6 +153,9 @@ class SPMDKernel(Kernel):
 
     def _execute(self, code: str, silent: bool, store_history: bool) -> dict:
         world = self.rankset.world_size or 1
+        if self._warnings:
+            self._stream("stderr", self._warnings, silent)
+            self._warnings = []
         directives = parse_cell(code, world)
         if directives.output is not None:
             self.output_mode = directives.output
@@ -255,9 +263,18 @@ class SPMDKernel(Kernel):
 
     def _connect_help(self) -> str:
         joined = sorted(self.rankset.ranks)
-        return (f"ranks joined: {format_ranks(joined) if joined else 'none'} (world size "
-                f"{self.rankset.world_size or 'not known yet'}). Start ranks that join this kernel with:\n"
-                f"  {self.rankset.torchrun_command()}\n")
+        lines = [f"ranks joined: {format_ranks(joined) if joined else 'none'} (world size "
+                 f"{self.rankset.world_size or 'not known yet'})."]
+        if self.rankset.token_file is None:
+            lines.append(f"This kernel starts its {self.config_.nprocs} rank(s) itself; for ranks a scheduler "
+                         "starts, install one with: workbench kernel install --nprocs 0 --listen HOST:PORT")
+        else:
+            lines += ["Start ranks that join this kernel with:", f"  {self.rankset.torchrun_command()}",
+                      f"The token file (mode 0600, new at every kernel start) must be readable where the ranks run "
+                      f"(a shared home directory); or put its contents in ${ENV_TOKEN} (or a copy's path in "
+                      f"${ENV_TOKEN_FILE}) in the job's environment instead of --token-file.",
+                      *self.rankset.warnings]
+        return "\n".join(lines) + "\n"
 
     # -- one cell ---------------------------------------------------------------------------------------------------
     def _wait(self, cell: _Cell) -> None:

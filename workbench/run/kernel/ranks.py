@@ -1,29 +1,47 @@
 """The kernel's side of the ranks: start them with torch's elastic agent, and talk to them over one ROUTER socket.
 
-``RankSet`` binds the socket, starts ``torchrun ... -m workbench.run.kernel.worker --connect ...`` for local ranks
-(in its own session, so a Jupyter interrupt aimed at the kernel's process group never reaches torch's agent),
-admits ranks that present the kernel's token, and sends/receives JSON messages. It never blocks the caller for
-longer than the timeout given to ``recv``.
+``RankSet`` binds the socket (loopback unless ``listen`` names another host), starts ``torchrun ... -m
+workbench.run.kernel.worker --connect ...`` for local ranks (in its own session, so a Jupyter interrupt aimed at the
+kernel's process group never reaches torch's agent), admits ranks whose signed hello proves they hold the kernel's
+token, and sends/receives signed JSON messages (``protocol``). It never blocks the caller for longer than the
+timeout given to ``recv``.
 """
 
 from __future__ import annotations
 
 import contextlib
+import logging
 import os
-import secrets
+import shlex
 import signal
 import socket
 import subprocess
 import sys
 import tempfile
+import threading
 import time
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.run.kernel.protocol import ENV_CONNECT, ENV_KERNEL_PID, Connection, decode, encode
+from workbench.run.kernel.protocol import (
+    ENV_CONNECT,
+    ENV_KERNEL_PID,
+    ENV_TOKEN,
+    ENV_TOKEN_FILE,
+    WILDCARD_HOSTS,
+    Link,
+    Rejected,
+    encode,
+    new_token,
+    parse_listen,
+    write_token_file,
+)
 
 __all__ = ["RankInfo", "RankSet", "RanksStopped"]
+
+_ALIVE = 10.0  # seconds: a rank heard from more recently than this keeps its place against a second hello
+_LOGGED_DROPS = 20  # log every dropped message up to this many, then every 100th
 
 
 class RanksStopped(RuntimeError):
@@ -43,33 +61,62 @@ class RankInfo:
 
 
 class RankSet:
-    """The ranks of one kernel: local ones it started itself, or ones a scheduler started (``listen``)."""
+    """The ranks of one kernel: local ones it started itself, or ones a scheduler started (``listen``).
 
-    def __init__(self, *, nprocs: int, backend: str, listen: str | None = None) -> None:
+    Every message is signed and checked (``protocol.Link``); a rank is admitted by a valid hello and from then on
+    bound to the ZMQ identity that sent it: ZMQ refuses a second connection with that identity (no handover),
+    messages from identities that never passed hello are dropped, and a second hello for an admitted rank is
+    refused while the first one is alive (heard from within ``_ALIVE`` seconds; ranks answer the kernel's pings).
+    Whatever is dropped is logged on ``log`` (the kernel's log), never acted on.
+    """
+
+    def __init__(self, *, nprocs: int, backend: str, listen: str | None = None, token_file: str | None = None,
+                 log: logging.Logger | None = None) -> None:
         import zmq
 
         self.nprocs = nprocs
         self.backend = backend
         self.ranks: dict[int, RankInfo] = {}
         self.world_size: int | None = nprocs or None
+        self.warnings: list[str] = []  # shown to the user once (kernel log and the first cell)
+        self.dropped = 0  # messages dropped so far (see _drop)
+        self._log = log or logging.getLogger(__name__)
+        self._token = new_token()
+        self._key = self._token.encode()
+        self._links: dict[bytes, Link] = {}  # identity -> link, kept after a rank leaves (its sequence numbers)
+        self._identity: dict[int, bytes] = {}  # admitted rank -> its identity
+        self._heard: dict[int, float] = {}  # admitted rank -> when a valid message of it last arrived
+        self._lock = threading.Lock()  # sends come from the shell and the control thread
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
-        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 1)
+        self._socket.setsockopt(zmq.ROUTER_HANDOVER, 0)  # an identity stays with its first connection
         self._socket.setsockopt(zmq.LINGER, 0)
-        token = secrets.token_hex(16)
+        self.token_file: Path | None = None
         if listen:
-            host, _, port = listen.rpartition(":")
-            host = host or "0.0.0.0"
-            if port in ("", "0"):
-                port_number = self._socket.bind_to_random_port(f"tcp://{host}")
+            host, port = parse_listen(listen)
+            if ":" in host:
+                self._socket.setsockopt(zmq.IPV6, 1)
+            bind = f"tcp://[{host}]" if ":" in host else f"tcp://{host}"
+            if port == 0:
+                port = self._socket.bind_to_random_port(bind)
             else:
-                port_number = int(port)
-                self._socket.bind(f"tcp://{host}:{port_number}")
-            advertised = socket.getfqdn() if host in ("", "0.0.0.0", "*") else host
-            self.connection = Connection(f"tcp://{advertised}:{port_number}", token)
+                self._socket.bind(f"{bind}:{port}")
+            if host in WILDCARD_HOSTS:
+                self.warnings.append(
+                    f"workbench kernel: listening for ranks on every interface ({listen}, port {port}): any host that "
+                    "reaches this port can knock; only ranks holding the token are admitted, but cell code and "
+                    "output cross the network unencrypted. Give --listen HOST:PORT with an interface the ranks use "
+                    "to narrow it.")
+            advertised = socket.getfqdn() if host in WILDCARD_HOSTS else host
+            self.address = f"tcp://[{advertised}]:{port}" if ":" in advertised else f"tcp://{advertised}:{port}"
+            self.token_file = write_token_file(token_file or _default_token_path(), self._token)
+            self._log.info("workbench kernel: ranks join at %s with the token in %s (mode 0600)", self.address,
+                           self.token_file)
         else:
-            port_number = self._socket.bind_to_random_port("tcp://127.0.0.1")
-            self.connection = Connection(f"tcp://127.0.0.1:{port_number}", token)
+            port = self._socket.bind_to_random_port("tcp://127.0.0.1")
+            self.address = f"tcp://127.0.0.1:{port}"
+        for warning in self.warnings:
+            self._log.warning(warning)
         self.log_path: Path | None = None
         self._agent: subprocess.Popen[bytes] | None = None
         if nprocs:
@@ -81,8 +128,9 @@ class RankSet:
 
         log_dir = Path(tempfile.mkdtemp(prefix="workbench-kernel-"))
         self.log_path = log_dir / "ranks.log"
-        env = {**os.environ, ENV_CONNECT: str(self.connection), ENV_KERNEL_PID: str(os.getpid()),
+        env = {**os.environ, ENV_CONNECT: self.address, ENV_TOKEN: self._token, ENV_KERNEL_PID: str(os.getpid()),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+        env.pop(ENV_TOKEN_FILE, None)  # the token comes from the environment, not from a file the kernel may own
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.nprocs),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--max-restarts", "0",
@@ -105,7 +153,10 @@ class RankSet:
         return "\n".join(text[-lines:])
 
     def stop(self, grace: float = 3.0) -> None:
-        """Stop the local ranks (and their agent), politely first; remote ranks just get ``exit``."""
+        """Stop the local ranks (and their agent), politely first; remote ranks just get ``exit``. The token file
+        goes too: no rank can join a kernel that is stopping."""
+        if self.token_file is not None:
+            self.token_file.unlink(missing_ok=True)
         with contextlib.suppress(Exception):
             for rank in self.ranks:
                 self.send(rank, {"op": "exit"})
@@ -121,6 +172,7 @@ class RankSet:
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._agent.wait(grace)
         self.ranks.clear()
+        self._identity.clear()
 
     def signal_local(self, rank: int, sig: int) -> bool:
         """Send a signal to a local rank's process (e.g. SIGUSR1: native stacks into the log)."""
@@ -139,11 +191,17 @@ class RankSet:
         return self.world_size is not None and len(self.ranks) == self.world_size
 
     def send(self, rank: int, message: dict[str, Any]) -> None:
-        """Send one message to one rank (dropped by ZMQ if the rank is gone)."""
+        """Send one signed message to one admitted rank (dropped by ZMQ if the rank is gone; nothing if unknown)."""
         import zmq
 
-        with contextlib.suppress(zmq.ZMQError):
-            self._socket.send_multipart([f"rank{rank}".encode(), encode(message)], flags=zmq.NOBLOCK)
+        identity = self._identity.get(rank)
+        if identity is None:
+            return
+        body = encode(message)
+        with self._lock:
+            frames = self._links[identity].seal(body)
+            with contextlib.suppress(zmq.ZMQError):
+                self._socket.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
 
     def broadcast(self, message: dict[str, Any], ranks: Any = None) -> None:
         """Send one message to several ranks (default: every rank that joined)."""
@@ -151,40 +209,104 @@ class RankSet:
             self.send(rank, message)
 
     def recv(self, timeout: float) -> tuple[int, dict[str, Any]] | None:
-        """The next message from an admitted rank, or None after ``timeout`` seconds; hellos are handled here."""
+        """The next valid message from an admitted rank, or None after ``timeout`` seconds; hellos are handled here
+        (an admitted one is returned too), pongs only mark the rank alive, anything invalid is dropped and logged."""
         deadline = time.monotonic() + timeout
         while True:
             left = max(0.0, deadline - time.monotonic())
             if not self._socket.poll(int(left * 1000)):
                 return None
-            identity, frame = self._socket.recv_multipart()[:2]
-            try:
-                message = decode(frame)
-                rank = int(identity.decode().removeprefix("rank"))
-            except ValueError:
-                continue
-            if message["op"] == "hello":
-                self._admit(rank, message)
-                return rank, message
-            if rank in self.ranks:
-                return rank, message
+            identity, *frames = self._socket.recv_multipart()
+            got = self._accept(identity, frames)
+            if got is not None:
+                return got
 
-    def _admit(self, rank: int, hello: dict[str, Any]) -> None:
-        if not secrets.compare_digest(str(hello.get("token", "")), self.connection.token):
-            return
-        world = int(hello["world_size"])
+    def _accept(self, identity: bytes, frames: list[bytes]) -> tuple[int, dict[str, Any]] | None:
+        link = self._links.get(identity)
+        known = link is not None
+        if link is None:
+            link = Link(self._key, me="kernel", rank=None, identity=identity.decode(errors="replace"))
+        seq_before, rank_before = link.seq_in, link.rank
+        try:
+            message = link.open(frames)
+        except Rejected as exc:
+            return self._drop(identity, str(exc))
+        rank = link.rank
+        assert rank is not None  # open() took it from the header
+        op = message["op"]
+        if op == "hello":
+            problem = self._admit(identity, rank, message)
+        elif self._identity.get(rank) != identity:
+            problem = "from a connection that never passed hello (or left)"
+        else:
+            problem = None
+        if problem:
+            link.seq_in, link.rank = seq_before, rank_before  # nothing of a refused message sticks
+            return self._drop(identity, problem)
+        if not known:
+            self._links[identity] = link
+        self._heard[rank] = time.monotonic()
+        return None if op == "pong" else (rank, message)
+
+    def _admit(self, identity: bytes, rank: int, hello: dict[str, Any]) -> str | None:
+        """Admit a rank whose hello verified; say why not otherwise."""
+        if hello.get("rank") != rank:
+            return f"hello names rank {hello.get('rank')!r} but is signed for rank {rank}"
+        try:
+            world = int(hello["world_size"])
+            info = RankInfo(rank=rank, world_size=world, local_rank=int(hello["local_rank"]),
+                            host=str(hello["host"]), pid=int(hello["pid"]), backend=str(hello["backend"]))
+        except (KeyError, TypeError, ValueError) as exc:
+            return f"hello of rank {rank} lacks {exc}"
+        if self.world_size is not None and world != self.world_size:
+            return f"hello of rank {rank} says world size {world}, this kernel's world size is {self.world_size}"
+        if not 0 <= rank < world:
+            return f"hello names rank {rank}, outside world size {world}"
+        current = self._identity.get(rank)
+        if current == identity:
+            return f"rank {rank} said hello twice on one connection"
+        if current is not None:
+            quiet = time.monotonic() - self._heard.get(rank, 0.0)
+            if quiet < _ALIVE:
+                return (f"rank {rank} is already admitted on another connection, heard {quiet:.1f} s ago "
+                        f"(a second rank {rank}? a new hello is accepted once it is silent for {_ALIVE:g} s)")
+            self._log.warning("workbench kernel: rank %d rejoins on a new connection (the old one was silent for "
+                              "%.0f s)", rank, quiet)
         if self.world_size is None:
             self.world_size = world
-        self.ranks[rank] = RankInfo(rank=rank, world_size=world, local_rank=int(hello["local_rank"]),
-                                    host=str(hello["host"]), pid=int(hello["pid"]), backend=str(hello["backend"]))
+        self.ranks[rank] = info
+        self._identity[rank] = identity
+        return None
+
+    def _drop(self, identity: bytes, reason: str) -> None:
+        """Count and log a message that is not acted on (the first ones, then every 100th: a flood stays short)."""
+        self.dropped += 1
+        if self.dropped <= _LOGGED_DROPS or self.dropped % 100 == 0:
+            self._log.warning("workbench kernel: dropped a rank-channel message from ZMQ identity %r: %s "
+                              "(%d dropped so far)", identity[:80], reason, self.dropped)
+        return None
 
     def torchrun_command(self) -> str:
-        """The command that starts ranks joining this kernel from a cluster's scheduler."""
+        """The command that starts ranks joining this kernel from a cluster's scheduler (a listening kernel's).
+
+        It names the token file, never the token: the command is shown in notebook output, which is saved.
+        """
+        if self.token_file is None:
+            raise RuntimeError("this kernel does not listen for ranks (install it with --listen HOST:PORT)")
         return ("torchrun --nnodes NNODES --nproc-per-node NPROC --rdzv-backend c10d --rdzv-endpoint HOST:29400 "
-                f"-m workbench.run.kernel.worker --backend {self.backend} --connect '{self.connection}'")
+                f"-m workbench.run.kernel.worker --backend {self.backend} --connect {self.address} "
+                f"--token-file {shlex.quote(str(self.token_file))}")
 
     def close(self) -> None:
         """Stop local ranks and close the socket."""
         self.stop()
         self._socket.close(0)
         self._context.term()
+
+
+def _default_token_path() -> Path:
+    """Where a listening kernel writes its token by default: Jupyter's runtime directory (beside the kernel's own
+    connection file, which holds Jupyter's key), named after this host and process."""
+    from jupyter_core.paths import jupyter_runtime_dir
+
+    return Path(jupyter_runtime_dir()) / f"workbench-kernel-{socket.gethostname()}-{os.getpid()}.token"

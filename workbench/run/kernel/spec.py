@@ -8,6 +8,8 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from workbench.run.kernel.protocol import parse_listen
+
 __all__ = ["KernelSpecInfo", "install_kernel", "list_kernels", "remove_kernel"]
 
 _MARK = "workbench"  # kernelspec metadata key that marks our kernels
@@ -34,6 +36,9 @@ def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = Non
                    hang_action: str = "report", display_name: str | None = None, close_sockets: bool = True) -> str:
     """Write a kernelspec that starts ``nprocs`` local ranks (or waits for ranks at ``listen``); return its path.
 
+    ``listen`` is ``HOST:PORT``, ``:PORT`` or ``PORT`` (host 127.0.0.1 then; ``0.0.0.0`` binds every interface,
+    which the kernel warns about); ranks join with the token the kernel writes to a file of mode 0600 at start.
+
     ``close_sockets=False``: when ranks are left stuck in a gloo collective, only destroy the process groups
     instead of also closing every rank's TCP connections (sockets a cell opened itself are closed too otherwise);
     groups held alive by device meshes, FSDP modules or DTensors then keep stuck ranks stuck until a restart.
@@ -52,6 +57,8 @@ def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = Non
         raise ValueError("give user=True or prefix=DIR, not both")
     if hang_action not in ("report", "interrupt"):
         raise ValueError(f"hang_action {hang_action!r}: use report or interrupt")
+    if listen:
+        parse_listen(listen)  # a bad HOST:PORT fails here, not when the kernel starts
     name = name or (f"workbench-{backend}-{nprocs}" if nprocs else f"workbench-{backend}-remote")
     where = f"{nprocs} ranks" if nprocs else "remote ranks"
     env = {"WORKBENCH_KERNEL_NPROCS": str(nprocs), "WORKBENCH_KERNEL_BACKEND": backend,

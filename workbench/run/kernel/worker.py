@@ -3,12 +3,13 @@
 Started by torch's elastic agent, never by hand::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        -m workbench.run.kernel.worker --connect tcp://KERNEL_HOST:PORT#TOKEN
+        -m workbench.run.kernel.worker --connect tcp://KERNEL_HOST:PORT --token-file PATH
 
-(the kernel starts its local ranks the same way). Every rank initializes the default process group, then
-serves the kernel: a background thread owns the ZMQ socket (answers stack requests and interrupts at once, even
-while a cell hangs) and hands cells to the main thread, which runs them in an IPython shell whose namespace
-holds ``dist``, ``rank``, ``world_size``, ``local_rank`` and ``device``.
+(the kernel starts its local ranks the same way, with the address and the token in their environment). Every rank
+initializes the default process group, then serves the kernel: a background thread owns the ZMQ socket (signs what
+the rank sends, drops any kernel message whose signature, connection or sequence number is wrong, answers stack
+requests, pings and interrupts at once, even while a cell hangs) and hands cells to the main thread, which runs
+them in an IPython shell whose namespace holds ``dist``, ``rank``, ``world_size``, ``local_rank`` and ``device``.
 """
 
 from __future__ import annotations
@@ -28,7 +29,18 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from workbench.run.kernel.protocol import ENV_CONNECT, ENV_KERNEL_PID, Connection, decode, encode
+from workbench.run.kernel.protocol import (
+    ENV_CONNECT,
+    ENV_KERNEL_PID,
+    ENV_TOKEN,
+    ENV_TOKEN_FILE,
+    Link,
+    Rejected,
+    check_address,
+    encode,
+    new_identity,
+    read_token,
+)
 
 __all__ = ["main", "stack_report"]
 
@@ -48,14 +60,17 @@ def stack_report(frame: Any) -> dict[str, Any]:
 class _Worker:
     """The rank's side of the kernel connection (one per process)."""
 
-    def __init__(self, connection: Connection, backend: str) -> None:
+    def __init__(self, address: str, token: str, backend: str) -> None:
         import zmq
 
         self.rank = int(os.environ["RANK"])
         self.world_size = int(os.environ["WORLD_SIZE"])
         self.local_rank = int(os.environ.get("LOCAL_RANK", "0"))
         self.backend = backend
-        self.connection = connection
+        self.address = address
+        self.identity = new_identity(self.rank)
+        self._link = Link(token.encode(), me="rank", rank=self.rank, identity=self.identity)
+        self.dropped = 0
         self.generation = 0
         self.main_ident = threading.main_thread().ident
         self.busy = False
@@ -70,9 +85,9 @@ class _Worker:
         self._wake_r.setblocking(False)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.DEALER)
-        self._socket.setsockopt(zmq.IDENTITY, f"rank{self.rank}".encode())
+        self._socket.setsockopt(zmq.IDENTITY, self.identity.encode())
         self._socket.setsockopt(zmq.LINGER, 1000)
-        self._socket.connect(connection.address)
+        self._socket.connect(address)
         self._store: Any = None
         self._streams: dict[str, _RankStream] = {}
 
@@ -130,12 +145,14 @@ class _Worker:
                     frame = self._outbox.get_nowait()
                 except queue.Empty:
                     break
-                self._socket.send(frame)
+                self._socket.send_multipart(self._link.seal(frame))
             if self._socket in events:
                 while self._socket.poll(0):
+                    frames = self._socket.recv_multipart()
                     try:
-                        message = decode(self._socket.recv())
-                    except ValueError:
+                        message = self._link.open(frames)
+                    except Rejected as exc:
+                        self._drop(str(exc))
                         continue
                     if self._handle_now(message):
                         return
@@ -153,8 +170,10 @@ class _Worker:
         if op == "stacks":
             frame = sys._current_frames().get(self.main_ident)
             report = stack_report(frame) if frame is not None else {"stack": [], "in_collective": False, "where": ""}
-            self._socket.send(encode({"op": "stacks", "id": message.get("id"), "rank": self.rank,
-                                      "busy": self.busy, "cell": self.cell, **report}))
+            self._send_now({"op": "stacks", "id": message.get("id"), "rank": self.rank, "busy": self.busy,
+                            "cell": self.cell, **report})
+        elif op == "ping":
+            self._send_now({"op": "pong"})
         elif op == "interrupt":
             if self.busy and message.get("cell") in (None, self.cell):
                 signal.pthread_kill(self.main_ident, signal.SIGINT)
@@ -168,6 +187,17 @@ class _Worker:
             self.tasks.put(message)
         return False
 
+    def _send_now(self, message: dict[str, Any]) -> None:
+        """I/O thread: sign and send one message at once."""
+        self._socket.send_multipart(self._link.seal(encode(message)))
+
+    def _drop(self, reason: str) -> None:
+        """I/O thread: a message from the kernel's port that is not acted on goes to the rank's log."""
+        self.dropped += 1
+        if self.dropped <= 20 or self.dropped % 100 == 0:
+            print(f"workbench rank {self.rank}: dropped a message on the kernel channel: {reason} "
+                  f"({self.dropped} dropped so far)", file=sys.__stderr__, flush=True)
+
     def _release_now(self, message: dict[str, Any]) -> None:
         """I/O thread, at once: free ranks (this one included) blocked in a collective whose peers left it."""
         import torch.distributed as dist
@@ -179,7 +209,7 @@ class _Worker:
         elif message.get("close_sockets", True):
             from workbench.run.kernel.sever import sever
 
-            keep = {int(os.environ.get("MASTER_PORT", "0")), int(self.connection.address.rsplit(":", 1)[1])}
+            keep = {int(os.environ.get("MASTER_PORT", "0")), int(self.address.rsplit(":", 1)[1])}
             sever(keep)
 
     def serve(self) -> None:
@@ -192,7 +222,7 @@ class _Worker:
         threading.Thread(target=self.io_loop, name="workbench-kernel-io", daemon=True).start()
         import torch
 
-        self.send({"op": "hello", "token": self.connection.token, "rank": self.rank, "world_size": self.world_size,
+        self.send({"op": "hello", "rank": self.rank, "world_size": self.world_size,
                    "local_rank": self.local_rank, "host": socket.gethostname(), "pid": os.getpid(),
                    "backend": self.backend, "torch": torch.__version__, "generation": self.generation})
         while True:
@@ -404,16 +434,26 @@ def main(argv: Sequence[str] | None = None) -> int:
         prog="python -m workbench.run.kernel.worker",
         description="Join a running workbench kernel as one rank; start it with torchrun, e.g.\n"
         "  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29400 \\\n"
-        "      -m workbench.run.kernel.worker --connect tcp://login-node:5555#TOKEN",
+        "      -m workbench.run.kernel.worker --connect tcp://login-node:5555 --token-file PATH\n"
+        "(the token: --token-file, else $WORKBENCH_KERNEL_TOKEN, else the file $WORKBENCH_KERNEL_TOKEN_FILE names)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
     parser.add_argument("--connect", default=os.environ.get(ENV_CONNECT),
-                        help="the kernel's connection string tcp://HOST:PORT#TOKEN (%%ranks_connect prints it)")
+                        help="the kernel's address tcp://HOST:PORT (%%ranks_connect prints it)")
+    parser.add_argument("--token-file", default=None, metavar="PATH",
+                        help=f"file holding the kernel's token, mode 0600 (%%ranks_connect names it; default: "
+                        f"${ENV_TOKEN}, else the file ${ENV_TOKEN_FILE} names)")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="process group backend (auto: nccl when CUDA is available, else gloo)")
     args = parser.parse_args(argv)
     if not args.connect:
-        parser.error("--connect is required (the kernel's tcp://HOST:PORT#TOKEN)")
+        parser.error("--connect is required (the kernel's tcp://HOST:PORT, as %ranks_connect prints it)")
+    try:
+        address = check_address(args.connect)
+        token = read_token(args.token_file)
+    except ValueError as exc:
+        parser.error(str(exc))
+    os.environ.pop(ENV_TOKEN, None)  # held in memory only: a cell printing os.environ must not show it
     missing = [v for v in ("RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT") if v not in os.environ]
     if missing:
         parser.error(f"environment variable(s) {', '.join(missing)} not set: start this module with torchrun "
@@ -427,7 +467,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # native stacks on demand, into the rank's log
-    worker = _Worker(Connection.parse(args.connect), backend)
+    worker = _Worker(address, token, backend)
     worker.init_process_group()
     worker.serve()
     worker.destroy_process_groups()
