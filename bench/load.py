@@ -113,7 +113,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
     out["owned"] = sum((t.to_local() if hasattr(t, "to_local") else t).nbytes for t in target.values())
 
     def wb_load() -> None:
-        wb.load_hf(target, root, timeout=600)
+        wb.load_hf(target, root, timeout=600, read_threads=cfg["threads"])
 
     def st_load() -> None:
         from safetensors import safe_open
@@ -181,6 +181,7 @@ def main() -> None:
     parser.add_argument("--device", choices=("cpu", "cuda"), default="cpu")
     parser.add_argument("--repeats", type=int, default=2)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--threads", type=int, default=16, help="load_hf's read_threads")
     args = parser.parse_args()
 
     root = Path(tempfile.mkdtemp(prefix="wb-load-", dir=args.dir))
@@ -194,7 +195,8 @@ def main() -> None:
             for p in paths:
                 subprocess.run(["dd", f"if={p}", "of=/dev/null", "bs=64M"], check=True, capture_output=True)
             dd.append(time.perf_counter() - t0)
-        cfg = {"root": str(root), "paths": [str(p) for p in paths], "device": args.device, "repeats": args.repeats}
+        cfg = {"root": str(root), "paths": [str(p) for p in paths], "device": args.device, "repeats": args.repeats,
+               "threads": args.threads}
         if args.ranks == 1:
             if args.device == "cuda":
                 torch.cuda.set_device(0)

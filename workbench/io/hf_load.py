@@ -92,7 +92,7 @@ def load_hf(
     read_replicas_once: bool = True,
     timeout: float = DEFAULT_TIMEOUT,
     rank: int | None = None,
-    read_threads: int = 8,
+    read_threads: int = 16,
     budget_bytes: int = 1 << 30,
 ) -> LoadReport:
     """Load a HuggingFace checkpoint into a model whose parameters are DTensors (or plain tensors), in place.
@@ -172,7 +172,9 @@ def load_hf(
                     received += nbytes
                     continue
                 fault_point("load.read", rank)
-                execute_load(plan, boxes.read, targets[name], adapters, cast=cast)
+                execute_load(plan, boxes.read, targets[name], adapters, cast=cast, non_blocking=on_gpu)
+            if on_gpu:  # the copies from pinned buffers were queued: they land before anyone reads the model
+                torch.cuda.synchronize()
         except Exception as exc:
             problem = problem_from(exc, rank, "reading its slices")
         if batches:

@@ -34,12 +34,14 @@ def execute_load(
     adapters: Mapping[str, Adapter] | None = None,
     *,
     cast: bool = True,
+    non_blocking: bool = False,
 ) -> torch.Tensor:
     """Fill ``out`` (the rank's local tensor) from the checkpoint as ``plan`` says; returns ``out``.
 
     Keys with an adapter are read whole and canonicalized before slicing; all others are read by slice.
     Tail padding is zeroed. ``cast=False``: an adapter's output of another dtype than ``out`` is an error (the
-    checkpoint check cannot see it), not a silent conversion.
+    checkpoint check cannot see it), not a silent conversion. ``non_blocking``: copies from pinned host memory
+    into a GPU tensor are queued on the current stream (the caller synchronizes before using ``out``).
     """
     if tuple(out.shape) != plan.target_shape:
         raise PlanError(
@@ -73,5 +75,5 @@ def execute_load(
                 f"parameter {plan.name!r}: HF key {r.hf_key!r} gave a slice of shape {tuple(piece.shape)} for "
                 f"{r.key_slices()}, expected {r.sizes}; is the key smaller than the layout says?"
             )
-        out[r.local_slices()].copy_(piece)
+        out[r.local_slices()].copy_(piece, non_blocking=non_blocking)
     return out
