@@ -27,7 +27,7 @@ import mmap
 import os
 import sys
 import threading
-from collections.abc import Iterable, Mapping, Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
@@ -39,6 +39,7 @@ from workbench.errors import CheckpointError
 from workbench.io.file_plan import FilePlan
 from workbench.io.stream_write import safetensors_layout
 from workbench.io.writeback import WritebackWindow
+from workbench.io.written_ranges import WrittenRanges, pack, tiling_problems, unpack
 from workbench.layout.load_spec import KeyRegion, LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.memo import LRU, remember_by_identity
@@ -212,6 +213,7 @@ class CheckpointFiles:
         self._file_indices: dict[str, int] = {}
         self._lock = threading.Lock()
         self.written: dict[str, int] = {}  # data bytes this rank wrote, per file
+        self.ranges = WrittenRanges()  # the byte ranges it wrote, per file: rank 0 proves they tile every file
         self.header_bytes = 0  # header bytes this rank wrote (rank 0, which creates the files)
 
     def create_all(self) -> int:
@@ -261,6 +263,7 @@ class CheckpointFiles:
         offsets = starts.tolist()
         for i, start in enumerate(offsets):
             _pwrite_all(fd, data[i * step : (i + 1) * step], slot.offset + start * itemsize)
+        self.ranges.add_runs(slot.file, slot.offset + starts * itemsize, step)
         first = slot.offset + offsets[0] * itemsize
         self.writeback.wrote(fd, first, slot.offset + offsets[-1] * itemsize + step - first, len(data))
         with self._lock:
@@ -315,6 +318,7 @@ class CheckpointFiles:
             lo, size = int(start[head]), int(start[end - 1] + length[end - 1] - start[head])
             fd = self._fd(name)
             _pwrite_all(fd, data[lo : lo + size], int(file_start[head]))
+            self.ranges.add_runs(name, [int(file_start[head])], size)
             self.writeback.wrote(fd, int(file_start[head]), size)
             with self._lock:
                 self.written[name] = self.written.get(name, 0) + size
@@ -357,6 +361,7 @@ class CheckpointFiles:
             finally:
                 del pages  # the map closes only once no array views it (on the way out of a failed copy too)
         nbytes = math.prod(sizes) * itemsize
+        self.ranges.add_box(slot.file, first, strides, sizes, itemsize)  # the elements the strided copy filled
         with self._lock:
             self.written[slot.file] = self.written.get(slot.file, 0) + nbytes
             self.mapped_boxes += 1
@@ -391,17 +396,34 @@ class CheckpointFiles:
         if failed is not None:
             raise failed
 
-    def missing_bytes(self, written_by_rank: Iterable[Mapping[str, int]]) -> list[str]:
-        """Files whose data bytes, summed over every rank's writes, differ from what the header promises."""
-        total: dict[str, int] = {}
-        for counts in written_by_rank:
-            for name, n in counts.items():
-                total[name] = total.get(name, 0) + n
-        return [
-            f"{name}: {total.get(name, 0)} data bytes written by the ranks, the header promises {expected}"
-            for name, expected in self.data_bytes.items()
-            if total.get(name, 0) != expected
-        ]
+    def written_ranges(self) -> bytes:
+        """This rank's written byte ranges, compacted and packed: what it sends with its status (``written_ranges``
+        module)."""
+        return pack(self.ranges.compacted(), sorted(self.headers))
+
+    def coverage_problems(self, ranges_by_rank: Sequence[bytes | None]) -> list[str]:
+        """Rank 0, before publishing: why the byte ranges every rank wrote (``written_ranges``, in rank order) do not
+        tile every file's data exactly once (a gap, a byte written twice, a write outside the data); empty when
+        they do."""
+        files = sorted(self.headers)
+        regions = {name: (size - self.data_bytes[name], size) for name, (_, size) in self.headers.items()}
+        by_rank = [None if blob is None else unpack(blob, files) for blob in ranges_by_rank]
+        return tiling_problems(regions, by_rank, self._describe)
+
+    def _describe(self, name: str, start: int, end: int) -> str:
+        """The keys (and their element ranges) that bytes ``[start, end)`` of file ``name`` hold."""
+        parts = []
+        for key, slot in self._keys_of(name):
+            size = math.prod(slot.shape) * slot.dtype.itemsize
+            lo, hi = max(start, slot.offset), min(end, slot.offset + size)
+            if lo < hi:
+                item = slot.dtype.itemsize
+                parts.append(f"{key!r} elements {(lo - slot.offset) // item}-{(hi - slot.offset - 1) // item} of "
+                             f"{math.prod(slot.shape)} (shape {slot.shape})")
+        return "; ".join(parts[:3]) + (f" and {len(parts) - 3} more key(s)" if len(parts) > 3 else "") or "no key"
+
+    def _keys_of(self, name: str) -> list[tuple[str, KeySlot]]:
+        return [(key, slot) for key, slot in self.slots.items() if slot.file == name]
 
 
 _FilesLayout = tuple[dict[str, KeySlot], dict[str, tuple[bytes, int]], dict[str, int]]

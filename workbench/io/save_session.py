@@ -434,19 +434,25 @@ class SaveSession:
             fault_point("status", self.rank)
         except Exception as exc:
             problem = problem or problem_from(exc, self.rank, "reporting its status")
-        # with the status, each rank's data bytes per file: rank 0 checks every byte of every file was written
-        per_file = dict(self.checkpoint_files.written) if self.checkpoint_files is not None else None
-        counts = agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort, share=per_file)
+        # with the status, the byte ranges each rank wrote per file (compacted): rank 0 proves they tile every file
+        ranges = None
+        if self.checkpoint_files is not None and problem is None:
+            try:
+                ranges = self.checkpoint_files.written_ranges()
+            except Exception as exc:
+                problem = problem_from(exc, self.rank, "listing the byte ranges it wrote")
+        everyone = agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort, share=ranges)
         assert self.file_plan is not None and self.plan_set is not None
         publish_problem = None
-        if self.checkpoint_files is None:
-            counts = None
         if self.rank == 0:
             try:
-                if counts is not None and self.checkpoint_files is not None:
-                    short = self.checkpoint_files.missing_bytes(counts)
-                    if short:
-                        raise CheckpointError("direct writes did not cover the files: " + "; ".join(short[:3]))
+                if self.checkpoint_files is not None:
+                    gaps = self.checkpoint_files.coverage_problems(everyone)
+                    if gaps:
+                        raise CheckpointError(
+                            f"the direct writes do not cover every file's data exactly once ({len(gaps)} problem(s)): "
+                            + "; ".join(gaps[:4])
+                        )
                 fault_point("index", 0)
                 write_index(
                     self.publisher.temporary,
