@@ -8,6 +8,13 @@ target; after every rank's stage succeeded, global rank 0 renumbers the files
 (``model-0000k-of-0000N.safetensors`` over all stages), writes one index with ``metadata.total_size``, copies the
 config files and publishes the whole directory with one atomic rename. A failure anywhere publishes nothing.
 
+Failure containment: every exchange across stages runs on the save's own gloo control group of the whole world
+(``ControlChannel``, with a timeout), never on the default group: before any stage group is built (argument
+checks), after the stages' saves (each rank's status, whatever it raised, ``KeyboardInterrupt`` included) and after
+the merge. If any rank failed, every rank raises the same ``SaveFailed`` naming each failing rank (global rank),
+its pipeline stage, what it was doing and the cause; nothing is published and a checkpoint already at the path is
+left as it was. Within a stage, ``save_hf``'s own flag protocol and status exchange keep the stage's ranks in step.
+
 .. note:: This is the part of pipeline support that needs no change to the planner. What the planner itself
    should grow is in the module's report (per-stage parameter sets in the writer assignment and the schedule's
    SPMD contract per stage group, so a single ``save_hf`` call covers every stage and no merge step is needed).
@@ -15,34 +22,38 @@ config files and publishes the whole directory with one atomic rename. A failure
 
 from __future__ import annotations
 
+import dataclasses
 import json
 import shutil
-from collections.abc import Mapping, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
-from workbench.errors import CheckpointError
+from workbench.errors import CheckpointError, LayoutError
 from workbench.io.file_plan import FilePlan, FileSpec, file_name
 from workbench.io.index import INDEX_NAME, write_index
 from workbench.io.publish import AtomicRenamePublisher
 from workbench.layout.pipeline import PipelineLayout
 from workbench.mesh import MeshDimRef, format_mesh_dim
-from workbench.run.torch_comm import TorchCommunicator
+from workbench.run.guard import RankProblem, RanksFailed, SaveFailed, _message, agree, problem_from
+from workbench.run.torch_comm import ControlChannel, TorchCommunicator, _subgroup, forget_groups
 
 __all__ = ["StageCommunicator", "pipeline_layout_from_model", "save_hf_pipeline"]
 
 _DEFAULT_TIMEOUT = 300.0
+# the exchanges across stages wait this many timeouts: a stage learns that one of its ranks left mid-save (an
+# exception its save_hf did not contain) only when its own collectives time out, at worst twice (the gather or flag
+# call it was in, then its status exchange); its ranks then still reach the exchange across stages in time
+ACROSS_STAGES = 3
 
 
 def _partition(groups: Sequence[Sequence[int]], backend: str | None, timeout: float) -> Any:
-    import datetime
-
-    mine, _ = dist.new_subgroups_by_enumeration([list(g) for g in groups], backend=backend,
-                                                timeout=datetime.timedelta(seconds=timeout))
-    return mine
+    """This rank's group of a partition of the world, made once per (partition, backend, timeout) and reused by
+    later saves (``torch_comm``'s cache: groups are never freed, so one per save would leak)."""
+    return _subgroup(tuple(tuple(g) for g in groups), backend, timeout)
 
 
 class StageCommunicator(TorchCommunicator):
@@ -68,7 +79,9 @@ class StageCommunicator(TorchCommunicator):
         count = len(pipeline.stages)
         self._control = _partition([pipeline.stage_ranks(s) for s in range(count)], "gloo", timeout)
         refs = {d.mesh_dim for layout in pipeline.stages for spec in layout.specs.values() for d in spec.shards}
-        gloo = str(dist.get_backend()) == "gloo"
+        backend = str(dist.get_backend())
+        gloo = backend == "gloo"
+        self.gather_scratch = "gloo" in backend and "nccl" not in backend  # as TorchCommunicator: gloo's scratch
         self._groups: dict[MeshDimRef, Any] = {}
         self._flags: dict[MeshDimRef, Any] = {}
         self._sizes: dict[MeshDimRef, int] = {}
@@ -96,24 +109,37 @@ class StageCommunicator(TorchCommunicator):
 
 
 def pipeline_layout_from_model(
-    model: torch.nn.Module | Mapping[str, torch.Tensor], pp_dim: str = "pp", key_map: Any = None
+    model: torch.nn.Module | Mapping[str, torch.Tensor], pp_dim: str = "pp", key_map: Any = None, *,
+    timeout: float = _DEFAULT_TIMEOUT,
 ) -> PipelineLayout:
     """The pipeline layout of a live model whose ranks each hold their stage only (every rank calls it).
 
     Each rank reads its stage's layout (``Layout.from_model``: the root mesh, ``pp_dim`` included); the ranks
-    exchange them (small metadata, ``all_gather_object``) and every rank gets the same ``PipelineLayout``.
+    exchange them (small metadata, over the control group: a rank that fails or does not answer within ``timeout``
+    seconds is named on every rank) and every rank gets the same ``PipelineLayout``.
 
     Raises:
-        LayoutError: a parameter name held by two stages, or stages that disagree on the mesh.
+        LayoutError: this rank's own model could not be read, a parameter name held by two stages, or stages that
+            disagree on the mesh. RanksFailed: another rank could not read its model (named with the cause).
     """
-    from workbench.errors import LayoutError
     from workbench.layout.model_layout import Layout
 
-    mine = Layout.from_model(model, key_map)
-    pp = mine.mesh.mesh_dim_index(pp_dim)
-    stage = mine.mesh.coordinate(dist.get_rank())[pp]
-    everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (stage, mine))
+    channel = ControlChannel(timeout)
+    mine: Any = None
+    problem = None
+    try:
+        mine = Layout.from_model(model, key_map)
+        stage = mine.mesh.coordinate(channel.rank)[mine.mesh.mesh_dim_index(pp_dim)]
+    except Exception as exc:
+        problem = problem_from(exc, channel.rank, "reading its stage's layout")
+        failure = exc
+    try:
+        everyone = agree(channel, problem, what="reading the pipeline layout", error=RanksFailed,
+                         outcome="no layout was made", share=None if problem else (stage, mine))
+    except RanksFailed:
+        if problem is not None:
+            raise failure from None
+        raise
     specs, dtypes, owner = {}, {}, {}
     for s, layout in sorted(everyone, key=lambda item: item[0]):
         if layout.mesh != mine.mesh:
@@ -139,44 +165,149 @@ def save_hf_pipeline(
 
     ``model`` holds this rank's stage only (its parameter names are those of ``pipeline.layout_of_rank(rank)``).
     ``save_kwargs`` go to each stage's ``save_hf`` (``fp32_keys_pattern``, ``dtype``, ``budget_bytes``,
-    ``max_shard_bytes``, ``write_mode``...).
+    ``max_shard_bytes``, ``write_mode``...); the save is synchronous (no ``async_save``).
+
+    ``timeout``: seconds a collective of a stage's save waits for a peer of its stage (as ``save_hf``'s); the
+    exchanges across stages wait up to ``ACROSS_STAGES`` (3) times as long, since a stage may need two timeouts to
+    learn that one of its ranks left its save mid-way. No collective runs on the default group.
 
     Raises:
-        CheckpointError: a stage failed (every rank raises; nothing is published at ``path``).
+        SaveFailed: a rank failed (an error or any other exception, ``KeyboardInterrupt`` included, in its stage's
+            save, in the merge, or a rank that did not answer): every rank raises it, naming each failing global
+            rank, its pipeline stage, what it was doing and the cause; nothing is published at ``path`` and a
+            checkpoint already there is left intact.
 
-    .. note:: SPMD: every rank of the whole pipeline mesh calls it.
+    .. note:: SPMD: every rank of the whole pipeline mesh calls it, with the same arguments.
     """
     from workbench.io.hf_save import save_hf
 
     path = Path(path)
-    comm = StageCommunicator(pipeline, timeout=timeout)
-    stage_dir = path.with_name(f".{path.name}.stage{comm.stage}")
+    if not dist.is_initialized():
+        raise CheckpointError("save_hf_pipeline needs an initialized default process group (wb.launch or torchrun)")
+    what = f"pipeline save to {path}"
+    world = ControlChannel(ACROSS_STAGES * timeout)
+    rank = world.rank
+    stages = [path.with_name(f".{path.name}.stage{s}") for s in range(len(pipeline.stages))]
+    # arguments first, agreed on by the whole world before any stage group is built (a collective of every rank)
+    problem: RankProblem | None = None
     failure: BaseException | None = None
     try:
-        save_hf(model, stage_dir, layout=pipeline.stages[comm.stage], comm=comm, timeout=timeout, **save_kwargs)
+        _check_arguments(pipeline, config_files if rank == 0 else (), save_kwargs)
     except Exception as exc:
+        problem, failure = problem_from(exc, rank, "checking the arguments"), exc
+    _across_stages(world, problem, what, outcome="nothing was written", cause=failure)
+    comm = StageCommunicator(pipeline, timeout=timeout)
+    mine: RankProblem | None = None
+    try:
+        save_hf(model, stages[comm.stage], layout=pipeline.stages[comm.stage], comm=comm, timeout=timeout,
+                **save_kwargs)
+    except BaseException as exc:  # KeyboardInterrupt too: the other stages must hear of it, not wait for it
         failure = exc
-    everyone = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, None if failure is None else f"{type(failure).__name__}: {failure}")
-    failed = {r: msg for r, msg in enumerate(everyone) if msg is not None}
-    stages = [path.with_name(f".{path.name}.stage{s}") for s in range(len(pipeline.stages))]
-    merged: str | None = None
-    if not failed and dist.get_rank() == 0:
+        mine = _stage_problem(exc, pipeline, rank)
+
+    def remove_own_stage() -> None:  # by the rank that published it, once its stage's save has ended
+        if comm.rank == 0:
+            shutil.rmtree(stages[comm.stage], ignore_errors=True)
+
+    # an exception save_hf did not contain (not an Exception) left this rank's stage groups out of step
+    _across_stages(world, mine, what, on_failure=remove_own_stage, cause=failure,
+                   suspect=failure is not None and not isinstance(failure, Exception))
+    merged: RankProblem | None = None
+    if rank == 0:
         try:
             _merge(stages, path, config_files)
-        except Exception as exc:
-            merged = f"{type(exc).__name__}: {exc}"
-    result = [merged]
-    dist.broadcast_object_list(result, src=0)
-    if dist.get_rank() == 0:
-        for d in stages:
-            shutil.rmtree(d, ignore_errors=True)
-    dist.barrier()
-    if failed or result[0]:
-        lines = [f"rank {r}: {m.splitlines()[0]}" for r, m in sorted(failed.items())] or [f"merge: {result[0]}"]
-        raise CheckpointError(f"pipeline save to {path} failed; nothing was published:\n  " + "\n  ".join(lines)) \
-            from failure
+        except BaseException as exc:
+            failure = exc
+            merged = problem_from(exc, 0, "merging the stages and publishing (index, config files, rename)")
+        finally:
+            for stage_dir in stages:  # every stage's save has ended: the stage directories are rank 0's
+                shutil.rmtree(stage_dir, ignore_errors=True)
+    _across_stages(world, merged, what, cause=failure,
+                   lost="rank 0 may or may not have published: check with wb.latest_checkpoint")
     return path
+
+
+def _check_arguments(pipeline: PipelineLayout, config_files: Sequence[str | Path], save_kwargs: Mapping) -> None:
+    """What ``save_hf_pipeline`` can refuse before any data moves (``config_files``: rank 0 copies them)."""
+    if dist.get_world_size() != pipeline.mesh.size:
+        raise CheckpointError(f"the world has {dist.get_world_size()} ranks, the pipeline's mesh {pipeline.mesh!r} "
+                              f"has {pipeline.mesh.size}")
+    for name in ("async_save", "layout", "comm"):
+        if name in save_kwargs and (name != "async_save" or save_kwargs[name]):
+            why = "the save is synchronous" if name == "async_save" else "save_hf_pipeline sets it for each stage"
+            raise CheckpointError(f"save_hf_pipeline does not take {name}= ({why})")
+    missing = [str(c) for c in config_files if not Path(c).is_file()]
+    if missing:
+        raise CheckpointError(f"config file(s) to copy do not exist: {missing}")
+    clash = [str(c) for c in config_files if Path(c).name == INDEX_NAME or Path(c).name.endswith(".safetensors")]
+    if clash:
+        raise CheckpointError(f"config file(s) {clash} would overwrite the index or weight files of the checkpoint")
+
+
+def _stage_problem(exc: BaseException, pipeline: PipelineLayout, rank: int) -> RankProblem:
+    """This rank's problem from what its stage's ``save_hf`` raised, by global rank and with its pipeline stage.
+
+    A ``SaveFailed`` carries the problems of the stage's ranks by stage-local rank: this rank's own is kept (every
+    rank of the stage reports its own); a rank that only learnt of a peer's failure is marked as such."""
+    stage, local = pipeline.stage_of_rank(rank)
+    where = f"pipeline stage {stage}"
+    if isinstance(exc, RanksFailed):
+        own = sorted((p for p in exc.problems if p.rank == local), key=lambda p: p.broken)
+        if not own:
+            return RankProblem(rank, f"saving {where}", "a peer of its stage failed", secondary=True)
+        return dataclasses.replace(own[0], rank=rank, stage=f"{own[0].stage} ({where})")
+    return problem_from(exc, rank, f"saving {where}")
+
+
+def _across_stages(
+    world: ControlChannel,
+    mine: RankProblem | None,
+    what: str,
+    *,
+    outcome: str = "nothing was published",
+    lost: str = "",
+    on_failure: Callable[[], None] | None = None,
+    cause: BaseException | None = None,
+    suspect: bool = False,
+) -> None:
+    """Every rank's problem (or None) over the world's control group; if any rank has one, every rank raises the
+    same ``SaveFailed`` (chained to this rank's own exception, ``cause``).
+
+    Root causes come first: a rank whose own failure is a collective that broke (it timed out, or lost a peer)
+    stopped because of another rank when some rank reports a failure of its own. A rank that does not answer
+    within the channel's timeout is reported as such (with this rank's own problem).
+
+    Process groups a collective left out of step (one that timed out, or that a rank left mid-call: ``suspect``)
+    would pair the next save's calls with the wrong ones, so then every rank drops the cached groups (the same
+    decision everywhere, from the same exchanged flags) and the next save makes fresh ones."""
+    try:
+        everyone = world.all_gather_object((mine, suspect))
+    except Exception as exc:
+        forget_groups()  # this rank cannot tell which of its groups are still in step
+        gone = problem_from(exc, world.rank, "exchanging status with the other stages", broken=True)
+        found = [p for p in (mine, gone) if p is not None]
+        _quietly(on_failure)
+        note = ("a rank did not answer the exchange across stages: it died, hangs, or is still in its stage's save "
+                "past the timeout")
+        raise SaveFailed(_message(what, found, lost or outcome, note), found) from cause or exc
+    found = [p for p, _ in everyone if p is not None]
+    if any(s for _, s in everyone) or any(p.broken for p in found):
+        forget_groups()
+    if not found:
+        return
+    if any(not p.broken and not p.secondary for p in found):
+        found = [dataclasses.replace(p, secondary=True) if p.broken else p for p in found]
+    _quietly(on_failure)
+    raise SaveFailed(_message(what, found, outcome), found) from cause
+
+
+def _quietly(fn: Callable[[], None] | None) -> None:
+    if fn is None:
+        return
+    try:
+        fn()
+    except Exception:  # cleanup after a failure must not hide the failure
+        pass
 
 
 def _merge(stage_dirs: Sequence[Path], path: Path, config_files: Sequence[str | Path]) -> None:
