@@ -230,7 +230,7 @@ def test_a_second_hello_for_an_admitted_rank_is_refused_while_the_first_is_alive
         kernel: tuple[RankSet, bytes], context: zmq.Context, caplog: pytest.LogCaptureFixture,
         monkeypatch: pytest.MonkeyPatch) -> None:
     rankset, key = kernel
-    monkeypatch.setattr(ranks_module, "_ALIVE", 1.0)
+    monkeypatch.setattr(ranks_module, "_ALIVE", 2.0)
     first = Peer(context, rankset.address, key, 0)
     join(rankset, first, 0)
     second = Peer(context, rankset.address, key, 0)
@@ -240,7 +240,7 @@ def test_a_second_hello_for_an_admitted_rank_is_refused_while_the_first_is_alive
     assert "rank 0 is already admitted on another connection" in caplog.text
     rankset.send(0, {"op": "execute", "code": "a"})
     assert second.received() == [] and len(first.received()) == 1
-    time.sleep(1.2)  # the first one fell silent: a new hello may take its place
+    time.sleep(2.2)  # the first one fell silent: a new hello may take its place
     second.send(hello(0))
     assert [m["op"] for _, m in pump(rankset)] == ["hello"]
     rankset.send(0, {"op": "execute", "code": "b"})
