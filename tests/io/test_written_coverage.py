@@ -151,7 +151,7 @@ def test_a_double_write_and_a_missing_piece_are_named_with_their_ranks() -> None
 def test_a_file_nobody_wrote_and_writes_outside_the_data_are_problems() -> None:
     assert tiling_problems({"f": (8, 24), "g": (8, 8)}, [{}, None]) == ["f: bytes 8-23 (16 B) written by no rank"]
     problems = tiling_problems({"f": (8, 24)}, [{"f": np.array([[0, 24, 24, 1]])}])
-    assert problems[0] == "f: rank 0 wrote bytes 0-23, outside the data region 8-23"
+    assert problems == ["f: bytes 0-23 (24 B) written by rank 0, outside the data region 8-23"]
 
 
 @pytest.mark.parametrize("ranks", [2, 8, 64])
@@ -161,7 +161,12 @@ def test_interleaved_halves_of_many_ranks_fold_without_listing_rows(ranks: int) 
     assert tiling_problems({"f": (100, 100 + 2 * ranks * 4096)}, by_rank) == []
     by_rank[1] = {"f": np.array([[100, 2, 2 * ranks, 4096]])}  # rank 1 wrote rank 0's strip
     problems = tiling_problems({"f": (100, 100 + 2 * ranks * 4096)}, by_rank)
-    assert problems and "written by no rank" in problems[0] and "rank 0, rank 1" in problems[-1]
+    # every row misses rank 1's strip and holds rank 0's twice: the first 3 of each, then a count of the rest
+    assert problems[:4] == ["f: bytes 102-103 (2 B) written by no rank", f"f: bytes {102 + 2 * ranks}-"
+                            f"{103 + 2 * ranks} (2 B) written by no rank", f"f: bytes {102 + 4 * ranks}-"
+                            f"{103 + 4 * ranks} (2 B) written by no rank", "f: bytes 100-101 (2 B) written 2 times "
+                            "(rank 0, rank 1)"]
+    assert problems[-1] == f"... and {2 * 4096 - 6} more"
 
 
 @settings(max_examples=100)

@@ -39,7 +39,7 @@ from workbench.errors import CheckpointError
 from workbench.io.file_plan import FilePlan
 from workbench.io.stream_write import safetensors_layout
 from workbench.io.writeback import WritebackWindow
-from workbench.io.written_ranges import WrittenRanges, pack, tiling_problems, unpack
+from workbench.io.written_ranges import WrittenRanges, pack, packed_tiling_problems
 from workbench.layout.load_spec import KeyRegion, LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.memo import LRU, remember_by_identity
@@ -405,25 +405,20 @@ class CheckpointFiles:
         """Rank 0, before publishing: why the byte ranges every rank wrote (``written_ranges``, in rank order) do not
         tile every file's data exactly once (a gap, a byte written twice, a write outside the data); empty when
         they do."""
-        files = sorted(self.headers)
         regions = {name: (size - self.data_bytes[name], size) for name, (_, size) in self.headers.items()}
-        by_rank = [None if blob is None else unpack(blob, files) for blob in ranges_by_rank]
-        return tiling_problems(regions, by_rank, self._describe)
+        return packed_tiling_problems(regions, ranges_by_rank, self._describe)
 
     def _describe(self, name: str, start: int, end: int) -> str:
         """The keys (and their element ranges) that bytes ``[start, end)`` of file ``name`` hold."""
         parts = []
-        for key, slot in self._keys_of(name):
+        for key, slot in self.slots.items():
             size = math.prod(slot.shape) * slot.dtype.itemsize
             lo, hi = max(start, slot.offset), min(end, slot.offset + size)
-            if lo < hi:
+            if slot.file == name and lo < hi:
                 item = slot.dtype.itemsize
                 parts.append(f"{key!r} elements {(lo - slot.offset) // item}-{(hi - slot.offset - 1) // item} of "
                              f"{math.prod(slot.shape)} (shape {slot.shape})")
         return "; ".join(parts[:3]) + (f" and {len(parts) - 3} more key(s)" if len(parts) > 3 else "") or "no key"
-
-    def _keys_of(self, name: str) -> list[tuple[str, KeySlot]]:
-        return [(key, slot) for key, slot in self.slots.items() if slot.file == name]
 
 
 _FilesLayout = tuple[dict[str, KeySlot], dict[str, tuple[bytes, int]], dict[str, int]]

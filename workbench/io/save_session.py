@@ -450,8 +450,7 @@ class SaveSession:
                     gaps = self.checkpoint_files.coverage_problems(everyone)
                     if gaps:
                         raise CheckpointError(
-                            f"the direct writes do not cover every file's data exactly once ({len(gaps)} problem(s)): "
-                            + "; ".join(gaps[:4])
+                            "the direct writes do not cover every file's data exactly once: " + "; ".join(gaps)
                         )
                 fault_point("index", 0)
                 write_index(

@@ -24,7 +24,7 @@ from collections.abc import Callable, Mapping, Sequence
 
 import numpy as np
 
-__all__ = ["WrittenRanges", "compact", "pack", "tiling_problems", "unpack"]
+__all__ = ["WrittenRanges", "compact", "pack", "packed_tiling_problems", "tiling_problems", "unpack", "unpack_rows"]
 
 START, LENGTH, STRIDE, COUNT = range(4)
 
@@ -92,12 +92,17 @@ def pack(by_file: Mapping[str, np.ndarray], files: Sequence[str]) -> bytes:
 
 def unpack(blob: bytes, files: Sequence[str]) -> dict[str, np.ndarray]:
     """``pack``'s input back from its bytes."""
+    rows = unpack_rows(blob)
+    heads = np.flatnonzero(np.concatenate([[True], rows[1:, 0] != rows[:-1, 0]])) if len(rows) else []
+    ends = np.append(heads[1:], len(rows))
+    return {files[int(rows[h, 0])]: rows[h:e, 1:] for h, e in zip(heads, ends)}
+
+
+def unpack_rows(blob: bytes) -> np.ndarray:
+    """``pack``'s rows: an ``(n, 5)`` array of ``(file index, start, length, stride, count)``, by file index."""
     rows = np.frombuffer(zlib.decompress(blob), dtype="<i8").reshape(-1, 5).astype(np.int64)
     rows[:, :2] = np.cumsum(rows[:, :2], axis=0)
-    out = {}
-    for i in np.unique(rows[:, 0]).tolist():
-        out[files[i]] = rows[rows[:, 0] == i, 1:]
-    return out
+    return rows
 
 
 def compact(records: np.ndarray) -> np.ndarray:
@@ -105,6 +110,13 @@ def compact(records: np.ndarray) -> np.ndarray:
     ranges merged, equally long ranges at a constant step made strided records, records that continue one another
     joined. ``records``: an ``(n, 4)`` int64 array of ``(start, length, stride, count)``."""
     records = np.asarray(records, dtype=np.int64).reshape(-1, 4).copy()
+    if len(records) == 1:  # most files of a rank: one piece
+        start, length, stride, count = records[0].tolist()
+        if length <= 0 or count <= 0:
+            return records[:0]
+        if count == 1 or stride == length:
+            return np.array([[start, length * count, length * count, 1]], dtype=np.int64)
+        return records
     records = records[(records[:, LENGTH] > 0) & (records[:, COUNT] > 0)]
     whole = (records[:, COUNT] > 1) & (records[:, STRIDE] == records[:, LENGTH])  # strided with no gaps: one range
     records[whole, LENGTH] *= records[whole, COUNT]
@@ -148,6 +160,9 @@ def _progressions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
     ids[:-1] = np.where(opener[:-1], stretch[1:], ids[:-1])
     heads = np.flatnonzero(np.concatenate([[True], ids[1:] != ids[:-1]]))
     counts = np.diff(np.append(heads, n))
+    pairs = counts == 2  # two ranges alike by chance (pieces of two far-apart keys) stay two plain ranges
+    heads = np.sort(np.concatenate([heads, heads[pairs] + 1]))
+    counts = np.diff(np.append(heads, n))
     out = np.empty((len(heads), 4), dtype=np.int64)
     out[:, START], out[:, LENGTH], out[:, COUNT] = starts[heads], lengths[heads], counts
     following = np.minimum(heads + 1, n - 1)
@@ -157,7 +172,8 @@ def _progressions(starts: np.ndarray, lengths: np.ndarray) -> np.ndarray:
 
 def _join(records: np.ndarray) -> np.ndarray:
     """Records sorted by start, each joined to the previous one when it continues it: a plain range right after a
-    plain range, or a range of the same length one step on from a strided record (with the same step)."""
+    plain range, or a strided record one step on from a record of the same length and step (or a plain range
+    one step before or after a strided record)."""
     out: list[list[int]] = []
     for start, length, stride, count in records.tolist():
         if out:
@@ -166,7 +182,10 @@ def _join(records: np.ndarray) -> np.ndarray:
                 cur[LENGTH] += length
                 cur[STRIDE] = cur[LENGTH]
                 continue
-            step = cur[STRIDE] if cur[COUNT] > 1 else stride if count > 1 else start - cur[START]
+            if cur[COUNT] == 1 and count == 1:
+                out.append([start, length, stride, count])
+                continue
+            step = cur[STRIDE] if cur[COUNT] > 1 else stride
             if (length == cur[LENGTH] and step != length and (cur[COUNT] == 1 or cur[STRIDE] == step)
                     and (count == 1 or stride == step) and start == cur[START] + cur[COUNT] * step):
                 cur[STRIDE] = step
@@ -188,68 +207,113 @@ def tiling_problems(
         regions: ``{file: (first data byte, end of file)}``.
         by_rank: every rank's compacted records per file (``WrittenRanges.compacted``), in rank order.
         describe: ``describe(file, start, end)`` names what lies in those bytes (keys, elements).
-        limit: problems reported per file and kind (gaps, overlaps).
+        limit: problems reported per file and kind (writes outside the data, gaps, overlaps); at most
+            ``4 * limit`` in all, then a line counting the rest.
     """
-    problems: list[str] = []
-    for name, (lo, hi) in regions.items():
-        parts = [(rank, recs[name]) for rank, recs in enumerate(by_rank) if recs and name in recs and len(recs[name])]
-        if not parts:
-            if hi > lo:
-                problems.append(_say(name, lo, hi, "written by no rank", describe))
-            continue
-        owners = np.concatenate([np.full(len(r), rank, dtype=np.int64) for rank, r in parts])
-        records = np.concatenate([np.asarray(r, dtype=np.int64).reshape(-1, 4) for _, r in parts])
-        problems += _file_problems(name, lo, hi, records, owners, describe, limit)
-    return problems
+    files = list(regions)
+    index = {name: i for i, name in enumerate(files)}
+    parts = []
+    for rank, records in enumerate(by_rank):
+        for name, r in (records or {}).items():
+            if name not in index:
+                raise ValueError(f"rank {rank} reports writes into {name!r}, which is not a file of the save")
+            r = np.asarray(r, dtype=np.int64).reshape(-1, 4)
+            parts.append(np.column_stack([np.full((len(r), 2), (rank, index[name]), dtype=np.int64), r]))
+    return _problems(files, regions, _rows(parts), describe, limit)
 
 
-def _file_problems(
-    name: str, lo: int, hi: int, records: np.ndarray, owners: np.ndarray,
+def packed_tiling_problems(
+    regions: Mapping[str, tuple[int, int]],
+    blobs: Sequence[bytes | None],
+    describe: Callable[[str, int, int], str] | None = None,
+    limit: int = 3,
+) -> list[str]:
+    """``tiling_problems`` of every rank's ``pack``ed records (packed against ``sorted(regions)``)."""
+    files = sorted(regions)
+    parts = []
+    for rank, blob in enumerate(blobs):
+        if blob is not None:
+            rows = unpack_rows(blob)
+            parts.append(np.column_stack([np.full(len(rows), rank, dtype=np.int64), rows]))
+    return _problems(files, regions, _rows(parts), describe, limit)
+
+
+def _rows(parts: list[np.ndarray]) -> np.ndarray:
+    return np.concatenate(parts) if parts else np.empty((0, 6), dtype=np.int64)
+
+
+def _problems(
+    files: Sequence[str], regions: Mapping[str, tuple[int, int]], rows: np.ndarray,
     describe: Callable[[str, int, int], str] | None, limit: int,
 ) -> list[str]:
-    ends = records[:, START] + (records[:, COUNT] - 1) * records[:, STRIDE] + records[:, LENGTH]
-    out = []
-    outside = (records[:, START] < lo) | (ends > hi)
-    for i in np.flatnonzero(outside)[:limit].tolist():
-        s, e = int(records[i, START]), int(ends[i])
-        out.append(f"{name}: rank {owners[i]} wrote bytes {s}-{e - 1}, outside the data region {lo}-{hi - 1}")
-    starts, lengths = _fold(records)
-    order = np.lexsort((lengths, starts))
-    starts, lengths = starts[order], lengths[order]
-    reach = np.maximum.accumulate(starts + lengths)  # the furthest byte written so far
-    gaps: list[tuple[int, int]] = []
-    overlaps: list[tuple[int, int]] = []
-    if starts[0] > lo:
-        gaps.append((lo, int(starts[0])))
-    after = starts[1:]
-    for i in np.flatnonzero(after > reach[:-1])[:limit].tolist():
-        gaps.append((int(reach[i]), int(after[i])))
-    for i in np.flatnonzero(after < reach[:-1])[:limit].tolist():
-        overlaps.append((int(after[i]), int(min(reach[i], after[i] + lengths[i + 1]))))
-    if reach[-1] < hi:
-        gaps.append((int(reach[-1]), hi))
-    out += [_say(name, s, e, "written by no rank", describe) for s, e in gaps[:limit]]
-    for s, e in overlaps[:limit]:
-        times = _writers_of(records, owners, s)
-        who = ", ".join(f"rank {r}" + ("" if n == 1 else " twice" if n == 2 else f" {n} times")
-                        for r, n in times.items())
-        out.append(_say(name, s, e, f"written {sum(times.values())} times ({who})", describe))
+    """``rows``: every rank's records as ``(rank, file index, start, length, stride, count)``, checked for every
+    file at once: outside writes, then (after folding strided records) gaps and overlaps of the sorted ranges."""
+    rows = rows[(rows[:, 3] > 0) & (rows[:, 5] > 0)]
+    lo = np.array([regions[f][0] for f in files], dtype=np.int64)
+    hi = np.array([regions[f][1] for f in files], dtype=np.int64)
+    found: list[tuple[int, int, int, int, str]] = []  # (file, kind, start, end, what)
+    rank, file, start = rows[:, 0], rows[:, 1], rows[:, 2]
+    end = start + (rows[:, 5] - 1) * rows[:, 4] + rows[:, 3]
+    for i in np.flatnonzero((start < lo[file]) | (end > hi[file])).tolist():
+        f = int(file[i])
+        found.append((f, 0, int(start[i]), int(end[i]),
+                      f"written by rank {rank[i]}, outside the data region {lo[f]}-{hi[f] - 1}"))
+    f, s, n = _fold(rows[:, 1:])
+    order = np.lexsort((n, s, f))
+    f, s, n = f[order], s[order], n[order]
+    present = np.zeros(len(files), dtype=bool)
+    present[f] = True
+    for i in np.flatnonzero(~present & (hi > lo)).tolist():
+        found.append((i, 1, int(lo[i]), int(hi[i]), "written by no rank"))
+    if len(f):
+        base = f * (int(max(hi.max(), (s + n).max())) + 1)  # files apart: a running maximum per file at once
+        reach = np.maximum.accumulate(s + n + base) - base  # the furthest byte written so far in the file
+        first = np.concatenate([[True], f[1:] != f[:-1]])
+        last = np.concatenate([f[1:] != f[:-1], [True]])
+        before = np.concatenate([[0], reach[:-1]])
+        for i in np.flatnonzero(first & (s > lo[f])).tolist():
+            found.append((int(f[i]), 1, int(lo[f[i]]), int(s[i]), "written by no rank"))
+        for i in np.flatnonzero(~first & (s > before)).tolist():
+            found.append((int(f[i]), 1, int(before[i]), int(s[i]), "written by no rank"))
+        for i in np.flatnonzero(last & (reach < hi[f])).tolist():
+            found.append((int(f[i]), 1, int(reach[i]), int(hi[f[i]]), "written by no rank"))
+        for i in np.flatnonzero(~first & (s < before)).tolist():
+            found.append((int(f[i]), 2, int(s[i]), int(min(before[i], s[i] + n[i])), ""))
+    found.sort()
+    out: list[str] = []
+    shown: dict[tuple[int, int], int] = {}
+    for fi, kind, a, b, what in found:
+        if len(out) == 4 * limit or shown.get((fi, kind), 0) == limit:
+            continue
+        shown[(fi, kind)] = shown.get((fi, kind), 0) + 1
+        if kind == 2:
+            mine = rows[rows[:, 1] == fi]
+            times = _writers_of(mine[:, 2:], mine[:, 0], a)
+            who = ", ".join(f"rank {r}" + ("" if k == 1 else " twice" if k == 2 else f" {k} times")
+                            for r, k in times.items())
+            what = f"written {sum(times.values())} times ({who})"
+        out.append(_say(files[fi], a, b, what, describe))
+    if len(found) > len(out):
+        out.append(f"... and {len(found) - len(out)} more")
     return out
 
 
-def _fold(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
-    """Plain ranges ``(starts, lengths)`` holding the same bytes with the same multiplicity as ``records``.
+def _fold(rows: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
+    """Plain ranges ``(file indices, starts, lengths)`` holding the same bytes with the same multiplicity as
+    ``rows`` (``(file index, start, length, stride, count)``).
 
-    Strided records of one step that start within one step of each other and whose first runs fill that step
-    exactly, end to end, fill every step they share: those steps fold into one plain range, and what remains of the
-    longer records is folded again. A record that folds with nothing is listed run by run."""
-    plain = records[:, COUNT] == 1
-    starts, lengths = [records[plain, START]], [records[plain, LENGTH]]
-    by_step: dict[int, list[tuple[int, int, int]]] = {}
-    for start, length, stride, count in records[~plain].tolist():
-        by_step.setdefault(stride, []).append((start, length, count))
-    folded: list[tuple[int, int]] = []
-    for step, group in by_step.items():
+    Strided records of one file and step that start within one step of each other and whose first runs fill that
+    step exactly, end to end, fill every step they share: those steps fold into one plain range, and what remains
+    of the longer records is folded again. Records that start within a step of one another without filling it so
+    are listed run by run (each record is looked at once: no quadratic retries)."""
+    plain = rows[:, 4] == 1
+    files, starts, lengths = [rows[plain, 0]], [rows[plain, 1]], [rows[plain, 2]]
+    groups: dict[tuple[int, int], list[tuple[int, int, int]]] = {}
+    for file, start, length, stride, count in rows[~plain].tolist():
+        groups.setdefault((file, stride), []).append((start, length, count))
+    folded: list[tuple[int, int, int]] = []
+    listed: list[tuple[int, int, int, int, int]] = []  # records listed run by run: (file, start, length, step, count)
+    for (file, step), group in groups.items():
         heapq.heapify(group)
         while group:
             first = heapq.heappop(group)
@@ -262,22 +326,27 @@ def _fold(records: np.ndarray) -> tuple[np.ndarray, np.ndarray]:
                     reach = -1
                     break
                 reach += length
-            if reach != first[0] + step:
-                start, length, count = first
-                starts.append(start + np.arange(count, dtype=np.int64) * step)
-                lengths.append(np.full(count, length, dtype=np.int64))
-                for rest in window[1:]:
-                    heapq.heappush(group, rest)
+            if reach != first[0] + step:  # they do not interleave exactly: list every run of the window's records
+                listed.extend((file, start, length, step, count) for start, length, count in window)
                 continue
             shared = min(count for _, _, count in window)
-            folded.append((first[0], step * shared))
+            folded.append((file, first[0], step * shared))
             for start, length, count in window:
                 if count > shared:
                     heapq.heappush(group, (start + shared * step, length, count - shared))
+    if listed:
+        table = np.array(listed, dtype=np.int64)
+        count = table[:, 4]
+        run = np.arange(int(count.sum()), dtype=np.int64) - np.repeat(np.cumsum(count) - count, count)
+        files.append(np.repeat(table[:, 0], count))
+        starts.append(np.repeat(table[:, 1], count) + run * np.repeat(table[:, 3], count))
+        lengths.append(np.repeat(table[:, 2], count))
     if folded:
-        starts.append(np.array([s for s, _ in folded], dtype=np.int64))
-        lengths.append(np.array([n for _, n in folded], dtype=np.int64))
-    return np.concatenate(starts), np.concatenate(lengths)
+        extra = np.array(folded, dtype=np.int64)
+        files.append(extra[:, 0])
+        starts.append(extra[:, 1])
+        lengths.append(extra[:, 2])
+    return np.concatenate(files), np.concatenate(starts), np.concatenate(lengths)
 
 
 def _writers_of(records: np.ndarray, owners: np.ndarray, byte: int) -> dict[int, int]:
