@@ -88,7 +88,9 @@ def dequantized_state(
 ) -> tuple[dict[str, torch.Tensor], Layout]:
     """This rank's local tensors with every float8 weight dequantized (scales dropped), and their layout.
 
-    Every rank calls it; no communication. Pass both to ``save_hf(state, path, layout=layout)``.
+    Every rank calls it; no communication. Pass both to ``save_hf(state, path, layout=layout)``. The returned layout
+    gives the dequantized weights ``dtype`` and every other parameter the dtype ``layout`` gave it, if any (none is
+    assumed: ``save_hf`` writes such a tensor in its own dtype).
 
     Raises:
         LayoutError: a float8 weight has no scale in ``layout``, or a cut falls inside a block.
@@ -115,8 +117,8 @@ def dequantized_state(
                                   f"says {want}")
             local = dequantize_blocks(local, scale_local, block, dtype)
             dtypes[name] = str(dtype).removeprefix("torch.")
-        else:
-            dtypes[name] = checked.dtypes.get(name, "float32")
+        elif name in checked.dtypes:  # a dtype the layout was not given stays unknown: the save takes the tensor's
+            dtypes[name] = checked.dtypes[name]
         state[name] = local
         specs[name] = spec
     return state, Layout(checked.mesh, specs, dtypes, name=checked.name)
