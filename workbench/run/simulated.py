@@ -12,7 +12,7 @@ from workbench.mesh import MeshSpec
 from workbench.plan.load_plan import Adapter, plan_hf_load
 from workbench.plan.policy import SavePolicy
 from workbench.plan.save_plan import HFSavePlan
-from workbench.plan.save_set import SavePlanSet, key_meta, key_sizes, plan_save
+from workbench.plan.save_set import SavePlanSet, key_meta, key_sizes, plan_save, plan_save_within_writers
 from workbench.plan.schedule import check_schedules
 from workbench.run.executor import GatherRequest, WaveOutput, unshard
 from workbench.run.load_ops import execute_load, reader_from_tensors
@@ -54,13 +54,17 @@ class SimulatedWorld:
         if missing:
             raise PlanError(f"{len(missing)} HF key(s) of {layout.name!r} are missing, e.g. {missing[:3]}")
         read = reader_from_tensors(hf_tensors)
+        # a parameter whose dtype the layout was not given takes its checkpoint's (its first HF key's), as a model
+        # built from that checkpoint holds it: no dtype is assumed
+        dtypes = {name: layout.given_dtype(name) or hf_tensors[spec.hf_keys[0]].dtype
+                  for name, spec in layout.specs.items()}
         out: dict[int, dict[str, torch.Tensor]] = {}
         for rank in self.mesh.all_ranks():
             out[rank] = {}
             for name, spec in layout.specs.items():
                 own_shapes = {k: shapes[k] for k in spec.hf_keys if not adapters or k not in adapters}
                 plan = plan_hf_load(spec, rank, own_shapes)
-                local = torch.empty(plan.target_shape, dtype=layout.dtype(name))
+                local = torch.empty(plan.target_shape, dtype=dtypes[name])
                 out[rank][name] = execute_load(plan, read, local, adapters)
         return out
 
@@ -77,12 +81,19 @@ class SimulatedWorld:
     ) -> dict[int, dict[str, torch.Tensor]]:
         """What each rank writes: ``{rank: {hf_key: tensor}}`` (writers only hold their own keys).
 
+        As ``save_hf``: each tensor is saved in its own dtype (a parameter the layout gives no dtype takes its
+        tensors'), and under ``max_writers`` every key goes to an allowed writer (``plan_save_within_writers``).
         Under ``SavePolicy.gather_only`` the output stays in runtime layout and is keyed by parameter name
         on every rank.
+
+        Raises:
+            PlanError: a rank of the mesh has no tensors, or two ranks hold a parameter in different dtypes.
+            LayoutError: a rank misses a parameter, or its tensor's dtype is not the one the layout gives.
         """
         self._check(layout)
-        plan_set = plan_save(layout, policy=policy, budget_bytes=budget_bytes, dtype=dtype,
-                             fp32_keys_pattern=fp32_keys_pattern, max_writers=max_writers)
+        layout = self._with_tensor_dtypes(layout, locals_by_rank)
+        plan_set = plan_save_within_writers(layout, policy=policy, budget_bytes=budget_bytes, dtype=dtype,
+                                            fp32_keys_pattern=fp32_keys_pattern, max_writers=max_writers)
         check_schedules(plan_set.schedules, self.mesh)
         return self.run_save(plan_set, locals_by_rank)
 
@@ -150,6 +161,24 @@ class SimulatedWorld:
             for key, value in split_keys(tensor, plan).items():
                 if plan_set.writers.get(key) == rank:
                     out[key] = value
+
+    def _with_tensor_dtypes(self, layout: Layout, locals_by_rank: Mapping[int, Mapping[str, torch.Tensor]]) -> Layout:
+        """``layout`` with every parameter's dtype taken from the ranks' tensors, which must agree."""
+        filled: Layout | None = None
+        first = None
+        for rank in self.mesh.all_ranks():
+            if rank not in locals_by_rank:
+                raise PlanError(f"no local tensors for rank {rank} of {self.mesh!r}")
+            mine = layout.with_tensor_dtypes(locals_by_rank[rank])
+            if filled is None:
+                filled, first = mine, rank
+                continue
+            if mine.dtypes != filled.dtypes:
+                name = next(n for n in layout.specs if mine.dtypes[n] != filled.dtypes[n])
+                raise PlanError(f"parameter {name!r} is {filled.dtypes[name]} on rank {first} but "
+                                f"{mine.dtypes[name]} on rank {rank}: every rank must hold it in one dtype")
+        assert filled is not None
+        return filled
 
     def _check(self, layout: Layout) -> None:
         if layout.mesh != self.mesh:
