@@ -159,9 +159,9 @@ def register_plan(subparsers: Any) -> None:
 def _run_plan(args: argparse.Namespace) -> int:
     from workbench.layout.layout_file import load_layout
     from workbench.plan.policy import SavePolicy
+    from workbench.plan.save_set import key_sizes, plan_save_within_writers
     from workbench.report.save_report import summarize_save
     from workbench.report.units import format_ranks
-    from workbench.run.simulated import key_sizes, plan_save
 
     layout = load_layout(args.path)
     ranks = args.rank or (0,)
@@ -191,7 +191,8 @@ def _run_plan(args: argparse.Namespace) -> int:
             print(f"write mode direct: all {len(direct)} tensors written in place by their holders; nothing to "
                   "gather, no schedule (--write-mode gather shows the gather path)")
         return 0
-    plan_set = plan_save(layout, ranks=ranks, policy=policy, budget_bytes=args.budget, max_writers=args.max_writers)
+    plan_set = plan_save_within_writers(layout, ranks=ranks, policy=policy, budget_bytes=args.budget,  # as save_hf
+                                        max_writers=args.max_writers)
     sizes = key_sizes(layout, {n: layout.dtype(n) for n in layout}, None, None)
     report = summarize_save(layout, plan_set, ranks=ranks, params=args.param, key_bytes=sizes,
                             hint="--full lists every call")
