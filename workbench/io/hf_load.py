@@ -143,7 +143,7 @@ def load_hf(
         bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
         wanted = {n: s for n, s in layout.specs.items() if not bad.intersection(s.hf_keys)}
         if read_replicas_once and rank == channel.rank and _live():
-            replicas = replica_readers(layout, wanted, rank)
+            replicas = replica_readers(layout, wanted, rank, targets)
             batches = replica_batches(replicas, targets)
     except Exception as exc:
         mine = exc
@@ -237,10 +237,13 @@ def _live() -> bool:
     return dist.is_initialized() and dist.get_world_size() > 1 and str(dist.get_backend()) != "fake"
 
 
-def replica_readers(layout: Layout, specs: Mapping[str, LoadSpec], rank: int) -> dict[str, ReplicaRead]:
+def replica_readers(
+    layout: Layout, specs: Mapping[str, LoadSpec], rank: int, targets: Mapping[str, torch.Tensor]
+) -> dict[str, ReplicaRead]:
     """For every parameter replicated over some mesh dims, who reads it in this rank's replica group: in model
-    order, the member that has read the fewest bytes so far (lowest index on a tie). The members of a replica group
-    hold the same shards, so each computes the same answer."""
+    order, the member that has read the fewest bytes so far (lowest index on a tie), bytes counted in the dtype of
+    the tensor it fills (``targets``: this rank's local tensors). The members of a replica group hold the same
+    shards in the same dtypes, so each computes the same answer (``replica_digests`` proves it)."""
     out = {}
     loads: dict[MeshDimRef, list[int]] = {}
     for name, spec in specs.items():
@@ -253,7 +256,7 @@ def replica_readers(layout: Layout, specs: Mapping[str, LoadSpec], rank: int) ->
             continue
         load = loads.setdefault(ref, [0] * size)
         reader = min(range(size), key=load.__getitem__)
-        load[reader] += math.prod(spec.local_shape(rank)) * layout.dtype(name).itemsize
+        load[reader] += math.prod(spec.local_shape(rank)) * targets[name].element_size()
         out[name] = ReplicaRead(ref, reader, layout.mesh.group_rank(rank, ref) == reader)
     return out
 

@@ -1,0 +1,26 @@
+"""``replica_readers`` balances the reads of replicated parameters by the bytes of the tensors they fill: a layout
+built from LoadSpecs gives no dtypes, and counting every parameter as float32 handed the reads out unevenly."""
+
+from __future__ import annotations
+
+import torch
+from torch.distributed.tensor import Replicate
+
+import workbench as wb
+from workbench.io.hf_load import replica_readers
+
+MESH = wb.MeshSpec((2,), ("dp",))
+
+
+def test_reads_are_balanced_by_the_targets_bytes() -> None:
+    sizes = {"a": 100, "b": 60, "c": 60}
+    specs = {n: wb.LoadSpec.from_placements(n, [n], (k,), MESH, [Replicate()]) for n, k in sizes.items()}
+    layout = wb.Layout(MESH, specs)  # no dtypes given
+    targets = {"a": torch.empty(100, dtype=torch.bfloat16), "b": torch.empty(60), "c": torch.empty(60)}
+    # by hand, in model order, the least-loaded member reads: a (200 B) -> 0; b (240 B) -> 1 (0 has 200);
+    # c (240 B) -> 0 (200 < 240). Counting a as float32 (400 B) gave c to member 1: 200 B against 480 B
+    for rank in (0, 1):
+        readers = replica_readers(layout, specs, rank, targets)
+        assert {n: r.reader for n, r in readers.items()} == {"a": 0, "b": 1, "c": 0}
+        assert {n for n, r in readers.items() if r.reads} == ({"a", "c"} if rank == 0 else {"b"})
+        assert {r.mesh_dim for r in readers.values()} == {"dp"}
