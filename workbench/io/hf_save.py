@@ -7,10 +7,12 @@ gathers run. Files land in a hidden sibling ``.NAME.incomplete`` (with an owner 
 reports success, rank 0 writes the index and config files and publishes the directory with one atomic rename.
 A checkpoint already at ``path`` survives any failure.
 
-Failure containment (``run/guard.py``): a rank that fails anywhere (bad input, a full disk, a bug, MemoryError)
-keeps answering its peers' collectives through the flag protocol, then every rank raises the same ``SaveFailed``
-naming the failing rank, the stage and the cause; nothing is published. Status exchange and agreement run on the
-save's own gloo group with ``timeout``, so a rank that died or hangs is reported after ``timeout`` seconds.
+Failure containment (``run/guard.py``): a rank that fails anywhere (bad input, a full disk, a bug, MemoryError,
+a KeyboardInterrupt in its main thread or a writer thread) keeps answering its peers' collectives through the flag
+protocol, then every rank raises the same ``SaveFailed`` naming the failing rank, the stage and the cause (an
+interrupted rank raises its interrupt again instead); nothing is published. Status exchange and agreement run on
+the save's own gloo group with ``timeout``, so a rank that died or hangs is reported after ``timeout`` seconds; when
+a collective broke (timed out), every rank drops its cached process groups and the next save makes fresh ones.
 """
 
 from __future__ import annotations
@@ -166,6 +168,8 @@ def save_hf(
         SaveFailed (a CheckpointError): on every rank, naming each failing rank, its stage and the cause;
             nothing is published at ``path`` and a checkpoint already there is left intact. A rank whose own
             input is bad (layout, key map) raises its own LayoutError / PlanError, its peers SaveFailed.
+        KeyboardInterrupt: on a rank interrupted during the save (main thread or writer thread), once every rank
+            has learnt of it (its peers raise SaveFailed naming it, with the same outcome).
 
     .. note:: SPMD: every rank of the model's mesh calls it with the same arguments.
     """
@@ -186,7 +190,7 @@ def save_hf(
         layout, tensors = layout_and_locals(model_or_state_dict, key_map, layout=layout)
         # each tensor is written in its own dtype: a layout that says nothing is told it, one that disagrees fails
         layout = layout.with_tensor_dtypes(tensors)
-    except Exception as exc:
+    except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word (raised after it)
         mine = exc
     # the write mode's host names (and rank 0's probe file) travel with the agreement: one exchange for both
     wanted = write_mode == "auto" and mine is None and _rank(comm) == 0 and not _one_host_known(comm)

@@ -38,8 +38,16 @@ from workbench.io.index import INDEX_NAME, write_index
 from workbench.io.publish import AtomicRenamePublisher
 from workbench.layout.pipeline import PipelineLayout
 from workbench.mesh import MeshDimRef, format_mesh_dim
-from workbench.run.guard import RankProblem, RanksFailed, SaveFailed, _message, agree, problem_from
-from workbench.run.torch_comm import ControlChannel, TorchCommunicator, _subgroup, forget_groups
+from workbench.run.guard import (
+    RankProblem,
+    RanksFailed,
+    SaveFailed,
+    agree,
+    describe_problems,
+    forget_groups_if_broken,
+    problem_from,
+)
+from workbench.run.torch_comm import ControlChannel, TorchCommunicator, _subgroup
 
 __all__ = ["StageCommunicator", "pipeline_layout_from_model", "save_hf_pipeline"]
 
@@ -66,6 +74,10 @@ class StageCommunicator(TorchCommunicator):
     .. note:: SPMD: every rank of the *whole* world constructs one, with the same ``pipeline`` and ``timeout``
        (process groups of every stage are created by every rank, in one order).
     """
+
+    # its status exchanges span one stage: a decision drawn from them (dropping the cached groups) would be taken by
+    # that stage's ranks only; the exchange across stages takes it for the whole world
+    agrees_over_world = False
 
     def __init__(self, pipeline: PipelineLayout, *, timeout: float = _DEFAULT_TIMEOUT) -> None:
         if not dist.is_initialized() or dist.get_world_size() != pipeline.mesh.size:
@@ -209,7 +221,8 @@ def save_hf_pipeline(
         if comm.rank == 0:
             shutil.rmtree(stages[comm.stage], ignore_errors=True)
 
-    # an exception save_hf did not contain (not an Exception) left this rank's stage groups out of step
+    # an interrupt (not an Exception) save_hf raised again after its stage agreed may still have come from inside
+    # a collective, leaving this rank's stage groups out of step: every rank drops them
     _across_stages(world, mine, what, on_failure=remove_own_stage, cause=failure,
                    suspect=failure is not None and not isinstance(failure, Exception))
     merged: RankProblem | None = None
@@ -283,22 +296,21 @@ def _across_stages(
     try:
         everyone = world.all_gather_object((mine, suspect))
     except Exception as exc:
-        forget_groups()  # this rank cannot tell which of its groups are still in step
         gone = problem_from(exc, world.rank, "exchanging status with the other stages", broken=True)
         found = [p for p in (mine, gone) if p is not None]
+        forget_groups_if_broken(found)  # this rank cannot tell which of its groups are still in step
         _quietly(on_failure)
         note = ("a rank did not answer the exchange across stages: it died, hangs, or is still in its stage's save "
                 "past the timeout")
-        raise SaveFailed(_message(what, found, lost or outcome, note), found) from cause or exc
+        raise SaveFailed(describe_problems(what, found, lost or outcome, note), found) from cause or exc
     found = [p for p, _ in everyone if p is not None]
-    if any(s for _, s in everyone) or any(p.broken for p in found):
-        forget_groups()
+    forget_groups_if_broken(found, suspect=any(s for _, s in everyone))
     if not found:
         return
     if any(not p.broken and not p.secondary for p in found):
         found = [dataclasses.replace(p, secondary=True) if p.broken else p for p in found]
     _quietly(on_failure)
-    raise SaveFailed(_message(what, found, outcome), found) from cause
+    raise SaveFailed(describe_problems(what, found, outcome), found) from cause
 
 
 def _quietly(fn: Callable[[], None] | None) -> None:

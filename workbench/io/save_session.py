@@ -3,6 +3,10 @@
 ``SaveSession`` holds what one save owns on one rank: its plans, its files (streamed in gather mode, written in
 place in direct mode), the writer threads and the queue of host copies waiting for them, the owner-marker
 heartbeat, and the problem it will report at the status exchange. Every way out goes through ``close()``.
+
+An exception that is not an ``Exception`` (``KeyboardInterrupt`` in the main thread or a writer thread,
+``SystemExit``) is this rank's problem like any other: the rank keeps answering its peers, takes part in the status
+exchange (every peer raises ``SaveFailed`` naming it), and then raises it again.
 """
 
 from __future__ import annotations
@@ -167,6 +171,7 @@ class SaveSession:
         self.metadata = {"format": "pt", "workbench_version": _version(), "layout": layout_fingerprint(layout)}
         self.problem: RankProblem | None = None
         self.write_problem: RankProblem | None = None
+        self.interrupt: BaseException | None = None  # not an Exception: raised again once the ranks have agreed
         self.write_mode = "gather"
         self.min_segment_bytes = DEFAULT_MIN_SEGMENT_BYTES
         self.map_short_runs = False  # every writer shares one page cache: short runs go through a memory map
@@ -213,16 +218,16 @@ class SaveSession:
         try:
             self._plan(policy, budget, dtype, fp32_keys_pattern, max_writers, tensors)
             fault_point("plan", self.rank)
-        except Exception as exc:
-            problem = problem_from(exc, self.rank, "planning the save")
+        except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word at the agreement
+            problem = self._caught(exc, "planning the save")
         if problem is None and snapshot_early and self.checkpoint_files is not None:
             assert not self.gate.is_set(), "an early snapshot needs gated writers"
             self.direct_queued = True
             started = time.perf_counter()
             try:
                 self._write_direct(tensors)
-            except Exception as exc:
-                problem = problem_from(exc, self.rank, "writing its own pieces")
+            except BaseException as exc:
+                problem = self._caught(exc, "writing its own pieces")
             spent = time.perf_counter() - started  # the snapshot's time, inside the caller's "plan" stage
             self.clock.add("snapshot", spent)
             self.clock.add("plan", -spent)
@@ -234,8 +239,8 @@ class SaveSession:
         if self.early is not None and not self.direct_queued:
             self.early.release()  # taken for a direct plan this save does not follow
         model = (self.metadata["layout"], len(self.layout.specs), next(iter(self.layout.specs), None))
-        everyone = agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort,
-                         share=(digests, model))
+        everyone = self._agree(problem, what=f"save to {self.path}", on_failure=self._abort,
+                               share=(digests, model))
         self._check_same_model([m for _, m in everyone])
         assert self.plan_set is not None
         check_agreement(  # the digests came with the planning outcome: no exchange of their own
@@ -348,8 +353,8 @@ class SaveSession:
                     )
             elif not self.direct_queued:
                 self._write_direct(tensors)
-        except Exception as exc:
-            failed = problem_from(exc, self.rank, "writing its own pieces" if self.direct else "creating its files")
+        except BaseException as exc:
+            failed = self._caught(exc, "writing its own pieces" if self.direct else "creating its files")
         file_of = {k: f.name for f in self.file_plan.files_of(self.rank) for k in f.keys}
 
         def on_wave(wave: WaveOutput) -> None:
@@ -367,7 +372,8 @@ class SaveSession:
                                         key)
 
         program = unshard(schedule, self.plan_set.plans[self.rank], tensors)
-        self.problem = drive_guarded(schedule, program, self.comm, on_wave, poll=self._poll, failed=failed)
+        self.problem = drive_guarded(schedule, program, self.comm, on_wave, poll=self._poll, failed=failed,
+                                     on_interrupt=self._keep_interrupt)
 
     def settle_snapshot(self) -> None:
         """Async: agree that every rank's gathers and snapshot copies were made (so no rank returns a handle while
@@ -377,13 +383,13 @@ class SaveSession:
         if self.problem is None:
             try:
                 self.snapshot.mark()
-            except Exception as exc:
-                self.problem = problem_from(exc, self.rank, "taking the snapshot")
-        agree(self.comm, self.problem, what=f"async save to {self.path}", on_failure=self._abort)
+            except BaseException as exc:
+                self.problem = self._caught(exc, "taking the snapshot")
+        self._agree(self.problem, what=f"async save to {self.path}", on_failure=self._abort)
         try:
             self.snapshot.settle()
-        except Exception as exc:
-            self.problem = problem_from(exc, self.rank, "taking the snapshot (a copy did not land)")
+        except BaseException as exc:
+            self.problem = self._caught(exc, "taking the snapshot (a copy did not land)")
             self.stopped = True
         self.gate.set()
         self.blocked_seconds = time.perf_counter() - self.start
@@ -399,8 +405,9 @@ class SaveSession:
             for future, _, _ in self.pending:
                 try:
                     future.result()
-                except Exception as exc:  # recorded by _write already; kept here for a future that never ran it
-                    problem = problem or problem_from(exc, self.rank, "writing its files")
+                except BaseException as exc:  # _run_write records its own; this is a Ctrl-C while waiting here
+                    problem = problem or self._caught(exc, "writing its files")
+                    self.stopped = True  # the writes still queued are skipped
         problem = problem or self.write_problem
         self.pending.clear()
         self.queued_bytes = 0
@@ -412,12 +419,12 @@ class SaveSession:
                     fault_point("fsync", self.rank)
                     self.checkpoint_files.fsync()
                     written = sum(self.checkpoint_files.written.values()) + self.checkpoint_files.header_bytes
-            except Exception as exc:
-                problem = problem or problem_from(exc, self.rank, "fsyncing its files")
+            except BaseException as exc:
+                problem = problem or self._caught(exc, "fsyncing its files")
             try:  # a network filesystem may report a deferred write error only here: a problem like any other
                 self.checkpoint_files.close()
-            except Exception as exc:
-                problem = problem or problem_from(exc, self.rank, "closing its files")
+            except BaseException as exc:
+                problem = problem or self._caught(exc, "closing its files")
         for writer in self.files.values():
             try:
                 if problem is None:
@@ -425,23 +432,23 @@ class SaveSession:
                     written += writer.close()
                 else:
                     writer.abandon()
-            except Exception as exc:
-                problem = problem or problem_from(exc, self.rank, f"fsyncing {writer.path.name}")
+            except BaseException as exc:
+                problem = problem or self._caught(exc, f"fsyncing {writer.path.name}")
                 writer.abandon()
         publish_started = time.perf_counter()
         self.clock.add("fsync", publish_started - fsync_started)
         try:
             fault_point("status", self.rank)
-        except Exception as exc:
-            problem = problem or problem_from(exc, self.rank, "reporting its status")
+        except BaseException as exc:
+            problem = problem or self._caught(exc, "reporting its status")
         # with the status, the byte ranges each rank wrote per file (compacted): rank 0 proves they tile every file
         ranges = None
         if self.checkpoint_files is not None and problem is None:
             try:
                 ranges = self.checkpoint_files.written_ranges()
-            except Exception as exc:
-                problem = problem_from(exc, self.rank, "listing the byte ranges it wrote")
-        everyone = agree(self.comm, problem, what=f"save to {self.path}", on_failure=self._abort, share=ranges)
+            except BaseException as exc:
+                problem = self._caught(exc, "listing the byte ranges it wrote")
+        everyone = self._agree(problem, what=f"save to {self.path}", on_failure=self._abort, share=ranges)
         assert self.file_plan is not None and self.plan_set is not None
         publish_problem = None
         if self.rank == 0:
@@ -463,11 +470,11 @@ class SaveSession:
                 if self.heartbeat is not None:
                     self.heartbeat.stop()
                 self.publisher.finalize(verify=True)
-            except Exception as exc:
-                publish_problem = problem_from(exc, 0, "publishing (index, config files, rename)")
+            except BaseException as exc:
+                publish_problem = self._caught(exc, "publishing (index, config files, rename)")
                 self._abort()
-        agree(
-            self.comm, publish_problem, what=f"save to {self.path}",
+        self._agree(
+            publish_problem, what=f"save to {self.path}",
             lost="rank 0 may or may not have published: check with wb.latest_checkpoint",
         )
         self.clock.add("publish", time.perf_counter() - publish_started)
@@ -582,11 +589,13 @@ class SaveSession:
                 copy.wait()
             with self.clock.measure("write"):  # the window's waits inside are moved to writeback_wait at the end
                 return job()
-        except Exception as exc:
+        except BaseException as exc:  # KeyboardInterrupt too: kept for the main thread, never raised in this one
             with self._write_lock:
                 if self.write_problem is None:
                     what = job.current if isinstance(job, _Writes) else key
-                    self.write_problem = problem_from(exc, self.rank, f"writing {what!r}")
+                    self.write_problem = self._caught(exc, f"writing {what!r}")
+                elif not isinstance(exc, Exception):
+                    self._keep_interrupt(exc)
             return 0
         finally:
             copy.discard()  # written: already landed; skipped (a failed save): waited for before it is reused
@@ -597,6 +606,28 @@ class SaveSession:
 
     def _poll(self) -> RankProblem | None:
         return self.write_problem
+
+    # -- failures ----------------------------------------------------------------------------------------------
+
+    def _keep_interrupt(self, exc: BaseException) -> None:
+        """Keep the first exception that is not an ``Exception``: raised again after the status exchange."""
+        if self.interrupt is None and not isinstance(exc, Exception):
+            self.interrupt = exc
+
+    def _caught(self, exc: BaseException, stage: str) -> RankProblem:
+        """This rank's problem for ``exc``, raised during ``stage`` (an interrupt is kept to be raised again)."""
+        self._keep_interrupt(exc)
+        return problem_from(exc, self.rank, stage)
+
+    def _agree(self, problem: RankProblem | None, **options: Any) -> list[Any]:
+        """``agree`` on the save's communicator; when the save failed, a rank that was interrupted raises its
+        interrupt (the ``SaveFailed`` every rank has, naming it, as its cause) instead of the ``SaveFailed``."""
+        try:
+            return agree(self.comm, problem, **options)
+        except SaveFailed as failed:
+            if self.interrupt is not None:
+                raise self.interrupt from failed
+            raise
 
     # -- ending ------------------------------------------------------------------------------------------------
 

@@ -11,7 +11,12 @@ Three mechanisms, used by ``save_hf`` and ``load_hf``:
   one blocks on a call that will not come. Then every rank goes to the status exchange.
 * **The status exchange** (``agree``): every rank sends its problem (or None) over the save's own gloo control
   group; if any rank has one, every rank raises the same ``SaveFailed`` naming each failing rank, the stage and
-  the cause, root causes first. A rank that died or hangs is reported after the control group's timeout.
+  the cause, root causes first. A rank that died or hangs is reported after the control group's timeout. When a
+  collective broke (it timed out, or lost a peer), every rank drops the cached process groups
+  (``forget_groups_if_broken``): a group left out of step would pair the next save's calls with stale ones.
+* **Interrupts**: an exception that is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``) fails the
+  rank like any other (it keeps answering its peers and takes part in the status exchange); the caller raises it
+  again once the ranks have agreed.
 * **The runtime proof of agreement** (``check_agreement``): before the first data call, ranks exchange digests
   of their schedule per group and of the writer map; a mismatch is an error naming the ranks and the first
   differing call, instead of a hang or a torn file.
@@ -42,7 +47,9 @@ __all__ = [
     "SaveFailed",
     "agree",
     "check_agreement",
+    "describe_problems",
     "drive_guarded",
+    "forget_groups_if_broken",
     "problem_from",
 ]
 
@@ -111,22 +118,47 @@ def agree(
     exchange itself fails (a peer died, or did not answer within the timeout), this rank raises with its own
     problem, the exchange's error and ``lost`` (what is known of the outcome then). ``share`` travels in the
     same exchange; every rank's is returned, in rank order (one exchange where two would do).
+
+    When ``comm`` agrees over the whole world (its ``agrees_over_world``: a ``TorchCommunicator`` or a
+    ``ControlChannel``, not one pipeline stage) and a problem is a broken collective, or the exchange itself failed,
+    every rank drops the cached process groups before raising (``forget_groups_if_broken``).
     """
+    world = bool(getattr(comm, "agrees_over_world", False))
     try:
         everyone = comm.all_gather_object((mine, share))
     except Exception as exc:  # a peer is gone: say so with what this rank knows
         gone = problem_from(exc, comm.rank, "exchanging status with its peers", broken=True)
         found = [p for p in (mine, gone) if p is not None]
+        if world:
+            forget_groups_if_broken(found)
         if on_failure is not None:
             _quietly(on_failure)
         note = "a peer did not answer the status exchange: it died, hangs, or failed before reaching it"
-        raise error(_message(what, found, lost or outcome, note), found) from exc
+        raise error(describe_problems(what, found, lost or outcome, note), found) from exc
     found = [p for p, _ in everyone if p is not None]
     if found:
+        if world:
+            forget_groups_if_broken(found)
         if on_failure is not None:
             _quietly(on_failure)
-        raise error(_message(what, found, outcome), found)
+        raise error(describe_problems(what, found, outcome), found)
     return [shared for _, shared in everyone]
+
+
+def forget_groups_if_broken(problems: Sequence[RankProblem | None], *, suspect: bool = False) -> bool:
+    """Drop the cached process groups (``torch_comm.forget_groups``) when one of ``problems`` is a broken collective
+    (it timed out, or lost a peer) or ``suspect`` (a rank may have left a collective mid-call): such a group is out
+    of step and would pair the next save's or load's calls with stale ones. Returns True when they were dropped.
+
+    .. note:: SPMD: every rank of the world calls it with the same exchanged problems, so all decide alike and the
+       next save makes fresh groups on every rank (making a group is a collective of the whole world).
+    """
+    if not suspect and not any(p is not None and p.broken for p in problems):
+        return False
+    from workbench.run.torch_comm import forget_groups
+
+    forget_groups()
+    return True
 
 
 def _quietly(fn: Callable[[], None]) -> None:
@@ -136,8 +168,9 @@ def _quietly(fn: Callable[[], None]) -> None:
         pass
 
 
-def _message(what: str, problems: Sequence[RankProblem], outcome: str, note: str = "") -> str:
-    """Root causes first (identical ones from several ranks folded into one line), then who stopped for them."""
+def describe_problems(what: str, problems: Sequence[RankProblem], outcome: str, note: str = "") -> str:
+    """The message every rank raises: ``"{what} failed; {outcome}."``, then the root causes (identical ones from
+    several ranks folded into one line, with where), then the ranks that stopped for them, then ``note``."""
     roots: dict[tuple[str, str], list[RankProblem]] = {}
     for p in problems:
         if not p.secondary:
@@ -167,13 +200,44 @@ def drive_guarded(
     *,
     poll: Callable[[], RankProblem | None] = lambda: None,
     failed: RankProblem | None = None,
+    on_interrupt: Callable[[BaseException], None] | None = None,
 ) -> RankProblem | None:
     """Run ``program`` (the executor of ``schedule``) on this rank; never leaves a peer waiting in a collective.
 
     Returns this rank's problem, or None: a local failure (in the program, in ``on_wave``, or reported by
     ``poll``, e.g. a background writer), a peer's failure learnt through the flags (``secondary``), or a failed
     collective (``broken``). ``failed`` starts the rank already failed (it then only raises its flags).
+
+    An exception that is not an ``Exception`` (``KeyboardInterrupt``, ``SystemExit``) in the program, in ``on_wave``
+    or at a fault point fails the rank like any other: it is this rank's problem and the rank walks the rest of its
+    schedule raising its flags. Then it goes to ``on_interrupt`` (the caller raises it again after the status
+    exchange) or, without one, is raised here, once the flags are all exchanged.
     """
+    interrupts: list[BaseException] = []
+
+    def caught(exc: BaseException, stage: str, *, broken: bool = False) -> RankProblem:
+        if not isinstance(exc, Exception) and not interrupts:
+            interrupts.append(exc)
+        return problem_from(exc, comm.rank, stage, broken=broken)
+
+    problem = _drive(schedule, program, comm, on_wave, poll, failed, caught)
+    if interrupts:
+        if on_interrupt is None:
+            raise interrupts[0]
+        on_interrupt(interrupts[0])
+    return problem
+
+
+def _drive(
+    schedule: UnshardSchedule,
+    program: Generator[GatherRequest | WaveOutput, torch.Tensor | None, None],
+    comm: Communicator,
+    on_wave: Callable[[WaveOutput], None],
+    poll: Callable[[], RankProblem | None],
+    failed: RankProblem | None,
+    caught: Callable[..., RankProblem],
+) -> RankProblem | None:
+    """``drive_guarded``'s walk; ``caught(exc, stage, broken=...)`` makes the problem of anything raised."""
     rank = comm.rank
     calls = schedule.calls
     closed: set = set()  # mesh dims whose group skipped a call: every member skips the rest on it
@@ -186,15 +250,15 @@ def drive_guarded(
                 request = program.send(reply)
             except StopIteration:
                 return None
-            except Exception as exc:
-                failed = problem_from(exc, rank, f"gathering (wave {max(wave, 0)})")
+            except BaseException as exc:  # KeyboardInterrupt too: the peers still need this rank's flags
+                failed = caught(exc, f"gathering (wave {max(wave, 0)})")
             else:
                 reply = None
                 if isinstance(request, WaveOutput):
                     try:
                         on_wave(request)
-                    except Exception as exc:
-                        failed = problem_from(exc, rank, f"writing wave {request.wave}")
+                    except BaseException as exc:
+                        failed = caught(exc, f"writing wave {request.wave}")
                     continue
                 if index >= len(calls) or request.call is not calls[index]:
                     failed = RankProblem(rank, "gathering", f"the executor issued {request.call} out of order")
@@ -211,16 +275,17 @@ def drive_guarded(
             if failed is None:
                 try:
                     fault_point("gather", rank, gathering)
-                except Exception as exc:
-                    failed = problem_from(exc, rank, f"gathering (wave {wave})")
+                except BaseException as exc:
+                    failed = caught(exc, f"gathering (wave {wave})")
         failed = failed or poll()
         if call.mesh_dim in closed:
             continue
         if call.world > 1:
             try:
                 stop = comm.any_flag(call.mesh_dim, failed is not None)
-            except Exception as exc:
-                return failed or problem_from(exc, rank, f"gathering (wave {wave})", broken=True)
+            except BaseException as exc:  # the group may be out of step: no more calls on any group
+                problem = caught(exc, f"gathering (wave {wave})", broken=True)
+                return failed or problem
             if stop:
                 closed.add(call.mesh_dim)
                 failed = failed or RankProblem(
@@ -231,8 +296,8 @@ def drive_guarded(
         if failed is None:
             try:
                 reply = comm.all_gather(send, call.mesh_dim)
-            except Exception as exc:
-                return problem_from(exc, rank, f"gathering (wave {wave})", broken=True)
+            except BaseException as exc:
+                return caught(exc, f"gathering (wave {wave})", broken=True)
 
 
 # -- the runtime proof that the ranks agree ------------------------------------------------------------------------

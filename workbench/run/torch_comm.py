@@ -65,6 +65,8 @@ class ControlChannel:
     Without an initialized world it is a world of one. With a fake world it uses the fake default group.
     """
 
+    agrees_over_world = True  # every rank takes part in its exchanges: ``guard.agree`` may drop the cached groups
+
     def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
         self._live = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._live else 0
@@ -81,7 +83,8 @@ class ControlChannel:
 
 
 def forget_groups() -> None:
-    """Drop the cached groups (call after ``destroy_process_group``, before a new world is initialized)."""
+    """Drop the cached groups: after ``destroy_process_group`` (before a new world is initialized), or on every rank
+    after a collective broke (``guard.forget_groups_if_broken``); the next save or load makes fresh ones."""
     _GROUPS.clear()
 
 
@@ -94,6 +97,10 @@ class TorchCommunicator:
     .. note:: SPMD: call the constructor on every rank of the world, with the same ``mesh``, ``mesh_dims`` and
        ``timeout``.
     """
+
+    # its status exchanges span the whole world, so every rank takes a decision drawn from them alike: ``guard.agree``
+    # drops the cached groups after a broken collective (a subclass over part of the world says False)
+    agrees_over_world = True
 
     def __init__(
         self,

@@ -1,0 +1,160 @@
+"""A rank interrupted mid-save (``KeyboardInterrupt``: Ctrl-C in a notebook, or any exception that is not an
+``Exception``) never leaves its peer waiting: 2 gloo ranks, the interrupt injected on rank 1 in a writer thread and
+between two gathers. Every rank raises well under the save's timeout (30 s): rank 1 its interrupt, rank 0 a
+``SaveFailed`` naming rank 1; nothing is published, the old checkpoint stays; the next save in the same processes
+publishes. And a collective that timed out (one rank stalled past the timeout) does not leave cached process groups
+out of step for the next save or load with the same timeout."""
+
+from __future__ import annotations
+
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import workbench as wb
+from tests.faults.harness import layout_of, new_values, old_values, write_old_checkpoint
+from tests.io.support import read_checkpoint
+
+FAILING = 1
+TIMEOUT = 30.0
+BOUND = 2.0  # seconds every rank may take to raise, with TIMEOUT 30 (the old code: rank 0 waited the timeout)
+BUDGET = 256  # bytes: several gather waves
+
+
+def _arm(point: str | None, rank: int, action: str = "interrupt", seconds: float = 0.0):
+    """Replace the fault points seen by the save (session and guard) and the load on ``FAILING``; returns the undo."""
+    import workbench.io.hf_load as hf_load
+    import workbench.io.save_session as save_session
+    import workbench.run.guard as guard
+
+    if point is None or rank != FAILING:
+        return lambda: None
+    modules = (save_session, guard, hf_load)
+    originals = [m.fault_point for m in modules]
+    name, _, detail = point.partition(":")
+
+    def fault(at: str, rank: int, where: object = None) -> None:
+        if at != name or (detail and str(where) != detail):
+            return
+        if action == "stall":
+            time.sleep(seconds)
+            return
+        raise KeyboardInterrupt(f"injected: interrupted at {point} on rank {rank}")
+
+    for m in modules:
+        m.fault_point = fault
+
+    def undo() -> None:
+        for m, original in zip(modules, originals):
+            m.fault_point = original
+
+    return undo
+
+
+def _state(layout, rank: int, root: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:
+    """This rank's pieces of the old checkpoint, and of the new values (old + 1) that its saves write."""
+    from tests.faults.harness import _local_state
+
+    old = _local_state(layout, rank)
+    wb.load_hf(old, root / "source", layout=layout, timeout=TIMEOUT)
+    return old, {n: t + 1 for n, t in old.items()}
+
+
+def _steps(root: str, steps: list[tuple]) -> dict:
+    """Each step ``(kind, name, fault point, action, seconds, timeout, options)`` on every rank; what it raised."""
+    import torch.distributed as dist
+
+    rank = dist.get_rank()
+    layout = layout_of(2)
+    out = {}
+    for kind, name, point, action, seconds, timeout, options in steps:
+        old, state = _state(layout, rank, Path(root))
+        undo = _arm(point, rank, action, seconds)
+        start = time.perf_counter()
+        got: dict = {"error": None}
+        try:
+            if kind == "save":
+                wb.save_hf(state, Path(root) / name, layout=layout, budget_bytes=BUDGET, max_shard_bytes=256,
+                           timeout=timeout, **options)
+            else:
+                fresh = {n: torch.zeros_like(t) for n, t in state.items()}
+                wb.load_hf(fresh, Path(root) / name, layout=layout, timeout=timeout)
+                got["loaded"] = all(torch.equal(fresh[n], old[n]) for n in old)  # the old checkpoint
+        except BaseException as exc:  # the interrupt too: the old code let it out of rank 1 only
+            got = {"error": type(exc).__name__, "message": str(exc),
+                   "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+        finally:
+            undo()
+        got["seconds"] = time.perf_counter() - start
+        out[name] = got
+    return out
+
+
+def _old(root: Path, names: list[str]) -> None:
+    write_old_checkpoint(root / "source")
+    for name in names:
+        write_old_checkpoint(root / name)
+
+
+def _kept_old(root: Path, name: str) -> None:
+    from workbench.io.publish import validate_final
+
+    assert validate_final(root / name) == []
+    got, want = read_checkpoint(root / name), old_values()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+    assert [p.name for p in root.iterdir() if p.name.startswith(f".{name}.")] == []  # no .NAME.incomplete left
+
+
+def _published_new(root: Path, name: str) -> None:
+    got, want = read_checkpoint(root / name), new_values()
+    assert got.keys() == want.keys() and all(torch.equal(got[k], want[k]) for k in want), name
+
+
+def test_an_interrupt_on_one_rank_fails_every_rank_at_once(tmp_path: Path) -> None:
+    steps = [
+        ("save", "in-writer", "write", "interrupt", 0.0, TIMEOUT, {"write_mode": "direct"}),
+        ("save", "in-gather-writer", "write", "interrupt", 0.0, TIMEOUT, {"write_mode": "gather"}),
+        ("save", "between-gathers", "gather:1", "interrupt", 0.0, TIMEOUT, {"write_mode": "gather"}),
+        ("save", "after", None, "", 0.0, TIMEOUT, {"write_mode": "gather"}),
+    ]
+    _old(tmp_path, [s[1] for s in steps])
+    results = wb.launch(_steps, nprocs=2, args=(str(tmp_path), steps), timeout=150)
+
+    for name, stage in (("in-writer", "writing"), ("in-gather-writer", "writing"),
+                        ("between-gathers", "gathering (wave")):
+        interrupted, peer = results[FAILING][name], results[0][name]
+        assert interrupted["error"] == "KeyboardInterrupt", (name, interrupted)  # its own interrupt, re-raised
+        assert interrupted["message"].startswith("injected: interrupted at"), (name, interrupted)
+        assert peer["error"] == "SaveFailed" and peer["failed_ranks"] == [FAILING], (name, peer)
+        lines = peer["message"].splitlines()
+        assert lines[0] == f"save to {tmp_path / name} failed; nothing was published.", (name, lines)
+        assert lines[1].startswith(f"  rank {FAILING} failed while {stage}"), (name, lines)
+        assert "KeyboardInterrupt: injected: interrupted at" in lines[1], (name, lines)
+        for rank in (0, 1):
+            assert results[rank][name]["seconds"] < BOUND, (name, rank, results[rank][name])
+        _kept_old(tmp_path, name)
+    assert all(results[r]["after"]["error"] is None for r in (0, 1)), results
+    _published_new(tmp_path, "after")
+
+
+@pytest.mark.parametrize(("kind", "point"), [("save", "gather:1"), ("load", "load.read")])
+def test_groups_a_timed_out_collective_left_behind_are_not_reused(tmp_path: Path, kind: str, point: str) -> None:
+    # rank 1 stalls 3 s before its second gathering wave (save) or its first read (load), past the 1.5 s timeout:
+    # rank 0's flag exchange times out (a broken collective), then both status exchanges. The next save or load uses
+    # the same timeout, so the same cached groups unless they were dropped (the old code: its flag exchange failed)
+    short = 1.5
+    options = {"write_mode": "gather"} if kind == "save" else {}
+    steps = [(kind, "stalled", point, "stall", 3.0, short, options), (kind, "after", None, "", 0.0, short, options)]
+    _old(tmp_path, ["stalled", "after"])
+    results = wb.launch(_steps, nprocs=2, args=(str(tmp_path), steps), timeout=150)
+
+    error = "SaveFailed" if kind == "save" else "LoadFailed"
+    for rank in (0, 1):
+        assert results[rank]["stalled"]["error"] == error, (rank, results[rank]["stalled"])
+        after = results[rank]["after"]
+        assert after["error"] is None and after.get("loaded", True), (rank, after)
+    _kept_old(tmp_path, "stalled")
+    if kind == "save":
+        _published_new(tmp_path, "after")
