@@ -23,7 +23,6 @@ left as it was. Within a stage, ``save_hf``'s own flag protocol and status excha
 from __future__ import annotations
 
 import dataclasses
-import json
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -34,7 +33,7 @@ import torch.distributed as dist
 
 from workbench.errors import CheckpointError, LayoutError
 from workbench.io.file_plan import FilePlan, FileSpec, file_name
-from workbench.io.index import INDEX_NAME, write_index
+from workbench.io.index import INDEX_NAME, read_index, write_index
 from workbench.io.publish import AtomicRenamePublisher
 from workbench.layout.pipeline import PipelineLayout
 from workbench.mesh import MeshDimRef, format_mesh_dim
@@ -325,10 +324,15 @@ def _quietly(fn: Callable[[], None] | None) -> None:
 def _merge(stage_dirs: Sequence[Path], path: Path, config_files: Sequence[str | Path]) -> None:
     """Move every stage's files into one directory with global numbering, one index, and publish it."""
     files: list[tuple[Path, dict[str, str]]] = []  # (file, {key: ...}) in stage order
-    for stage_dir in stage_dirs:
-        index = json.loads((stage_dir / INDEX_NAME).read_text())
+    for stage, stage_dir in enumerate(stage_dirs):
+        weight_map, _, problems = read_index(stage_dir / INDEX_NAME)  # bounded, checked parsing
+        strays = sorted({n for n in weight_map.values() if Path(n).name != n or n in ("", ".", "..")})
+        if strays:
+            problems.append(f"{stage_dir / INDEX_NAME}: file name(s) {strays[:3]} are not in its directory")
+        if problems:
+            raise CheckpointError(f"pipeline stage {stage}'s index cannot be merged: {'; '.join(problems)}")
         by_file: dict[str, list[str]] = {}
-        for key, name in index["weight_map"].items():
+        for key, name in weight_map.items():
             by_file.setdefault(name, []).append(key)
         files.extend((stage_dir / name, dict.fromkeys(keys, name)) for name, keys in sorted(by_file.items()))
     total = len(files)

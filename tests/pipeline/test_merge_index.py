@@ -1,0 +1,37 @@
+"""The pipeline merge reads each stage's index with the bounded, checked parser (``read_index``): a stage index that
+is not what a save writes stops the merge with a CheckpointError naming the stage and the file, before any file is
+moved or anything is published (``json.loads`` gave an AttributeError, or moved a file from outside the stage)."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from workbench.errors import CheckpointError
+from workbench.io.index import INDEX_NAME
+from workbench.io.pipeline_save import _merge
+
+
+def _stage(root: Path, body: object) -> Path:
+    stage = root / ".ckpt.stage0"
+    stage.mkdir()
+    (stage / INDEX_NAME).write_text(json.dumps(body))
+    return stage
+
+
+@pytest.mark.parametrize(("body", "message"), [
+    ({"weight_map": ["model.w"]}, r"corrupt index: 'weight_map' must be an object of key -> file name"),
+    ({"weight_map": {"model.w": "../outside.safetensors"}},
+     r"file name\(s\) \['\.\./outside\.safetensors'\] are not in its directory"),
+])
+def test_a_bad_stage_index_stops_the_merge_naming_the_stage(tmp_path: Path, body: object, message: str) -> None:
+    outside = tmp_path / "outside.safetensors"
+    outside.write_bytes(b"not a stage file")
+    stage = _stage(tmp_path, body)
+    with pytest.raises(CheckpointError, match=rf"pipeline stage 0's index cannot be merged: .*{INDEX_NAME}.*{message}"):
+        _merge([stage], tmp_path / "ckpt", [])
+    assert outside.read_bytes() == b"not a stage file"  # not moved into the checkpoint
+    assert not (tmp_path / "ckpt").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.stage0", "outside.safetensors"]  # nothing prepared
