@@ -158,7 +158,9 @@ def pipeline_layout_from_model(
         for name, spec in layout.specs.items():
             if owner.setdefault(name, s) != s:
                 raise LayoutError(f"parameter {name!r} is held by stage {owner[name]} and stage {s}")
-            specs[name], dtypes[name] = spec, layout.dtypes.get(name, "float32")
+            specs[name] = spec
+            if name in layout.dtypes:  # none is assumed: the save takes the tensor's own
+                dtypes[name] = layout.dtypes[name]
     merged = Layout(mine.mesh, specs, dtypes, name=mine.name)
     return PipelineLayout.from_layout(merged, pp_dim, owner.__getitem__)
 
