@@ -158,3 +158,20 @@ def test_groups_a_timed_out_collective_left_behind_are_not_reused(tmp_path: Path
     _kept_old(tmp_path, "stalled")
     if kind == "save":
         _published_new(tmp_path, "after")
+
+
+def test_an_interrupt_during_a_load_fails_every_rank_at_once(tmp_path: Path) -> None:
+    # rank 1 is interrupted reading its slices: it raises its own interrupt, rank 0 a LoadFailed naming it, both
+    # well under the timeout (the old code let the interrupt out of rank 1 alone; rank 0 waited the whole timeout)
+    steps = [("load", "interrupted", "load.read", "interrupt", 0.0, TIMEOUT, {}),
+             ("load", "after", None, "", 0.0, TIMEOUT, {})]
+    _old(tmp_path, ["interrupted", "after"])
+    results = wb.launch(_steps, nprocs=2, args=(str(tmp_path), steps), timeout=150)
+
+    interrupted, peer = results[FAILING]["interrupted"], results[0]["interrupted"]
+    assert interrupted["error"] == "KeyboardInterrupt", interrupted
+    assert peer["error"] == "LoadFailed" and peer["failed_ranks"] == [FAILING], peer
+    assert "KeyboardInterrupt: injected: interrupted at" in peer["message"], peer
+    for rank in (0, 1):
+        assert results[rank]["interrupted"]["seconds"] < BOUND, (rank, results[rank]["interrupted"])
+        assert results[rank]["after"]["error"] is None and results[rank]["after"]["loaded"], results[rank]["after"]

@@ -131,6 +131,7 @@ def load_hf(
     reader: CheckpointReader | None = None
     boxes: BoxReader | None = None
     mine: BaseException | None = None
+    interrupt: BaseException | None = None  # not an Exception: raised again once every rank has agreed
     replicas: dict[str, ReplicaRead] = {}
     batches: dict[str, ReplicaBatch] = {}
     try:
@@ -145,8 +146,9 @@ def load_hf(
         if read_replicas_once and rank == channel.rank and _live():
             replicas = replica_readers(layout, wanted, rank, targets)
             batches = replica_batches(replicas, targets)
-    except Exception as exc:
+    except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word at the agreement
         mine = exc
+        interrupt = None if isinstance(exc, Exception) else exc
     try:
         shared = _agree(channel, mine, rank, "checking the checkpoint against the layout", what,
                         share=replica_digests(batches))
@@ -175,15 +177,21 @@ def load_hf(
                 execute_load(plan, boxes.read, targets[name], adapters, cast=cast, non_blocking=on_gpu)
             if on_gpu:  # the copies from pinned buffers were queued: they land before anyone reads the model
                 torch.cuda.synchronize()
-        except Exception as exc:
+        except BaseException as exc:  # an interrupt is this rank's problem first, raised after the agreement
             problem = problem_from(exc, rank, "reading its slices")
+            interrupt = interrupt or (None if isinstance(exc, Exception) else exc)
         if batches:
             problem = _share_replicas(layout, batches, targets, rank, timeout, problem)
         try:
             fault_point("load.status", rank)
         except Exception as exc:
             problem = problem or problem_from(exc, rank, "reporting its status")
-        agree(channel, problem, what=what, error=LoadFailed, outcome="the model's values must not be used")
+        try:
+            agree(channel, problem, what=what, error=LoadFailed, outcome="the model's values must not be used")
+        except LoadFailed as failed:
+            if interrupt is not None:
+                raise interrupt from failed
+            raise
         return LoadReport(
             path=Path(path),
             rank=rank,

@@ -152,7 +152,8 @@ class PipelineLayout:
             specs[s][param] = LoadSpec(name=param, hf_keys=spec.hf_keys, global_shape=spec.global_shape,
                                        mesh=stage_mesh, shards=spec.shards, fused_dim=spec.fused_dim,
                                        origin_shape=spec.origin_shape)
-            dtypes[s][param] = layout.dtypes.get(param, "float32")
+            if param in layout.dtypes:  # only dtypes that were given: a save takes the tensors' own
+                dtypes[s][param] = layout.dtypes[param]
         stages = tuple(Layout(stage_mesh, specs[s], dtypes[s], name=f"{layout.name}[{pp_dim}={s}]")
                        for s in range(count))
         return cls(layout.mesh, pp_dim, stages, name=name or layout.name)
