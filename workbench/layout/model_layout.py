@@ -143,6 +143,13 @@ class Layout:
         """
         return _with_tensor_dtypes(self, tensors)
 
+    def to_toml(self) -> str:
+        """This layout as a layout file's TOML text, which ``wb.load_layout`` (``parse_layout``) reads back into an
+        equal layout; ``wb.save_layout(layout, path)`` writes it to a file (see ``layout_file.layout_to_toml``)."""
+        from workbench.layout.layout_file import layout_to_toml
+
+        return layout_to_toml(self)
+
     def fingerprint(self) -> str:
         """A short hash of everything that decides where bytes go: mesh, names, keys, shapes, cuts, dtypes."""
         import hashlib
