@@ -152,3 +152,104 @@ def test_custom_rank_order() -> None:
     layout = parse_layout(text, source="tiny.toml")
     assert layout.mesh.coordinate(3) == (0, 0)
     assert layout["norm.weight"].local_shape(0) == (0,)  # rank 0 sits last on the flattened ep+tp group
+
+
+# -- writing layouts: Layout.to_toml / wb.save_layout round trip through load_layout -----------------------------------
+def _same(a, b) -> None:
+    assert list(a.specs) == list(b.specs)  # same parameters, same (model) order
+    for name in a.specs:
+        assert b.specs[name] == a.specs[name], name  # keys, shapes, fused dim, origin shape, cuts, mesh
+    assert b.dtypes == a.dtypes and b.name == a.name and b.mesh == a.mesh
+    assert b.fingerprint() == a.fingerprint()
+
+
+@pytest.mark.parametrize("path", sorted((ROOT / "sample_meshes").glob("*.toml")), ids=lambda p: p.stem)
+def test_every_sample_round_trips_through_save_layout(path: Path, tmp_path: Path) -> None:
+    import workbench as wb
+
+    layout = load_layout(path)
+    written = wb.save_layout(layout, tmp_path / "out.toml")
+    _same(layout, wb.load_layout(written))
+    assert written.stat().st_size <= path.stat().st_size  # loops and key templates keep it as small as the sample
+
+
+def test_toy_is_written_with_loops_and_forward_cuts() -> None:
+    text = load_layout(ROOT / "sample_meshes" / "toy_expert_tp.toml").to_toml()
+    # the sample says placements ["SS(0,4)", "S(0)", "IS(0,2)"] over (fsdp, ep, tp); FSDP's strided cut applies last
+    assert 'mesh_dims = ["ep", "tp", "fsdp"]\nplacements = ["S(0)", "IS(0,2)", "S(0)"]' in text
+    assert ('hf_keys = ["model.layers.0.mlp.experts.{experts}.gate_proj.weight", '
+            '"model.layers.0.mlp.experts.{experts}.up_proj.weight"]\nkeys_for = { experts = 2 }') in text
+
+
+def test_layer_major_layout_keeps_its_order_and_stays_small() -> None:
+    # what Layout.from_model gives: every parameter of layer 0, then of layer 1, ... (the samples are pattern-major)
+    import re
+
+    from workbench.layout.model_layout import Layout
+
+    sample = load_layout(ROOT / "sample_meshes" / "qwen3_30b_a3b.toml")
+
+    def layer(name: str) -> int:
+        found = re.search(r"layers\.(\d+)\.", name)
+        return int(found.group(1)) if found else -1
+
+    order = sorted(sample.specs, key=layer)
+    assert order != list(sample.specs)
+    layout = Layout(sample.mesh, {n: sample.specs[n] for n in order}, sample.dtypes, name="layer-major")
+    text = layout.to_toml()
+    _same(layout, parse_layout(text))
+    listed = sum(len(k) + 4 for s in layout.specs.values() for k in s.hf_keys)  # every key written out, quoted
+    assert len(text) < listed // 4, (len(text), listed)  # expert keys are written as one template and a loop
+
+
+def test_odd_layouts_round_trip() -> None:
+    from torch.distributed.tensor import Replicate, Shard
+
+    from workbench.layout.load_spec import LoadSpec
+    from workbench.layout.model_layout import Layout
+    from workbench.mesh import MeshSpec
+
+    mesh = MeshSpec((2, 2, 2), ("dp", "ep", "tp"), ranks=(7, 6, 5, 4, 3, 2, 1, 0))
+    specs = [
+        # FSDP over a flattened group after an interleave, fp8-style tail padding
+        LoadSpec.from_placements("blocks.0.w13", [f"blocks.0.e.{e}.{p}" for e in (0, 1) for p in ("g", "u")], (16, 8),
+                                 mesh, [_compat.make_strided_shard(0, 2), Replicate(), InterleavedShard(0, 2)],
+                                 fused_dim=0, origin_shape=(16, 6)),
+        # keys that follow no loop, braces and quotes in names, a key whose number is not the name's
+        LoadSpec.from_placements('odd{x}."q"', ["b.3.x", "a.1.y", "c.7"], (6, 2), mesh,
+                                 [Shard(1), Replicate(), Replicate()], fused_dim=0),
+        LoadSpec.from_placements("blocks.1.w13", [f"blocks.1.e.{e}.{p}" for e in (0, 1) for p in ("g", "u")], (16, 8),
+                                 mesh, [_compat.make_strided_shard(0, 2), Replicate(), InterleavedShard(0, 2)],
+                                 fused_dim=0, origin_shape=(16, 6)),
+        LoadSpec.from_placements("h.2.bias", ["transformer.h.2.bias"], (5,), mesh, [Replicate()] * 3),
+        LoadSpec.from_placements("h.3.bias", ["transformer.h.3.bias"], (5,), mesh, [Replicate()] * 3),
+        LoadSpec.from_placements("x.0.y.5", ["x.0.y.5"], (4,), mesh, [Shard(0)], mesh_dims=[("dp", "tp")]),
+    ]
+    layout = Layout(mesh, {s.name: s for s in specs}, {s.name: "bfloat16" for s in specs}, name='odd "name"')
+    text = layout.to_toml()
+    _same(layout, parse_layout(text))
+    assert 'for = { h = [2, 3] }' in text or 'for = { h = "2:4" }' in text  # the two biases share one table
+
+
+def test_a_parameter_without_dtype_reads_back_as_the_format_default() -> None:
+    from workbench.layout.model_layout import Layout
+
+    sample = load_layout(ROOT / "sample_meshes" / "toy_expert_tp.toml")
+    bare = Layout(sample.mesh, sample.specs, name="bare")
+    back = parse_layout(bare.to_toml())
+    assert list(back.specs.items()) == list(bare.specs.items())
+    assert set(back.dtypes.values()) == {"float32"}  # sample_meshes/README.md: dtype defaults to float32
+
+
+def test_checkpoint_layout_file(tmp_path: Path) -> None:
+    from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout, write_checkpoint_layout
+
+    layout = load_layout(ROOT / "sample_meshes" / "toy_expert_tp.toml")
+    assert read_checkpoint_layout(tmp_path) is None
+    path = write_checkpoint_layout(layout, tmp_path)
+    assert path == tmp_path / LAYOUT_FILE_NAME == tmp_path / "workbench_layout.toml"
+    assert [p.name for p in tmp_path.iterdir()] == [LAYOUT_FILE_NAME]  # no temporary file left behind
+    _same(layout, read_checkpoint_layout(tmp_path))
+    path.write_text("[mesh]\n")
+    with pytest.raises(LayoutFileError, match=r"workbench_layout\.toml"):
+        read_checkpoint_layout(tmp_path)

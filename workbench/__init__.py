@@ -12,7 +12,7 @@ from workbench.io.hf_save import AsyncSave, SaveResult, save_hf, warm_host_pool
 from workbench.io.ownership import clean_incomplete, latest_checkpoint
 from workbench.io.save_timings import SaveTimings
 from workbench.layout import InterleavedShard, LoadSpec, Run, ShardDescriptor, compute_runs
-from workbench.layout.layout_file import load_layout
+from workbench.layout.layout_file import load_layout, save_layout
 from workbench.layout.model_layout import Layout
 from workbench.layout.strided import strided_shard
 from workbench.mesh import MeshSpec
@@ -69,6 +69,7 @@ __all__ = [
     "plan_hf_save",
     "report",
     "save_hf",
+    "save_layout",
     "schedule_unshard",
     "strided_shard",
     "viz",
