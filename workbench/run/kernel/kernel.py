@@ -122,11 +122,17 @@ class SPMDKernel(Kernel):
         self._abandoned: tuple[str, set[int]] | None = None  # (cell id, ranks still in it) after giving up
         self._pump_callback: Any = None
 
+    help_links = (  # what JupyterLab's Help menu lists for this kernel
+        {"text": "Python Reference", "url": "https://docs.python.org/{}.{}".format(*sys.version_info[:2])},
+        {"text": "IPython Reference", "url": "https://ipython.readthedocs.io/en/stable/"},
+        {"text": "PyTorch Distributed", "url": "https://docs.pytorch.org/docs/stable/distributed.html"},
+    )
+
     @property
     def kernel_info(self) -> dict:
         """ipykernel's kernel_info, without debugger or subshells (cells reach the ranks one at a time)."""
         info = dict(super().kernel_info)
-        info["supported_features"] = []
+        info.update(supported_features=[], debugger=False, help_links=[dict(link) for link in self.help_links])
         return info
 
     # -- Jupyter handlers ---------------------------------------------------------------------------------------
@@ -188,22 +194,63 @@ class SPMDKernel(Kernel):
         self._wait(cell)
         return self._finish(cell)
 
-    async def do_complete(self, code: str, cursor_pos: int) -> dict:
-        """Tab completion from rank 0's namespace."""
-        reply = {"status": "ok", "matches": [], "cursor_start": cursor_pos, "cursor_end": cursor_pos,
-                 "metadata": {}}
-        if not self.rankset.ready:
-            return reply
+    async def do_complete(self, code: str, cursor_pos: int | None) -> dict:
+        """Tab completion from rank 0's namespace (IPython's completer, with jedi, as ipykernel)."""
+        pos = len(code) if cursor_pos is None else cursor_pos
+        empty = {"matches": [], "cursor_start": pos, "cursor_end": pos, "metadata": {}}
+        answer = self._query("complete", {"code": code, "cursor_pos": pos}) or empty
+        return {"status": "ok", **answer}
+
+    async def do_inspect(self, code: str, cursor_pos: int, detail_level: int = 0, omit_sections: Any = ()) -> dict:
+        """Shift+Tab / ``obj?`` in the inspector: IPython's object info from rank 0's namespace."""
+        answer = self._query("inspect", {"code": code, "cursor_pos": cursor_pos, "detail_level": detail_level,
+                                         "omit_sections": list(omit_sections)})
+        return {"status": "ok", **(answer or {"found": False, "data": {}, "metadata": {}})}
+
+    async def do_history(self, hist_access_type: str, output: bool, raw: bool, session: int = 0, start: int = 0,
+                         stop: int | None = None, n: int | None = None, pattern: str | None = None,
+                         unique: bool = False, **_: Any) -> dict:
+        """Rank 0's input history (the ranks run the same cells; ``%%ranks`` cells without rank 0 are not in it)."""
+        answer = self._query("history", {"hist_access_type": hist_access_type, "output": output, "raw": raw,
+                                         "session": session, "start": start, "stop": stop, "n": n,
+                                         "pattern": pattern, "unique": unique})
+        return {"status": "ok", "history": (answer or {"history": []})["history"]}
+
+    async def do_is_complete(self, code: str) -> dict:
+        """Whether ``code`` is a whole cell yet (a console's Enter), by IPython's own rules; no rank is asked."""
+        from IPython.core.inputtransformer2 import TransformerManager
+
+        status, indent = TransformerManager().check_complete(code)
+        return {"status": status, **({"indent": " " * (indent or 0)} if status == "incomplete" else {})}
+
+    async def comm_info_request(self, stream: Any, ident: Any, parent: dict) -> None:
+        """The comms open on rank 0, where widgets live (JupyterLab restores widgets from this after a reload)."""
+        target = parent["content"].get("target_name")
+        answer = self._query("comm_info", {"target_name": target}) or {"comms": {}}
+        self.session.send(stream, "comm_info_reply", {"status": "ok", "comms": answer["comms"]}, parent, ident)
+
+    def _query(self, what: str, args: dict[str, Any], timeout: float = 10.0) -> dict[str, Any] | None:
+        """Ask rank 0 about its shell (between cells); None when no answer came within ``timeout`` seconds.
+
+        Other messages that arrive meanwhile (widget updates, late output) are routed as usual, never dropped.
+        """
+        if 0 not in self.rankset.ranks:
+            return None
         request = uuid.uuid4().hex
-        self.rankset.send(0, {"op": "complete", "id": request, "code": code, "cursor_pos": cursor_pos})
-        deadline = time.monotonic() + 3.0
-        while time.monotonic() < deadline:
-            got = self.rankset.recv(deadline - time.monotonic())
-            if got and got[1]["op"] == "complete" and got[1].get("id") == request:
-                m = got[1]
-                return {**reply, "matches": m["matches"], "cursor_start": m["cursor_start"],
-                        "cursor_end": m["cursor_end"]}
-        return reply
+        self.rankset.send(0, {"op": "query", "id": request, "what": what, "args": args})
+        deadline = time.monotonic() + timeout
+        while (left := deadline - time.monotonic()) > 0:
+            got = self.rankset.recv(left)
+            if got is None:
+                break
+            rank, message = got
+            if message["op"] == "answer" and message.get("id") == request:
+                if message.get("error"):
+                    self.log.warning("workbench kernel: rank 0 could not answer %s: %s", what, message["error"])
+                return message.get("content")
+            self._route(None, rank, message)
+        self.log.warning("workbench kernel: rank 0 did not answer a %s request within %g s", what, timeout)
+        return None
 
     async def do_shutdown(self, restart: bool) -> dict:
         """Stop every rank (a restart starts a new kernel process, hence new ranks)."""
@@ -496,7 +543,7 @@ class SPMDKernel(Kernel):
         if result and not cell.silent:
             self.send_response(self.iopub_socket, "execute_result", {
                 "execution_count": self.execution_count, "data": result["data"], "metadata": result["metadata"]})
-        return self._ok()
+        return {**self._ok(), "payload": cell.done.get(cell.primary, {}).get("payload") or []}
 
     def _reinit(self) -> str:
         """Every rank destroyed its process groups (release); build the next generation everywhere."""

@@ -12,9 +12,9 @@ never travels: ranks a scheduler starts read it from a file of mode 0600 or an e
 
 kernel -> rank: ``execute`` (code, ranks shown), ``stacks``, ``interrupt``, ``release`` (close the process groups'
 connections and destroy the groups, so peers stuck in a collective get an error), ``reinit`` (new process
-groups), ``complete``, ``comm``, ``ping``, ``exit``.
-rank -> kernel: ``hello``, ``stream``, ``display``, ``clear_output``, ``comm``, ``done``, ``stacks``,
-``complete``, ``released``, ``reinit_done``, ``pong``.
+groups), ``query`` (completion, inspection, history or comms of the rank's shell), ``comm``, ``ping``, ``exit``.
+rank -> kernel: ``hello``, ``stream``, ``display``, ``clear_output``, ``comm``, ``done`` (with the shell's payloads:
+the pager's text), ``stacks``, ``answer``, ``released``, ``reinit_done``, ``pong``.
 """
 
 from __future__ import annotations

@@ -238,8 +238,8 @@ class _Worker:
                     self.send({"op": "released", "rank": self.rank})
                 elif op == "reinit":
                     self._reinit(int(message["generation"]))
-                elif op == "complete":
-                    self._complete(message)
+                elif op == "query":
+                    self._query(message)
                 elif op == "comm":
                     self._comm_in(message)
             except KeyboardInterrupt:  # an interrupt that arrived just after its cell ended
@@ -270,8 +270,11 @@ class _Worker:
             self.error = self.error or {"ename": "KeyboardInterrupt", "evalue": "", "time": time.time(),
                                         "traceback": ["KeyboardInterrupt (between cells)"]}
         self._flush_streams()
+        payload = self.shell.payload_manager.read_payload()  # the pager's text (``zip?``), set_next_input, ...
+        self.shell.payload_manager.clear_payload()
         self.send({"op": "done", "id": self.cell, "rank": self.rank, "status": status, "error": self.error,
-                   "result": self.result if self.send_display else None, "time": time.time()})
+                   "result": self.result if self.send_display else None, "time": time.time(),
+                   "payload": payload if self.send_display else []})
         self.cell = None
 
     def _reinit(self, generation: int) -> None:
@@ -293,15 +296,17 @@ class _Worker:
         self.shell.user_ns.update(dist=dist, torch=torch, rank=self.rank, world_size=self.world_size,
                                   local_rank=self.local_rank, device=device)
 
-    def _complete(self, message: dict[str, Any]) -> None:
-        code, pos = message["code"], int(message["cursor_pos"])
+    def _query(self, message: dict[str, Any]) -> None:
+        """Answer a question about this rank's shell (completion, inspection, history, comms): never raises."""
+        what = message.get("what")
+        handler = _QUERIES.get(what)
         try:
-            text, matches = self.shell.complete("", code, pos)
-            start = pos - len(text)
-        except Exception:
-            matches, start = [], pos
-        self.send({"op": "complete", "id": message["id"], "matches": list(matches), "cursor_start": start,
-                   "cursor_end": pos})
+            if handler is None:
+                raise ValueError(f"unknown query {what!r}")
+            content, error = handler(self.shell, message.get("args") or {}), None
+        except Exception as exc:
+            content, error = None, f"{type(exc).__name__}: {exc}"
+        self.send({"op": "answer", "id": message["id"], "what": what, "content": content, "error": error})
 
     def _comm_in(self, message: dict[str, Any]) -> None:
         import comm
@@ -422,10 +427,76 @@ def _make_shell(worker: _Worker) -> Any:
     comm.create_comm = lambda *args, **kwargs: Comm(*args, **kwargs)
     from traitlets.config import Config
 
-    config = Config({"HistoryManager": {"enabled": False}})  # no sqlite write per cell on every rank
+    # the notebook's history is rank 0's (history requests go there): no sqlite write per cell on the other ranks
+    config = Config({"HistoryManager": {"enabled": worker.rank == 0}})
     shell = Shell.instance(displayhook_class=Hook, display_pub_class=Publisher, colors="linux", config=config)
     shell.displayhook.shell = shell
+    from IPython.core import page, payloadpage
+
+    shell.set_hook("show_in_pager", page.as_hook(payloadpage.page), 99)  # ``zip?``: a pager payload, as ipykernel
     return shell
+
+
+def _complete(shell: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """Completions from IPython's current completer API (jedi where installed), as ipykernel answers them."""
+    from IPython.core.completer import provisionalcompleter, rectify_completions
+
+    code = str(args.get("code", ""))
+    pos = len(code) if args.get("cursor_pos") is None else int(args["cursor_pos"])
+    with provisionalcompleter():
+        found = list(rectify_completions(code, shell.Completer.completions(code, pos)))
+        types = [{"start": c.start, "end": c.end, "text": c.text, "type": c.type, "signature": c.signature}
+                 for c in found]
+    start, end = (found[0].start, found[0].end) if found else (pos, pos)
+    return {"matches": [c.text for c in found], "cursor_start": start, "cursor_end": end,
+            "metadata": {"_jupyter_types_experimental": types}}
+
+
+def _inspect(shell: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """What Shift+Tab shows: IPython's object info for the name at the cursor, as a mime bundle."""
+    from IPython.utils.tokenutil import token_at_cursor
+
+    code = str(args.get("code", ""))
+    name = token_at_cursor(code, len(code) if args.get("cursor_pos") is None else int(args["cursor_pos"]))
+    try:
+        bundle = shell.object_inspect_mime(name, detail_level=int(args.get("detail_level", 0)),
+                                           omit_sections=tuple(args.get("omit_sections", ())))
+    except KeyError:
+        return {"found": False, "data": {}, "metadata": {}}
+    if not shell.enable_html_pager:
+        bundle.pop("text/html", None)
+    return {"found": True, "data": bundle, "metadata": {}}
+
+
+def _history(shell: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """This rank's input history (tail, range or search), as ipykernel's history_reply gives it."""
+    manager = shell.history_manager
+    raw, output, kind = bool(args.get("raw", True)), bool(args.get("output", False)), args.get("hist_access_type")
+    manager.writeout_cache()  # searches read the database: the last cells must be in it
+    if kind == "tail":
+        found = manager.get_tail(args.get("n") or 10, raw=raw, output=output, include_latest=True)
+    elif kind == "range":
+        found = manager.get_range(args.get("session") or 0, args.get("start") or 0, args.get("stop"), raw=raw,
+                                  output=output)
+    elif kind == "search":
+        found = manager.search(args.get("pattern") or "*", raw=raw, output=output, n=args.get("n"),
+                               unique=bool(args.get("unique", False)))
+    else:
+        raise ValueError(f"hist_access_type {kind!r}: use tail, range or search")
+    return {"history": [list(entry) for entry in found]}
+
+
+def _comm_info(shell: Any, args: dict[str, Any]) -> dict[str, Any]:
+    """The comms open on this rank (widgets), optionally only those of one target."""
+    import comm
+
+    target = args.get("target_name")
+    comms = comm.get_comm_manager().comms
+    return {"comms": {cid: {"target_name": c.target_name} for cid, c in comms.items()
+                      if target is None or c.target_name == target}}
+
+
+_QUERIES = {"complete": _complete, "inspect": _inspect, "history": _history, "comm_info": _comm_info}
 
 
 def main(argv: Sequence[str] | None = None) -> int:
