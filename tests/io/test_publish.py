@@ -306,3 +306,30 @@ def test_validate_final_on_odd_paths(tmp_path) -> None:
     write_safetensors(tmp_path / "single" / "model.safetensors", {"w": torch.zeros(1)})
     assert read_checkpoint(tmp_path / "single").keys  # readable, but not a workbench checkpoint
     assert not is_complete(tmp_path / "single")
+
+
+def test_abort_without_prepare_leaves_another_saves_live_directory(tmp_path) -> None:
+    """Only the publisher that prepared a temporary may remove it while it is live: a second publisher of the same
+    path, in this process, that never prepared, aborts without touching it."""
+    holder = AtomicRenamePublisher(tmp_path / "ckpt")
+    temporary = holder.prepare()
+    AtomicRenamePublisher(tmp_path / "ckpt").abort()
+    assert [p.name for p in temporary.iterdir()] == [MARKER_NAME]
+    save_checkpoint(temporary, NEW)
+    assert holder.finalize() == tmp_path / "ckpt" and value_of(tmp_path / "ckpt") == 2.0
+
+
+def test_a_failed_finalize_lets_go_and_abort_removes_the_leftover(tmp_path) -> None:
+    """After a refused publish the save is over: the directory (kept for inspection) is no longer held live, so
+    clean_incomplete may remove it; abort does."""
+    from workbench.io.ownership import claimed_here, incomplete_save
+
+    publisher = AtomicRenamePublisher(tmp_path / "ckpt")
+    temporary = publisher.prepare()
+    assert claimed_here(temporary) and incomplete_save(temporary).live
+    with pytest.raises(CheckpointError, match="refusing to publish"):
+        publisher.finalize()  # no index: never a checkpoint
+    assert temporary.is_dir() and not claimed_here(temporary)
+    assert not incomplete_save(temporary).live
+    publisher.abort()
+    assert siblings(tmp_path) == []

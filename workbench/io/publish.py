@@ -24,13 +24,23 @@ import functools
 import os
 import shutil
 import warnings
+import weakref
 from pathlib import Path
 from typing import Any
 
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
 from workbench.io.index import INDEX_NAME, scan_checkpoint
-from workbench.io.ownership import MARKER_NAME, read_owner, write_owner
+from workbench.io.ownership import (
+    HEARTBEAT_PERIOD,
+    MARKER_NAME,
+    Heartbeat,
+    LiveClaim,
+    incomplete_save,
+    read_owner,
+    remove_if_stale,
+    write_owner,
+)
 from workbench.io.publish_types import INCOMPLETE_SUFFIX, is_temporary_path, temporary_path
 from workbench.io.write import fsync_dir, fsync_file
 
@@ -74,11 +84,14 @@ def exchange_paths(a: Path | str, b: Path | str) -> bool:
     raise OSError(err, os.strerror(err), str(a), None, str(b))
 
 
-def _fsync_tree(root: Path) -> int:
-    """fsync every regular file under ``root`` and every directory (deepest first); return the file count."""
+def _fsync_tree(root: Path, *, skip: str = MARKER_NAME) -> int:
+    """fsync every regular file under ``root`` but ``skip`` at its top (the owner marker, never published) and every
+    directory (deepest first); return the file count."""
     count = 0
     for dirpath, _dirnames, filenames in os.walk(root, topdown=False):
         for name in filenames:
+            if name == skip and dirpath == os.fspath(root):
+                continue
             path = os.path.join(dirpath, name)
             if os.path.isfile(path) and not os.path.islink(path):
                 fsync_file(path)
@@ -101,6 +114,12 @@ class AtomicRenamePublisher:
         final: the checkpoint directory to (re)place, e.g. ``exp/hf-100``.
         use_exchange: try ``renameat2(RENAME_EXCHANGE)`` when ``final`` exists (False forces the
             rename-aside fallback; for tests and filesystems known to refuse the flag).
+        heartbeat_period: seconds between the heartbeats of the owner marker, recorded in it (readers judge the
+            save stale after ``STALE_PERIODS`` periods without one; see ``io/ownership.py``).
+
+    From ``prepare`` until ``finalize`` or ``abort`` the publisher holds ``temporary`` live in this process (a
+    ``LiveClaim``) and beats its marker's heartbeat from a daemon thread, so no ``clean_incomplete`` or ``prepare``,
+    here or in another process, takes it for a leftover.
 
     Example (rank 0 only; ``barrier`` is the caller's)::
 
@@ -114,11 +133,18 @@ class AtomicRenamePublisher:
             publisher.finalize()   # or publisher.abort() if any rank failed
     """
 
-    def __init__(self, final: Path | str, *, use_exchange: bool = True) -> None:
+    def __init__(
+        self, final: Path | str, *, use_exchange: bool = True, heartbeat_period: float = HEARTBEAT_PERIOD
+    ) -> None:
         self._final = Path(final)
         if not self._final.name or self._final.name in (".", ".."):
             raise CheckpointError(f"cannot publish to {final!r}: the final path needs a directory name")
+        if not heartbeat_period > 0:
+            raise CheckpointError(f"heartbeat_period must be a positive number of seconds, got {heartbeat_period!r}")
         self.use_exchange = use_exchange
+        self.heartbeat_period = float(heartbeat_period)
+        self._claim: LiveClaim | None = None
+        self._heartbeat: Heartbeat | None = None
 
     @property
     def final(self) -> Path:
@@ -136,15 +162,17 @@ class AtomicRenamePublisher:
         return self._final.with_name(f".{self._final.name}{OLD_SUFFIX}")
 
     def prepare(self) -> Path:
-        """Create a fresh ``temporary`` holding only its owner marker and return it. A stale one (its owner is gone,
-        see ``io/ownership.py``) is removed; one owned by a live job is an error naming that job.
+        """Create a fresh ``temporary`` holding only its owner marker, hold it live, start its heartbeat, and return
+        it. A stale one (see ``io/ownership.py``: a dead pid on this host, a heartbeat older than ten periods, no
+        marker, or a leftover of this process) is removed; a live one is never touched: an error names it.
 
         Also repairs an interrupted fallback publish: an old checkpoint left at ``.NAME.old`` goes back
-        to ``NAME`` when ``NAME`` is missing, and is deleted when ``NAME`` exists.
+        to ``NAME`` when ``NAME`` is missing, and is deleted when ``NAME`` exists. Calling it again starts over.
 
         Raises:
             CheckpointError: ``final`` exists and is not a directory, or its parent is missing or not
-                writable (the path is named).
+                writable; or ``temporary`` belongs to a live save (of this process, or of another whose heartbeat
+                is fresh: its host, pid, job and heartbeat age are named); or the directory cannot be made.
         """
         final, parent = self._final, self._final.parent
         if not parent.is_dir():
@@ -157,20 +185,74 @@ class AtomicRenamePublisher:
                 "move it away or choose another path"
             )
         self._repair_aside()
-        owner = read_owner(self.temporary) if self.temporary.is_dir() else None
-        if owner is not None and owner.is_live():
-            raise CheckpointError(
-                f"cannot save to {final}: {self.temporary} belongs to a save still in progress ({owner}); wait "
-                f"for it, or if that job is dead run wb.clean_incomplete({str(parent)!r}, force=True)"
-            )
+        self._release()  # a second prepare starts over: what this publisher made is now a stale leftover
+        temporary = self.temporary
         try:
-            _remove(self.temporary)
-            self.temporary.mkdir()
-            write_owner(self.temporary)
+            claim = LiveClaim(temporary, exclusive=True)
+        except ValueError:
+            owner = read_owner(temporary)
+            raise CheckpointError(
+                f"cannot save to {final}: {temporary} belongs to a save still in progress in this process "
+                f"(pid {os.getpid()}{'; ' + owner.describe() if owner else ''}); let it finish first (an async save: "
+                "call its wait())"
+            ) from None
+        try:
+            self._make_temporary()
+        except BaseException:
+            claim.release()
+            raise
+        self._claim = claim
+        self._heartbeat = Heartbeat(temporary / MARKER_NAME)
+        weakref.finalize(self, _let_go, claim, self._heartbeat)  # a publisher dropped unfinished holds nothing
+        return temporary
+
+    def _make_temporary(self) -> None:
+        """Remove a stale ``temporary`` and create the new one already holding its marker (one rename): no reader
+        ever sees it without an owner. The caller holds its exclusive claim."""
+        final, parent, temporary = self._final, self._final.parent, self.temporary
+        if os.path.lexists(temporary):
+            found = incomplete_save(temporary, claims=False)
+            if found.live:
+                assert found.owner is not None
+                raise CheckpointError(
+                    f"cannot save to {final}: {temporary} belongs to a save still in progress "
+                    f"({found.owner.describe()}); wait for it, or if that job is dead run "
+                    f"wb.clean_incomplete({str(parent)!r}, force=True)"
+                )
+            try:
+                removed = remove_if_stale(found, holding=True)
+            except OSError as exc:
+                raise CheckpointError(f"cannot remove the stale temporary directory {temporary}: {exc}") from exc
+            if not removed:
+                raise CheckpointError(
+                    f"cannot save to {final}: another save took over {temporary} while this one prepared "
+                    f"({read_owner(temporary) or 'no owner marker yet'}); try again once it has finished"
+                )
+        staging = parent / f".{final.name}{INCOMPLETE_SUFFIX}.{os.getpid()}-{id(self):x}.staging"
+        try:
+            _remove(staging)
+            staging.mkdir()
+            write_owner(staging, period=self.heartbeat_period)
+            try:
+                os.rename(staging, temporary)  # refused when a new save's (non-empty) directory appeared meanwhile
+            except OSError as exc:
+                if exc.errno not in (errno.ENOTEMPTY, errno.EEXIST):
+                    raise
+                raise CheckpointError(
+                    f"cannot save to {final}: another save created {temporary} while this one prepared "
+                    f"({read_owner(temporary) or 'no owner marker yet'}); try again once it has finished"
+                ) from None
             fsync_dir(parent)
         except OSError as exc:
-            raise CheckpointError(f"cannot create the temporary directory {self.temporary}: {exc}") from exc
-        return self.temporary
+            raise CheckpointError(f"cannot create the temporary directory {temporary}: {exc}") from exc
+        finally:
+            if os.path.lexists(staging):
+                _remove(staging)
+
+    def _release(self) -> None:
+        """Stop the heartbeat and let go of ``temporary`` (idempotent)."""
+        _let_go(self._claim, self._heartbeat)
+        self._claim = self._heartbeat = None
 
     def _repair_aside(self) -> None:
         aside = self.aside
@@ -198,8 +280,15 @@ class AtomicRenamePublisher:
         Raises:
             CheckpointError: nothing to publish (``prepare`` not called, or aborted), verification failed
                 (the temporary is kept for inspection and ``final`` is untouched), ``final`` became a file,
-                or a rename failed.
+                or a rename failed. After a failure the publisher no longer holds ``temporary`` (no heartbeat):
+                ``abort`` removes it, and so may any ``clean_incomplete``.
         """
+        try:
+            return self._finalize(verify)
+        finally:
+            self._release()  # published, or failed: either way this save no longer writes the directory
+
+    def _finalize(self, verify: bool) -> Path:
         temporary, final = self.temporary, self._final
         if not temporary.is_dir() or temporary.is_symlink():
             raise CheckpointError(
@@ -213,10 +302,10 @@ class AtomicRenamePublisher:
                     f"refusing to publish {temporary} as {final} ({final} is untouched):\n  - {listed}"
                 )
         try:
-            marker = temporary / MARKER_NAME
-            if marker.exists():
-                marker.unlink()  # the owner marker belongs to the unpublished directory only
-            _fsync_tree(temporary)
+            _fsync_tree(temporary)  # all but the marker, which stays (and beats) until the publishing step
+            if self._heartbeat is not None:
+                self._heartbeat.stop()  # the claim still holds the directory in this process
+            (temporary / MARKER_NAME).unlink(missing_ok=True)  # it belongs to the unpublished directory only
             fault_point("rename", 0)
             if not os.path.lexists(final):
                 os.rename(temporary, final)
@@ -227,6 +316,7 @@ class AtomicRenamePublisher:
                 self._discard(temporary)  # the old checkpoint, swapped to the temporary name
             else:
                 self._publish_by_rename_aside()
+            fsync_dir(final)  # the marker's removal, durable with the publish
             fsync_dir(final.parent)
         except OSError as exc:
             raise CheckpointError(f"publishing {temporary} as {final} failed: {exc}") from exc
@@ -251,14 +341,28 @@ class AtomicRenamePublisher:
             warnings.warn(f"published, but the replaced checkpoint at {old} could not be deleted: {exc}", stacklevel=3)
 
     def abort(self) -> None:
-        """Remove ``temporary``; ``final`` is left untouched. Safe to call twice."""
+        """Remove ``temporary`` and let go of it; ``final`` is left untouched. Safe to call twice. A temporary
+        this publisher did not prepare is removed only when stale: another save's live directory is left alone."""
+        if self._claim is None and os.path.lexists(self.temporary) and incomplete_save(self.temporary).live:
+            return
+        if self._heartbeat is not None:
+            self._heartbeat.stop()
         try:
             _remove(self.temporary)
         except OSError as exc:
             raise CheckpointError(f"cannot remove the temporary directory {self.temporary}: {exc}") from exc
+        finally:
+            self._release()
 
     def __repr__(self) -> str:
         return f"AtomicRenamePublisher(final={str(self._final)!r})"
+
+
+def _let_go(claim: LiveClaim | None, heartbeat: Heartbeat | None) -> None:
+    if heartbeat is not None:
+        heartbeat.stop()
+    if claim is not None:
+        claim.release()
 
 
 def _content_problems(path: Path) -> list[str]:

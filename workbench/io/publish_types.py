@@ -61,7 +61,8 @@ class Publisher(Protocol):
         ...
 
     def prepare(self) -> Path:
-        """Create a fresh, empty temporary directory (removing a stale one) and return it.
+        """Create a fresh, empty temporary directory (removing a stale one, never one a live save holds) and
+        return it.
 
         *Implementation hint:* refuse, with the path in the message, when ``final`` cannot be replaced.
         """
