@@ -16,7 +16,7 @@ import torch
 
 import workbench as wb
 from workbench.errors import CheckpointError
-from workbench.io.ownership import MARKER_NAME, Owner, read_owner
+from workbench.io.ownership import MARKER_NAME, Heartbeat, Owner, read_owner, write_owner
 
 
 def _plant(directory: Path, *, job: str, host: str, pid: int, age: float = 0.0) -> None:
@@ -58,6 +58,24 @@ def test_another_hosts_folder_is_live_until_its_heartbeat_is_stale() -> None:
     owner = Owner(job="SLURM_JOB_ID=7", host="node-that-is-not-here", pid=1, started=now - 900, heartbeat=now - 60)
     assert owner.is_live(now=now)
     assert not owner.is_live(now=now + 600)  # no heartbeat for 11 minutes: its job is gone
+
+
+def test_a_heartbeat_beats_at_the_period_its_marker_records(tmp_path: Path) -> None:
+    """Readers judge staleness by the period in the marker: a heartbeat with its own interval writes it there."""
+    directory = tmp_path / ".ckpt.incomplete"
+    directory.mkdir()
+    marker = write_owner(directory)
+    assert read_owner(directory).period == 30.0  # the default
+    beat = Heartbeat(marker, interval=0.05)
+    try:
+        assert read_owner(directory).period == 0.05 and beat.interval == 0.05
+        first = marker.stat().st_mtime_ns
+        time.sleep(0.5)
+        assert marker.stat().st_mtime_ns > first
+    finally:
+        beat.stop()
+    with pytest.raises(ValueError, match="period must be a positive number of seconds, got 0"):
+        write_owner(directory, period=0)
 
 
 def test_latest_checkpoint_and_clean_incomplete(tmp_path: Path, sleeper: int) -> None:

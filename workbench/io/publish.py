@@ -17,6 +17,7 @@ around them (after ``prepare``, before ``finalize``), as the ``publish_types`` d
 
 from __future__ import annotations
 
+import contextlib
 import ctypes
 import ctypes.util
 import errno
@@ -193,7 +194,7 @@ class AtomicRenamePublisher:
             owner = read_owner(temporary)
             raise CheckpointError(
                 f"cannot save to {final}: {temporary} belongs to a save still in progress in this process "
-                f"(pid {os.getpid()}{'; ' + owner.describe() if owner else ''}); let it finish first (an async save: "
+                f"({owner.describe() if owner else f'pid {os.getpid()}'}); let it finish first (an async save: "
                 "call its wait())"
             ) from None
         try:
@@ -246,7 +247,7 @@ class AtomicRenamePublisher:
         except OSError as exc:
             raise CheckpointError(f"cannot create the temporary directory {temporary}: {exc}") from exc
         finally:
-            if os.path.lexists(staging):
+            with contextlib.suppress(OSError):  # gone after the rename; left only when a step before it failed
                 _remove(staging)
 
     def _release(self) -> None:
