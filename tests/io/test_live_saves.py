@@ -236,3 +236,21 @@ def test_finalize_keeps_the_marker_until_the_rename(tmp_path: Path, monkeypatch)
     publisher.finalize()
     assert seen and all(seen)
     assert MARKER_NAME not in {p.name for p in (tmp_path / "ckpt").iterdir()}
+
+
+@pytest.mark.parametrize("body", [
+    "[" * 100_000 + "]" * 100_000,  # RecursionError in json.loads
+    '{"job": "j", "host": "h", "pid": 1, "started": Infinity}',  # OverflowError / not finite
+    '{"job": "j", "host": "h", "pid": 1e400, "started": 0}',  # OverflowError converting to int
+    '{"job": "j", "host": "h", "pid": 1, "started": 0, "period": NaN}',
+    " " * (128 << 10),  # over the marker cap: not read
+])
+def test_a_hostile_owner_marker_is_no_owner_and_crashes_nothing(tmp_path: Path, body: str) -> None:
+    from workbench.io.ownership import MARKER_NAME, read_owner
+
+    folder = tmp_path / ".step-1.incomplete"
+    folder.mkdir()
+    (folder / MARKER_NAME).write_text(body)
+    assert read_owner(folder) is None
+    scan = wb.latest_checkpoint(tmp_path)  # never another exception than what it documents
+    assert scan.path is None

@@ -25,6 +25,7 @@ stale multiple judge each other wrongly.
 from __future__ import annotations
 
 import json
+import math
 import os
 import re
 import shutil
@@ -35,7 +36,11 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from workbench.io.limits import parse_json, read_capped
 from workbench.io.publish_types import INCOMPLETE_SUFFIX, is_temporary_path
+
+MAX_MARKER_BYTES = 64 << 10
+"""An owner marker is a few hundred bytes; a larger file is not read."""
 
 __all__ = [
     "HEARTBEAT_PERIOD",
@@ -197,12 +202,14 @@ def read_owner(directory: Path) -> Owner | None:
     """The owner recorded in ``directory``, or None when there is no readable marker. A marker without a period
     (an older workbench) gets ``HEARTBEAT_PERIOD``."""
     marker = Path(directory) / MARKER_NAME
-    try:
-        body = json.loads(marker.read_text())
-        period = float(body.get("period", HEARTBEAT_PERIOD))
-        return Owner(str(body["job"]), str(body["host"]), int(body["pid"]), float(body["started"]),
+    try:  # a marker is a few hundred bytes: anything larger, deeper or not finite is no readable marker
+        body = parse_json(read_capped(marker, MAX_MARKER_BYTES, "MAX_MARKER_BYTES"))
+        period, started = float(body.get("period", HEARTBEAT_PERIOD)), float(body["started"])
+        if not (math.isfinite(period) and math.isfinite(started)):
+            return None
+        return Owner(str(body["job"]), str(body["host"]), int(body["pid"]), started,
                      marker.stat().st_mtime, period if period > 0 else HEARTBEAT_PERIOD)
-    except (OSError, ValueError, KeyError, TypeError, AttributeError):
+    except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
         return None
 
 
