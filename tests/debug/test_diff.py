@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -52,7 +53,8 @@ CASES = [
     ("padding_dim1", _set(DOWN, lambda x: torch.cat([x, torch.zeros(6, 2, dtype=x.dtype)], 1)), DOWN,
      "padding_not_trimmed", "dim 1"),
     ("dtype_cast", _set(NORM, lambda x: x.to(torch.bfloat16)), NORM, "dtype_mismatch", "cast to bfloat16"),
-    ("dtype_round_trip", _set(NORM, lambda x: x.to(torch.bfloat16).float()), NORM, "dtype_mismatch",
+    # same dtype on both sides: not a dtype mismatch, the values lost precision (issue 22.4)
+    ("dtype_round_trip", _set(NORM, lambda x: x.to(torch.bfloat16).float()), NORM, "precision_lost",
      "round trip through bfloat16"),
     ("value_mismatch", _set(OPROJ, lambda x: x.index_fill(0, torch.tensor([3]), 2.0)), OPROJ, "value_mismatch",
      None),
@@ -68,7 +70,8 @@ CASES = [
     ("keys_swapped", lambda t: t.update({
         "model.layers.0.mlp.experts.0.gate_proj.weight": t["model.layers.0.mlp.experts.0.up_proj.weight"],
         "model.layers.0.mlp.experts.0.up_proj.weight": t["model.layers.0.mlp.experts.0.gate_proj.weight"]}),
-     "model.layers.0.mlp.experts.0.gate_proj.weight", "permuted", "gate/up swapped"),
+     "model.layers.0.mlp.experts.0.gate_proj.weight", "misplaced_tensor",
+     "gate/up swapped with model.layers.0.mlp.experts.0.up_proj.weight"),
     # columns: two shards of dim 1 in reverse order (row-parallel weight gathered in the wrong order)
     ("rank_order_dim1", _set(DOWN, lambda x: torch.cat([x[:, 5:], x[:, :5]], 1)), DOWN, "permuted",
      "rank order reversed (S(1) over 2 ranks)"),
@@ -161,3 +164,76 @@ def test_layout_names_cross_key_interleave_bug(tmp_path) -> None:
     # without the layout each key is judged alone: the keys' rows moved across keys, so values differ per key
     plain = diff_checkpoints(tmp_path / "good", tmp_path / "bad")
     assert {f.key for f in plain.findings} == set(TOY_KEYS)
+
+
+def _experts(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return {f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight": torch.randn(4, 6, generator=g).bfloat16()
+            for i in range(2) for e in range(4) for p in ("gate", "up", "down")}
+
+
+def test_swap_found_across_files_and_parents(tmp_path) -> None:
+    # issue 22.2: two experts' down_proj swapped, bit-exact, stored in two different files
+    a, b = "model.layers.0.mlp.experts.1.down_proj.weight", "model.layers.1.mlp.experts.3.down_proj.weight"
+    good = _experts()
+    bad = dict(good) | {a: good[b], b: good[a]}
+    ref = write(tmp_path / "ref", good, max_shard_bytes=200)
+    ck = write(tmp_path / "bad", bad, max_shard_bytes=200)
+    weight_map = json.loads((ck / "model.safetensors.index.json").read_text())["weight_map"]
+    assert weight_map[a] != weight_map[b]
+    report = diff_checkpoints(ref, ck)
+    assert [(f.kind, f.key) for f in report.findings] == [("misplaced_tensor", a), ("misplaced_tensor", b)]
+    assert report.by_key(a)[0].transform == f"swapped with {b} (each holds the other's tensor)"
+    assert len(report.groups()) == 1  # one fix, said once
+
+
+def test_a_copy_and_fused_halves_in_the_wrong_slot(tmp_path) -> None:
+    g = torch.Generator().manual_seed(4)
+    good = {f"model.layers.0.mlp.experts.{e}.gate_up_proj.weight": torch.randn(8, 3, generator=g).bfloat16()
+            for e in range(3)} | {"model.norm.weight": torch.randn(3, generator=g)}
+    e0, e1, e2 = (f"model.layers.0.mlp.experts.{e}.gate_up_proj.weight" for e in range(3))
+    bad = dict(good)
+    bad[e0] = torch.cat([good[e0][:4], good[e1][:4]])  # expert 0's up slot holds expert 1's gate
+    bad[e2] = good[e1].clone()  # expert 2 written with expert 1's tensor
+    report = diff_checkpoints(write(tmp_path / "ref", good), write(tmp_path / "bad", bad))
+    kinds = {f.key: (f.kind, f.transform) for f in report.findings}
+    assert kinds[e0] == ("misplaced_tensor", f"rows 0:4 hold rows 0:4 of {e0}; rows 4:8 hold rows 0:4 of {e1}")
+    assert kinds[e2] == ("misplaced_tensor", f"holds a copy of {e1}'s tensor (which {e1} holds too)")
+    assert set(kinds) == {e0, e2}
+
+
+@pytest.mark.parametrize(("n", "start", "length", "expected"), [
+    # torch's chunk rule, by hand: 24 over 4 -> 6,6,6,6; 10 over 3 -> 4,4,2; 10 over 4 -> 3,3,3,1; 10 over 6 -> 2x5,0
+    (24, 12, 6, (2, 4)), (10, 8, 2, (2, 3)), (10, 9, 1, (3, 4)), (10, 4, 2, (2, 5)), (10, 0, 5, (0, 2)),
+    (24, 0, 7, None), (10, 1, 3, None), (10, 6, 4, None), (128, 0, 61, None), (10, 0, 10, None),
+])
+def test_chunk_shard_follows_torchs_chunk_rule(n, start, length, expected) -> None:
+    from workbench.debug.transforms import chunk_shard
+    from workbench.layout.chunking import chunk_interval
+
+    assert chunk_shard(n, start, length) == expected
+    if expected is not None:
+        rank, world = expected
+        assert chunk_interval(n, world, rank) == (start, start + length)
+
+
+def test_first_rows_no_split_gives_are_a_shape_mismatch(tmp_path) -> None:
+    # issue 22.3: 7 of 24 rows is no rank's shard under any world size (24 over W: chunks 12, 8, 6, 5, 4, 3, ...)
+    ref = write(tmp_path / "ref", model())
+    report = diff_checkpoints(ref, broken(tmp_path, "first7", _set(HEAD, lambda x: x[:7].clone())))
+    (finding,) = report.findings
+    assert finding.kind == "shape_mismatch" and finding.transform.startswith("equals rows 0:7 of the expected")
+    assert finding.evidence["verified"] == "bit for bit"
+    # 8 rows at 16: rank 2's chunk of 3 (8, 8, 8)
+    (finding,) = diff_checkpoints(ref, broken(tmp_path, "r2", _set(HEAD, lambda x: x[16:].clone()))).findings
+    assert finding.kind == "partial_shard" and "rank 2's contiguous shard of 3" in finding.transform
+
+
+def test_round_trip_keeps_both_dtypes_honest(tmp_path) -> None:
+    # issue 22.4: float32 both sides, values rounded through bf16: precision_lost, and the evidence says so
+    ref = write(tmp_path / "ref", model())
+    bad = broken(tmp_path, "rt", _set(NORM, lambda x: x.bfloat16().float()))
+    (finding,) = diff_checkpoints(ref, bad).findings
+    assert finding.kind == "precision_lost"
+    assert finding.evidence["expected_dtype"] == finding.evidence["actual_dtype"] == "float32"
+    assert "rounded to bfloat16" in finding.hint

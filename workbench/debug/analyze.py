@@ -1,7 +1,8 @@
 """Explain why one tensor differs from its reference: find the transform that reproduces it exactly.
 
 Order of questions: dtype (a cast?), then shape (replicated, one shard, padding, transposed), then
-values (a permutation from the layout or small factors, a precision round trip). The first
+values (a permutation from the layout or small factors, one shard in every slot, a precision round trip:
+``precision_lost``, never ``dtype_mismatch``, since both dtypes are the same). The first
 hypothesis that the data matches bit for bit becomes the finding; if none does, the finding says
 what differs (shapes, max abs diff, how many elements) so a person can look further.
 """
@@ -78,9 +79,36 @@ def analyze_pair(ref: TensorView, act: TensorView, hints: Sequence[Hint], block_
     return _value_mismatch(ref, act, key, evidence, block_bytes)
 
 
+_MAX_ORDER = 64  # block orders longer than this are not put into the evidence
+
+
+def block_order(src: torch.Tensor) -> tuple[int, list[int]] | None:
+    """``(block length, order)`` of a slice map made of equal blocks (``order[q]``: the reference block that actual
+    block ``q`` holds); None for maps with padding or more than ``_MAX_ORDER`` blocks."""
+    n = len(src)
+    if n == 0 or bool((src < 0).any()):
+        return None
+    breaks = torch.nonzero(src[1:] != src[:-1] + 1).flatten() + 1
+    block = math.gcd(n, *breaks.tolist(), *src[torch.cat([torch.zeros(1, dtype=torch.int64), breaks])].tolist())
+    if n // block > _MAX_ORDER:
+        return None
+    return block, (src[::block] // block).tolist()
+
+
 def _finding(c: Candidate, key: str, evidence: dict[str, Any], extra: dict[str, Any] | None = None) -> Finding:
     ev = {**evidence, "transform": c.transform, **{k: v for k, v in c.details if v is not None}, **(extra or {})}
+    if c.kind in ("permuted", "partial_shard") and len(c.src) == _length(evidence, c.dim):
+        found = block_order(c.src)
+        if found is not None and found[1] != sorted(found[1]):
+            ev.update(dim=c.dim, block_rows=found[0], order=found[1])
     return Finding(c.kind, key, ev, c.hint)
+
+
+def _length(evidence: dict[str, Any], dim: int) -> int:
+    shape = evidence.get("expected_shape") or []
+    if dim == 0:
+        return shape[0] if shape else 1
+    return math.prod(shape[1:]) if len(shape) > 1 else -1
 
 
 def _try(candidates, ref, act, sig_ref, sig_act, key, evidence, block_bytes) -> Finding | None:
@@ -131,7 +159,9 @@ def _permuted(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes) -> 
     dims = [0] + ([1] if sig_ref.s1 is not None and len(ref.shape) >= 2 else [])
     dims.sort(key=lambda d: 0 if any(h.dim == d for h in hints) else 1)
     for dim in dims:
-        found = _try(same_length_candidates(ref.shape[dim], dim, hints, key),
+        s_ref = sig_ref.s0 if dim == 0 else sig_ref.s1
+        s_act = sig_act.s0 if dim == 0 else sig_act.s1
+        found = _try(same_length_candidates(ref.shape[dim], dim, hints, key, s_ref, s_act),
                      ref, act, sig_ref, sig_act, key, evidence, block_bytes)
         if found is not None:
             return found
@@ -193,10 +223,11 @@ def _dtype(ref, act, key, evidence, block_bytes) -> Finding:
 def _round_trip(ref, act, key, evidence, block_bytes) -> Finding | None:
     for low in _ROUND_TRIPS.get(ref.dtype, ()):
         if _blockwise_equal(ref, act, lambda t, low=low: t.to(low).to(ref.dtype), block_bytes):
-            return Finding("dtype_mismatch", key, {**evidence, "transform": f"round trip through {_name(low)}",
+            return Finding("precision_lost", key, {**evidence, "transform": f"round trip through {_name(low)}",
                                                    "verified": "bit for bit"},
-                           f"the values are the reference rounded to {_name(low)} and back: a {_name(low)} copy "
-                           f"was saved as {_name(ref.dtype)}; save from the full-precision weights")
+                           f"the dtype is right ({_name(ref.dtype)}) but the values are the reference rounded to "
+                           f"{_name(low)} and back: a {_name(low)} copy (compute weights, a cast before saving) was "
+                           f"written as {_name(ref.dtype)}; save from the full-precision weights")
     return None
 
 

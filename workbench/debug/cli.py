@@ -21,15 +21,24 @@ _DIFF = """Compare checkpoint B with the reference A key by key; for every tenso
 transform that reproduces it exactly (interleave gathered as contiguous, rank order, gate/up swap,
 transpose, replicated concat, one shard only, untrimmed padding, renamed keys, dtype round trips).
 
+A checkpoint saved by workbench carries the layout it was saved with (workbench_layout.toml): each differing
+key then names the ranks whose shards differ, and each missing key the ranks that held it.
+
 examples:
   workbench diff exp/hf-100-good exp/hf-100
-  workbench diff exp/good exp/suspect --layout sample_meshes/toy_expert_tp.toml --json"""
+  workbench diff exp/good exp/suspect --layout sample_meshes/toy_expert_tp.toml --json
+  workbench diff exp/good exp/suspect --layout my_model.toml     # written by wb.save_layout(layout, path)"""
 _DIAGNOSE = """Say what is wrong with a checkpoint, judged against a reference checkpoint (values compared)
 or a layout file (keys, shapes and dtypes; shape bugs named from the layout's cuts).
 
 examples:
   workbench diagnose exp/hf-100 --expected exp/hf-100-good
+  workbench diagnose exp/hf-100 --expected exp/hf-100-good --layout exp/hf-90   # the layout exp/hf-90 was saved with
   workbench diagnose exp/hf-100 --expected sample_meshes/toy_expert_tp.toml --json"""
+
+
+_LAYOUT_HELP = ("the training layout: a layout file (TOML, e.g. written by wb.save_layout) or a checkpoint folder "
+                "that carries one (workbench_layout.toml); its cuts are tried first and its ranks named")
 
 
 def _block(text: str) -> int:
@@ -56,7 +65,7 @@ def register(subparsers: Any) -> None:
                               description=_DIFF, formatter_class=fmt)
     p.add_argument("a", help="the reference checkpoint")
     p.add_argument("b", help="the checkpoint to judge")
-    p.add_argument("--layout", default=None, help="training layout file (TOML): its cuts are tried first")
+    p.add_argument("--layout", default=None, help=_LAYOUT_HELP)
     p.add_argument("--block-size", type=_block, default=32 << 20, help="largest read at once (default 32MiB)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_diff)
@@ -65,7 +74,7 @@ def register(subparsers: Any) -> None:
                               description=_DIAGNOSE, formatter_class=fmt)
     p.add_argument("path", help="the checkpoint to judge")
     p.add_argument("--expected", required=True, help="reference checkpoint, or layout file (.toml)")
-    p.add_argument("--layout", default=None, help="with a reference checkpoint: the training layout (TOML)")
+    p.add_argument("--layout", default=None, help="with a reference checkpoint: " + _LAYOUT_HELP)
     p.add_argument("--block-size", type=_block, default=32 << 20, help="largest read at once (default 32MiB)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_diagnose)
@@ -79,8 +88,16 @@ def _emit(result: Any, as_json: bool) -> int:
 def _load_layout(path: str | None) -> Any:
     if path is None:
         return None
-    from workbench.layout.layout_file import load_layout
+    from pathlib import Path
 
+    from workbench.errors import LayoutFileError
+    from workbench.layout.layout_file import LAYOUT_FILE_NAME, load_layout, read_checkpoint_layout
+
+    if Path(path).is_dir():
+        layout = read_checkpoint_layout(path)
+        if layout is None:
+            raise LayoutFileError(f"--layout {path}: a folder without {LAYOUT_FILE_NAME}; give a layout file (TOML)")
+        return layout
     return load_layout(path)
 
 
@@ -90,17 +107,28 @@ def _inspect(args: argparse.Namespace) -> int:
     return _emit(inspect_checkpoint(args.path, allow_pickle=args.allow_pickle), args.json)
 
 
+def _unreadable(command: str, exc: Exception) -> int:
+    print(f"workbench {command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+    return 2
+
+
 def _diff(args: argparse.Namespace) -> int:
     from workbench.debug.diff import diff_checkpoints
 
-    return _emit(diff_checkpoints(args.a, args.b, layout=_load_layout(args.layout), block_bytes=args.block_size),
-                 args.json)
+    try:
+        report = diff_checkpoints(args.a, args.b, layout=_load_layout(args.layout), block_bytes=args.block_size)
+    except (OSError, ValueError) as exc:  # an unreadable layout file, a read that failed: could not judge (2)
+        return _unreadable("diff", exc)
+    return _emit(report, args.json)
 
 
 def _diagnose(args: argparse.Namespace) -> int:
     from workbench.debug.diagnose import diagnose
 
-    report = diagnose(args.path, args.expected, layout=_load_layout(args.layout), block_bytes=args.block_size)
+    try:
+        report = diagnose(args.path, args.expected, layout=_load_layout(args.layout), block_bytes=args.block_size)
+    except (OSError, ValueError) as exc:
+        return _unreadable("diagnose", exc)
     return _emit(report, args.json)
 
 

@@ -9,11 +9,15 @@ from typing import Any
 
 import torch
 
+from workbench.debug.damage import damaged_keys
 from workbench.debug.diff import compare_sources, diff_checkpoints, open_checkpoint
 from workbench.debug.findings import Finding, Report
+from workbench.debug.provenance import held_by
 from workbench.debug.renames import find_renames, rename_hint
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, MemorySource
+from workbench.debug.transforms import chunk_shard
 from workbench.io.index import safetensors_dtype
+from workbench.layout.chunking import local_sizes
 from workbench.layout.model_layout import Layout
 
 __all__ = ["diagnose"]
@@ -73,14 +77,15 @@ def diagnose(
         act.close()
 
 
-def _expected_keys(layout: Layout) -> dict[str, tuple[tuple[int, ...], str, str]]:
-    """``{hf_key: (checkpoint shape, safetensors dtype, parameter)}`` the layout promises."""
+def _expected_keys(layout: Layout) -> dict[str, tuple[tuple[int, ...], str | None, str]]:
+    """``{hf_key: (checkpoint shape, safetensors dtype or None when the layout gives none, parameter)}``."""
     out = {}
     for name, spec in layout.specs.items():
         shape = list(spec.visible_shape)
         if spec.fused_dim is not None:
             shape[spec.fused_dim] //= len(spec.hf_keys)
-        dtype = safetensors_dtype(layout.dtype(name))
+        given = layout.given_dtype(name)
+        dtype = None if given is None else safetensors_dtype(given)
         for key in spec.hf_keys:
             out[key] = (tuple(shape), dtype, name)
     return out
@@ -100,13 +105,18 @@ def _explain_shape(layout: Layout, name: str, want: tuple[int, ...], got: tuple[
                     "trim the tail padding to origin_shape before saving")
         for shard in spec.shards:
             w = layout.mesh.group_size(shard.mesh_dim)
-            if shard.dim == d and w > 1 and m in {-(-n // w), n // w}:
+            if shard.dim == d and w > 1 and 0 < m < n and m in local_sizes(n, w, shard.interleave_factor):
                 return ("partial_shard", f"the shape of one rank's shard under {shard} ({w} ranks)",
                         "only a local shard was saved: save full tensors (full_tensor() or wb.save_hf)")
         cut = math.prod(layout.mesh.group_size(s.mesh_dim) for s in spec.shards)
         if m > n and m % n == 0 and m // n <= layout.mesh.size // max(1, cut):
             return ("replicated_concat", f"{m // n} copies concatenated on dim {d}",
                     "a replicated tensor was gathered as if sharded: save one copy")
+        if 0 < m < n and chunk_shard(n, 0, m) is None:
+            return ("shape_mismatch", f"{m} of the {n} expected slices on dim {d}: no rank's shard under torch's "
+                    "chunk rule has that length",
+                    "the tensor is shorter than the layout's and no shard split gives its length: the write stopped "
+                    "early, or it was cut by hand; save the whole tensor")
     return "shape_mismatch", "", "the checkpoint's shape is not the layout's: saved from another model config?"
 
 
@@ -117,9 +127,10 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
         return Report(subject=subject, reference=reference, findings=findings, stats={"error": error}, readable=False)
     try:
         metas = act.metas()
+        damaged = damaged_keys(act)
         expected = _expected_keys(layout)
-        out = list(findings)
-        missing = [k for k in expected if k not in metas]
+        out = list(findings) + [f for f in damaged.values() if f is not None]
+        missing = [k for k in expected if k not in metas and k not in damaged]
         unexpected = [k for k in metas if k not in expected]
         renames = find_renames(missing, unexpected, lambda e, a: expected[e][0] == metas[a].shape)
         renamed = {r.expected: r.actual for r in renames}
@@ -130,8 +141,9 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
         for k in missing:
             if k not in renamed:
                 out.append(Finding("missing_key", k, {"expected_shape": list(expected[k][0]),
-                                                      "parameter": expected[k][2]},
-                                   "the layout has this key but the checkpoint does not: re-save with it"))
+                                                      "parameter": expected[k][2], **held_by(layout, k)},
+                                   "the layout has this key but the checkpoint does not: re-save with it (keys of "
+                                   "other EP or PP ranks dropped while consolidating?)"))
         for k in unexpected:
             if k not in done:
                 out.append(Finding("unexpected_key", k, {"shape": list(metas[k].shape), "dtype": metas[k].dtype},
@@ -147,12 +159,15 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
                 if transform:
                     evidence.update(transform=transform, verified=_SHAPES_ONLY)
                 out.append(Finding(kind, stored, evidence, hint))
-            elif meta.dtype != dtype:
+            elif dtype is not None and meta.dtype != dtype:
                 out.append(Finding("dtype_mismatch", stored, {**evidence, "expected_dtype": dtype,
                                                               "actual_dtype": meta.dtype},
                                    "stored in another dtype than the layout's: check the save dtype and "
                                    "fp32_keys_pattern"))
         stats: dict[str, Any] = {"keys": len(metas), "expected_keys": len(expected)}
+        unknown = sum(1 for n in layout.specs if layout.given_dtype(n) is None)
+        if unknown:
+            stats["dtypes_not_checked"] = f"{unknown} parameter(s) whose layout gives no dtype"
         fps = {m.get("layout") for m in act.index.file_metadata.values() if m.get("layout")}
         if fps:
             mine = layout.fingerprint()

@@ -1,23 +1,31 @@
 """diff_checkpoints: compare a checkpoint with a reference, key by key, and explain every difference.
 
 Equal tensors cost one streamed hash of each side (content fingerprints); only tensors that differ are
-analyzed (``analyze.analyze_pair``). With a ``Layout``, fused parameters are analyzed as one tensor (a
-gather bug moves rows across HF keys) and the layout's cuts (W, F) are tried first.
+analyzed (``analyze.analyze_pair``). The same fingerprints find keys holding another key's bytes anywhere in
+the checkpoint (swapped experts, gate and up in the wrong slot), looked up by value, never compared pair by
+pair; the dim-0 halves of differing keys are hashed to find fused halves in the wrong slot. With a ``Layout``,
+fused parameters are analyzed as one tensor (a gather bug moves rows across HF keys) and the layout's cuts
+(W, F) are tried first. Keys of missing, truncated or unparsable files are findings; the rest is compared.
 """
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from pathlib import Path
 from typing import Any
 
 from workbench.debug.analyze import analyze_pair
+from workbench.debug.damage import damaged_keys
 from workbench.debug.findings import Finding, Report
 from workbench.debug.integrity import scan_for_findings
+from workbench.debug.provenance import held_by, same_shape, written_from
 from workbench.debug.renames import find_renames, rename_hint
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, CheckpointSource, KeyMeta, Source
 from workbench.debug.transforms import Hint
 from workbench.debug.views import TensorView
+from workbench.errors import LayoutError
+from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
 from workbench.layout.model_layout import Layout
 from workbench.mesh import format_mesh_dim
 
@@ -49,14 +57,155 @@ def layout_hints(layout: Layout | None) -> dict[str, tuple[tuple[Hint, ...], str
     return out
 
 
-def _swap_partner(key: str, ref: Source, act: Source, metas: Mapping[str, KeyMeta]) -> str | None:
-    """Another reference key (same parent, same meta) whose bytes ``act[key]`` holds."""
-    parent = key.rsplit(".", 2)[0]
-    fp = act.fingerprint(key)
-    for other, meta in metas.items():
-        if other != key and other.rsplit(".", 2)[0] == parent and meta == metas[key] and ref.fingerprint(other) == fp:
-            return other
-    return None
+_MAX_BLAMED = 256  # differing keys whose ranks are named from the checkpoint's layout (each costs one more read)
+
+
+class _Fingerprints:
+    """Content fingerprints of a source's keys, whole and by dim-0 half, indexed for lookups by value.
+
+    One streamed read of a key hashes each of its two dim-0 halves (when dim 0 is even) and the whole key is the
+    hash of its meta and those two: equal keys are found at the cost of the read the equality pass makes anyway,
+    and the halves (fused gate/up) come for free. A lookup by (shape, dtype) indexes the keys of that meta once.
+    """
+
+    def __init__(self, source: Source, metas: Mapping[str, KeyMeta], block_bytes: int) -> None:
+        self.source = source
+        self.metas = metas
+        self.block_bytes = block_bytes
+        self._by_meta: dict[KeyMeta, list[str]] = {}
+        for key, meta in metas.items():
+            self._by_meta.setdefault(meta, []).append(key)
+        self._whole: dict[str, str] = {}
+        self._halves: dict[str, tuple[str, str]] = {}
+        self._index: dict[KeyMeta, dict[str, list[str]]] = {}
+        self._half_index: dict[KeyMeta, dict[str, tuple[str, int]]] = {}
+
+    def of(self, key: str) -> str:
+        """The fingerprint of the whole key."""
+        found = self._whole.get(key)
+        if found is None:
+            meta = self.metas[key]
+            split = meta.nbytes // 2 if len(meta.shape) >= 1 and meta.rows >= 2 and meta.rows % 2 == 0 else 0
+            parts = [_digest(self.source, key, 0, split, self.block_bytes)] if split else []
+            parts.append(_digest(self.source, key, split, meta.nbytes, self.block_bytes))
+            if split:
+                self._halves[key] = (parts[0], parts[1])
+            found = self._whole[key] = hashlib.blake2b(f"{meta.dtype}{list(meta.shape)}{parts}".encode(),
+                                                       digest_size=16).hexdigest()
+        return found
+
+    def halves(self, key: str) -> tuple[str, str] | None:
+        """The fingerprints of the two dim-0 halves (None unless dim 0 is even and > 1)."""
+        self.of(key)
+        return self._halves.get(key)
+
+    def keys_with(self, meta: KeyMeta, fingerprint: str) -> list[str]:
+        """The keys of ``meta`` whose bytes have ``fingerprint``."""
+        index = self._index.get(meta)
+        if index is None:
+            index = self._index[meta] = {}
+            for key in self._by_meta.get(meta, ()):
+                index.setdefault(self.of(key), []).append(key)
+        return index.get(fingerprint, [])
+
+    def half_with(self, meta: KeyMeta, fingerprint: str) -> tuple[str, int] | None:
+        """``(key, half)``: a key of ``meta`` whose dim-0 half ``half`` has ``fingerprint``."""
+        index = self._half_index.get(meta)
+        if index is None:
+            index = self._half_index[meta] = {}
+            for key in self._by_meta.get(meta, ()):
+                for h, fp in enumerate(self.halves(key) or ()):
+                    index.setdefault(fp, (key, h))
+        return index.get(fingerprint)
+
+
+def _digest(source: Source, key: str, start: int, stop: int, block: int) -> str:
+    digest = hashlib.blake2b(digest_size=16)
+    for a in range(start, stop, block):
+        digest.update(source.read_raw(key, a, min(stop, a + block)))
+    return digest.hexdigest()
+
+
+def _all_zero(source: Source, key: str, nbytes: int, block: int = DEFAULT_BLOCK_BYTES) -> bool:
+    for a in range(0, nbytes, block):
+        raw = source.read_raw(key, a, min(nbytes, a + block))
+        if raw.count(0) != len(raw):
+            return False
+    return True
+
+
+def _is_gate_up(a: str, b: str) -> bool:
+    words = {w for k in (a, b) for w in k.replace("_", ".").split(".")}
+    return {"gate", "up"} <= words or {"w1", "w3"} <= words
+
+
+def _misplaced(rk: str, ak: str, ref_fp: _Fingerprints, act_fp: _Fingerprints,
+               act_of: Mapping[str, str]) -> Finding | None:
+    """``act[ak]`` holds the bytes of another reference key (anywhere in the checkpoint): swapped or copied."""
+    meta = act_fp.metas[ak]
+    holders = [k for k in ref_fp.keys_with(meta, act_fp.of(ak)) if k != rk]
+    if not holders:
+        return None
+
+    def mutual(other: str) -> bool:
+        partner = act_of.get(other)
+        return partner is not None and act_fp.metas[partner] == ref_fp.metas[rk] and \
+            act_fp.of(partner) == ref_fp.of(rk)
+
+    swapped = [k for k in holders if mutual(k)]
+    other = (swapped or holders)[0]
+    if not swapped and _all_zero(ref_fp.source, other, meta.nbytes):
+        return None  # an all-zero tensor matches any zero buffer: the value analysis says "all zeros"
+    what = "gate/up " if _is_gate_up(rk, other) else ""
+    if swapped:
+        transform = f"{what}swapped with {act_of[other]} (each holds the other's tensor)"
+        hint = ("two keys were swapped (the fused order, the key map, or an expert or layer index off by one): swap "
+                "them back (the transform names the partner)")
+    else:
+        transform = f"holds a copy of {other}'s tensor (which {act_of.get(other, other)} holds too)"
+        hint = ("this key was written with another key's tensor (a wrong index in the key map or the conversion "
+                "loop): write each key from its own parameter")
+    evidence = {"transform": transform, "expected_shape": list(ref_fp.metas[rk].shape), "verified": "by content hash"}
+    if meta.shape != ref_fp.metas[rk].shape:
+        evidence["actual_shape"] = list(meta.shape)
+    if len(holders) > 1:
+        evidence["same_bytes_as"] = holders[:5]
+    return Finding("misplaced_tensor", ak, evidence, hint)
+
+
+def _misplaced_halves(rk: str, ak: str, ref_fp: _Fingerprints, act_fp: _Fingerprints) -> Finding | None:
+    """The dim-0 halves of ``act[ak]`` hold halves of (other) reference keys: fused gate/up in the wrong slot."""
+    mine = act_fp.halves(ak)
+    if mine is None:
+        return None
+    meta = act_fp.metas[ak]
+    found = [ref_fp.half_with(meta, fp) for fp in mine]
+    moved = [h for h, hit in enumerate(found) if hit is not None and hit != (rk, h)]
+    if not moved or found == [(rk, 1), (rk, 0)]:
+        return None  # each half is its own or unknown; or the key's own halves swapped (the value analysis names it)
+    n = meta.rows // 2
+    parts = []
+    for h, hit in enumerate(found):
+        rows = f"rows {h * n}:{(h + 1) * n}"
+        parts.append(f"{rows} hold rows {hit[1] * n}:{(hit[1] + 1) * n} of {hit[0]}" if hit
+                     else f"{rows} match no half of a reference key")
+    keys = sorted({hit[0] for hit in found if hit})
+    hint = ("the halves of this fused key come from the wrong keys (gate and up, or two experts, written into each "
+            "other's slot): build each fused key from its own parameter's halves, in the model's order")
+    return Finding("misplaced_tensor", ak, {"transform": "; ".join(parts), "expected_shape": list(meta.shape),
+                                            "source_keys": keys, "verified": "by content hash of each half"}, hint)
+
+
+def _checkpoint_layout(source: Source) -> tuple[Layout | None, str]:
+    """The layout a checkpoint was saved with (``LAYOUT_FILE_NAME`` in its folder), and a note about it."""
+    index = getattr(source, "index", None)
+    if index is None:
+        return None, ""
+    try:
+        layout = read_checkpoint_layout(index.directory)
+    except (LayoutError, OSError, ValueError) as exc:
+        return None, f"{LAYOUT_FILE_NAME} cannot be used: {exc}"
+    return layout, "" if layout is None else f"{LAYOUT_FILE_NAME} ({layout.name}, {layout.mesh!r})"
 
 
 def compare_sources(
@@ -69,14 +218,32 @@ def compare_sources(
     subject: str = "",
     reference: str = "",
 ) -> Report:
-    """Compare every key of ``act`` with ``ref``: missing, unexpected and renamed keys, then values.
+    """Compare every key of ``act`` with ``ref``: missing, unexpected, renamed and misplaced keys, then values.
 
-    Healthy pairs give no finding. ``findings`` (integrity problems found while opening) are included.
+    Healthy pairs give no finding. ``findings`` (integrity problems found while opening) are included. Keys whose
+    bytes cannot be read (a missing, truncated or unparsable file) are findings and the rest is compared. When
+    ``act`` is a checkpoint that carries the layout it was saved with (``LAYOUT_FILE_NAME``), or else with
+    ``layout``, each differing key names the ranks whose shards differ and each missing key the ranks that held it.
     """
-    ref_metas, act_metas = ref.metas(), act.metas()
+    saved_layout, layout_note = _checkpoint_layout(act)
+    provenance = saved_layout or layout
     out = list(findings)
-    missing = [k for k in ref_metas if k not in act_metas]
-    unexpected = [k for k in act_metas if k not in ref_metas]
+    ref_damage, act_damage = damaged_keys(ref), damaged_keys(act)
+    out += [f for f in act_damage.values() if f is not None]
+    out += [Finding(f.kind, f.key, {**f.evidence, "side": "reference"}, f.hint) for f in ref_damage.values() if f]
+    ref_metas = {k: m for k, m in ref.metas().items() if k not in ref_damage}
+    act_metas = {k: m for k, m in act.metas().items() if k not in act_damage}
+    stats: dict[str, Any] = {"keys": len(act_metas), "expected_keys": len(ref_metas)}
+    for side, source, metas, damage in (("reference", ref, ref_metas, ref_damage), ("", act, act_metas, act_damage)):
+        if not metas and damage:
+            where = f"{side}: " if side else ""
+            stats["error"] = f"{where}none of the {len(damage)} key(s) of {source.label} can be read"
+            return Report(subject=subject or act.label, reference=reference or ref.label, findings=tuple(out),
+                          stats=stats, readable=False)
+    if layout_note:
+        stats["layout_file"] = layout_note
+    missing = [k for k in ref_metas if k not in act_metas and k not in act_damage]
+    unexpected = [k for k in act_metas if k not in ref_metas and k not in ref_damage]
 
     def same(expected: str, actual: str) -> bool:
         a, b = ref_metas[expected], act_metas[actual]
@@ -91,78 +258,117 @@ def compare_sources(
         pairs.append((r.expected, r.actual))
     swapped_into = {r.actual for r in renames}
     rest_unexpected = [k for k in unexpected if k not in swapped_into]
-    # keys renamed with no common rule but the same bytes
-    by_fp: dict[tuple[KeyMeta, str], str] = {}
-    wanted = {act_metas[u] for u in rest_unexpected}
-    for m in missing:
-        if m not in renamed and ref_metas[m] in wanted:
-            by_fp[(ref_metas[m], ref.fingerprint(m))] = m
+    ref_fp, act_fp = _Fingerprints(ref, ref_metas, block_bytes), _Fingerprints(act, act_metas, block_bytes)
+    # keys renamed with no common rule but the same bytes (any missing key of the same shape and dtype)
+    left_missing = {m for m in missing if m not in renamed}
     for u in list(rest_unexpected):
-        m = by_fp.pop((act_metas[u], act.fingerprint(u)), None) if by_fp else None
-        if m is not None:
-            renamed.add(m)
+        hits = [m for m in ref_fp.keys_with(act_metas[u], act_fp.of(u)) if m in left_missing and m not in renamed]
+        if hits:
+            renamed.add(hits[0])
             rest_unexpected.remove(u)
-            out.append(Finding("renamed_key", u, {"expected_key": m, "transform": "same bytes under another name"},
-                               rename_hint([])))
+            out.append(Finding("renamed_key", u, {"expected_key": hits[0], "transform": "same bytes under another "
+                                                  "name"}, rename_hint([])))
+            pairs.append((hits[0], u))
     for m in missing:
         if m not in renamed:
             meta = ref_metas[m]
-            out.append(Finding("missing_key", m, {"expected_shape": list(meta.shape), "expected_dtype": meta.dtype},
-                               "the checkpoint lacks this key: was it filtered out by the key map, or did its "
-                               "writer rank fail? Re-save with it"))
+            evidence = {"expected_shape": list(meta.shape), "expected_dtype": meta.dtype}
+            if provenance is not None:
+                evidence.update(held_by(provenance, m))
+            out.append(Finding("missing_key", m, evidence,
+                               "the checkpoint lacks this key: was it filtered out by the key map, dropped while "
+                               "consolidating (keys of other EP or PP ranks), or did its writer rank fail? Re-save "
+                               "with it"))
     for u in rest_unexpected:
         meta = act_metas[u]
         out.append(Finding("unexpected_key", u, {"shape": list(meta.shape), "dtype": meta.dtype},
                            "the reference has no such key: an extra buffer, a key from another model, or a "
                            "rename the key map misses; drop it or map it"))
 
-    hints = layout_hints(layout)
+    hints = layout_hints(layout or provenance)
     mismatched: list[tuple[str, str]] = []
     equal = 0
+    unreadable: dict[str, Finding] = {}
     for rk, ak in pairs:
-        if ref_metas[rk] == act_metas[ak] and ref.fingerprint(rk) == act.fingerprint(ak):
-            equal += 1
-        else:
-            mismatched.append((rk, ak))
+        try:
+            if ref_metas[rk] == act_metas[ak] and ref_fp.of(rk) == act_fp.of(ak):
+                equal += 1
+                continue
+        except OSError as exc:  # the file changed or shrank after it was scanned
+            unreadable[ak] = _read_error(ak, exc)
+            continue
+        mismatched.append((rk, ak))
+    out += unreadable.values()
+    act_of = {rk: ak for rk, ak in pairs}
+    data_findings: list[tuple[Finding, list[tuple[str, str]]]] = []
     handled: set[str] = set()
-    if layout is not None:
+    if layout is not None or provenance is not None:
+        fused_layout = layout or provenance
         pair_of = dict(mismatched)
-        everywhere = {rk: ak for rk, ak in pairs}
-        for name, spec in layout.specs.items():
+        for name, spec in fused_layout.specs.items():
             keys = spec.hf_keys
             if len(keys) < 2 or spec.fused_dim != 0 or not any(k in pair_of for k in keys):
                 continue
-            if not all(k in everywhere for k in keys):
+            if not all(k in act_of for k in keys):
                 continue
             rv = TensorView(ref, keys, name)
-            av = TensorView(act, tuple(everywhere[k] for k in keys), name)
+            av = TensorView(act, tuple(act_of[k] for k in keys), name)
             if rv.dtype is None or av.dtype is None or rv.shape != av.shape or rv.dtype != av.dtype:
                 continue
             finding = analyze_pair(rv, av, hints[keys[0]][0], block_bytes)
             if finding.transform is not None:
-                out.append(finding)
+                data_findings.append((finding, [(k, act_of[k]) for k in keys]))
                 handled.update(keys)
     for rk, ak in mismatched:
         if rk in handled:
             continue
-        partner = None
-        if ref_metas[rk] == act_metas[ak] and rk == ak:
-            partner = _swap_partner(rk, ref, act, ref_metas)
-        if partner is not None:
-            what = "gate/up swapped: " if {"gate", "up"} & set(partner.replace("_", ".").split(".")) else ""
-            out.append(Finding("permuted", ak, {"transform": f"{what}holds the data of {partner}",
-                                                "expected_shape": list(ref_metas[rk].shape), "verified": "bit for bit"},
-                               f"this key holds {partner}'s tensor: the two keys were swapped (fused order or key "
-                               "map); swap them back"))
+        try:
+            finding = _misplaced(rk, ak, ref_fp, act_fp, act_of)
+            if finding is None:
+                key_hints = hints.get(rk, ((), ""))[0]
+                finding = analyze_pair(TensorView(ref, (rk,), rk), TensorView(act, (ak,), ak), key_hints, block_bytes)
+                if finding.transform is None and ref_metas[rk] == act_metas[ak]:
+                    finding = _misplaced_halves(rk, ak, ref_fp, act_fp) or finding
+        except OSError as exc:
+            out.append(_read_error(ak, exc))
             continue
-        key_hints = hints.get(rk, ((), ""))[0]
-        out.append(analyze_pair(TensorView(ref, (rk,), rk), TensorView(act, (ak,), ak), key_hints, block_bytes))
-    stats: dict[str, Any] = {"keys": len(act_metas), "expected_keys": len(ref_metas), "equal": equal,
-                             "differing": len(mismatched)}
+        data_findings.append((finding, [(rk, ak)]))
+    for i, (finding, keys) in enumerate(data_findings):
+        if provenance is not None and i < _MAX_BLAMED:
+            finding = _with_ranks(finding, keys, ref, act, ref_metas, act_metas, provenance, block_bytes)
+        out.append(finding)
+    stats.update(equal=equal, differing=len(mismatched))
     read = sum(getattr(s, "bytes_read", 0) for s in (ref, act))
     if read:
         stats["bytes_read"] = read
     return Report(subject=subject or act.label, reference=reference or ref.label, findings=tuple(out), stats=stats)
+
+
+def _read_error(key: str, exc: OSError) -> Finding:
+    if "short read" not in str(exc):
+        raise exc
+    return Finding("truncated_file", key, {"detail": str(exc)},
+                   "the file ended before this key's data while it was read (it shrank after the scan, or is being "
+                   "written): re-run on a finished checkpoint")
+
+
+def _with_ranks(finding: Finding, keys: list[tuple[str, str]], ref: Source, act: Source,
+                ref_metas: Mapping[str, KeyMeta], act_metas: Mapping[str, KeyMeta], layout: Layout,
+                block_bytes: int) -> Finding:
+    """``finding`` with the ranks whose shards of its keys differ (``written_from``, ``differing_ranks``)."""
+    texts, ranks = [], set()
+    for rk, ak in keys:
+        meta = act_metas[ak]
+        if ref_metas[rk] != meta or meta.torch_dtype is None or not same_shape(layout, rk, meta.shape):
+            continue
+        found = written_from(layout, rk, TensorView(ref, (rk,), rk), TensorView(act, (ak,), ak), block_bytes)
+        if found:
+            texts.append(found["written_from"])
+            ranks.update(found["differing_ranks"])
+    if not texts:
+        return finding
+    return Finding(finding.kind, finding.key, {**finding.evidence, "written_from": " | ".join(texts),
+                                               "differing_ranks": sorted(ranks)}, finding.hint)
 
 
 def diff_checkpoints(

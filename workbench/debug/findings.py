@@ -1,4 +1,9 @@
-"""Finding and Report: what a diagnosis found, with the evidence and the fix, as text, HTML and JSON."""
+"""Finding and Report: what a diagnosis found, with the evidence and the fix, as text, HTML and JSON.
+
+A report shows its findings grouped (``FindingGroup``): one group per kind and fix, its keys summarized by layer
+pattern (``model.layers.{0..3}.mlp.experts.{0..2}.w1.weight``, as the layout summary groups parameters), the
+evidence every member shares once, the first keys' own evidence, and the fix once.
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "Finding", "Report"]
+__all__ = ["KINDS", "Finding", "FindingGroup", "Report"]
 
 # DESIGN.md section 6: the diagnosis vocabulary (a contract; order = how reports sort them).
 KINDS: tuple[str, ...] = (
@@ -20,16 +25,19 @@ KINDS: tuple[str, ...] = (
     "missing_key",
     "unexpected_key",
     "renamed_key",
+    "misplaced_tensor",
     "shape_mismatch",
     "dtype_mismatch",
     "permuted",
     "replicated_concat",
     "partial_shard",
     "padding_not_trimmed",
+    "precision_lost",
     "value_mismatch",
 )
 _ORDER = {k: i for i, k in enumerate(KINDS)}
 _MAX_HTML_ROWS = 200
+_FIRST_KEYS = 3  # keys shown with their own evidence in a group
 
 
 @dataclass(frozen=True, slots=True)
@@ -78,6 +86,83 @@ class Finding:
 
 
 @dataclass(frozen=True, slots=True)
+class FindingGroup:
+    """Findings of one kind with one fix, summarized by layer pattern.
+
+    Attributes:
+        kind: the findings' kind; hint: their fix (said once); findings: the members, sorted by key.
+    """
+
+    kind: str
+    hint: str
+    findings: tuple[Finding, ...]
+
+    @property
+    def count(self) -> int:
+        """How many findings."""
+        return len(self.findings)
+
+    @property
+    def keys(self) -> tuple[str, ...]:
+        """The members' keys, in order."""
+        return tuple(f.key for f in self.findings)
+
+    @property
+    def patterns(self) -> tuple[tuple[str, int], ...]:
+        """``(layer pattern, count)`` of the keys, e.g. ``("model.layers.{0..3}.mlp.w1.weight", 4)``."""
+        from workbench.report.patterns import group_by_pattern
+
+        return tuple((g.pattern, len(g)) for g in group_by_pattern(k for k in self.keys if k))
+
+    @property
+    def shared(self) -> dict[str, Any]:
+        """The evidence every member has, with the same value."""
+        first = self.findings[0].evidence
+        return {k: v for k, v in first.items()
+                if all(k in f.evidence and _same_value(f.evidence[k], v) for f in self.findings[1:])}
+
+    def where(self) -> str:
+        """The keys as layer patterns with their counts (``'(checkpoint)'`` for a finding about no key)."""
+        if not any(self.keys):
+            return "(checkpoint)"
+        patterns = self.patterns
+        if len(patterns) == 1 and patterns[0][1] == 1:
+            return patterns[0][0]
+        return ", ".join(p if n == 1 else f"{p} ({n})" for p, n in patterns)
+
+    def to_dict(self) -> dict[str, Any]:
+        """A JSON-ready dict: kind, count, patterns, the shared evidence, the first keys and the fix."""
+        return {"kind": self.kind, "count": self.count, "patterns": [list(p) for p in self.patterns],
+                "evidence": _jsonable(self.shared), "first_keys": list(self.keys[:_FIRST_KEYS]), "hint": self.hint}
+
+    def to_text(self) -> str:
+        """One block: kind (x count) and where, the shared evidence, the first keys' own evidence, the fix."""
+        if self.count == 1:
+            return str(self.findings[0])
+        shared = self.shared
+        lines = [f"{self.kind + f' x{self.count}':<21} {self.where()}"]
+        if shared:
+            lines.append("    evidence (all): " + "; ".join(f"{k}={_short(v)}" for k, v in shared.items()))
+        for f in self.findings[:_FIRST_KEYS]:
+            own = "; ".join(f"{k}={_short(v)}" for k, v in f.evidence.items() if k not in shared)
+            lines.append(f"    {f.key or '(checkpoint)'}" + (f": {own}" if own else ""))
+        if self.count > _FIRST_KEYS:
+            lines.append(f"    ... and {self.count - _FIRST_KEYS} more")
+        if self.hint:
+            lines.append(f"    fix: {self.hint}")
+        return "\n".join(lines)
+
+    __str__ = to_text
+
+
+def _same_value(a: Any, b: Any) -> bool:
+    try:
+        return bool(a == b)
+    except Exception:  # values whose == is not a bool (tensors): not shared
+        return False
+
+
+@dataclass(frozen=True, slots=True)
 class Report:
     """The findings of ``diff_checkpoints`` or ``diagnose``; empty findings means healthy.
 
@@ -121,8 +206,15 @@ class Report:
         """The findings about one key."""
         return tuple(f for f in self.findings if f.key == key)
 
+    def groups(self) -> tuple[FindingGroup, ...]:
+        """The findings grouped by kind and fix (in kind order, then by first key)."""
+        by: dict[tuple[str, str], list[Finding]] = {}
+        for f in self.findings:
+            by.setdefault((f.kind, f.hint), []).append(f)
+        return tuple(FindingGroup(kind, hint, tuple(members)) for (kind, hint), members in by.items())
+
     def to_dict(self) -> dict[str, Any]:
-        """A JSON-ready dict (what ``--json`` prints)."""
+        """A JSON-ready dict (what ``--json`` prints): every finding, and the groups the text shows."""
         return {
             "subject": self.subject,
             "reference": self.reference,
@@ -130,6 +222,7 @@ class Report:
             "ok": self.ok,
             "kinds": self.kinds(),
             "findings": [f.to_dict() for f in self.findings],
+            "groups": [g.to_dict() for g in self.groups()],
             "stats": _jsonable(self.stats),
         }
 
@@ -137,20 +230,23 @@ class Report:
         """``to_dict`` as indented JSON."""
         return json.dumps(self.to_dict(), indent=2)
 
-    def to_text(self) -> str:
-        """A terminal report: the verdict, then one block per finding."""
-        against = f" against {self.reference}" if self.reference else ""
+    def _verdict(self) -> str:
         if not self.readable:
-            verdict = "could not be read"
-        elif not self.findings:
-            verdict = "healthy: no findings"
-        else:
-            counts = ", ".join(f"{n} {k}" for k, n in self.kinds().items())
-            verdict = f"{len(self.findings)} finding(s): {counts}"
-        lines = [f"{self.subject}{against}: {verdict}"]
+            return "could not be read"
+        if not self.findings:
+            return "healthy: no findings"
+        counts = ", ".join(f"{n} {k}" for k, n in self.kinds().items())
+        groups = len(self.groups())
+        grouped = f" in {groups} group(s)" if groups < len(self.findings) else ""
+        return f"{len(self.findings)} finding(s){grouped}: {counts}"
+
+    def to_text(self) -> str:
+        """A terminal report: the verdict, the stats, then one block per group of findings."""
+        against = f" against {self.reference}" if self.reference else ""
+        lines = [f"{self.subject}{against}: {self._verdict()}"]
         if self.stats:
             lines.append("  " + ", ".join(f"{k} {_short(v)}" for k, v in self.stats.items()))
-        lines.extend(str(f) for f in self.findings)
+        lines.extend(g.to_text() for g in self.groups())
         return "\n".join(lines)
 
     __str__ = to_text
@@ -166,23 +262,65 @@ class Report:
             return f"<pre>{html.escape(repr(self))}</pre>"
 
 
+# one colour per block of a reordering, the same block the same colour in the expected and the found order
+_PALETTE = ("#4e79a7", "#f28e2b", "#e15759", "#76b7b2", "#59a14f", "#edc948", "#b07aa1", "#ff9da7", "#9c755f",
+            "#bab0ac")
+_MAX_BLOCKS_DRAWN = 64
+
+
+def _strip(order: list[int], label: str) -> str:
+    cells = "".join(
+        f"<span title='block {b}' style='display:inline-block;min-width:16px;padding:0 2px;margin:0 1px;"
+        f"text-align:center;color:white;font-size:10px;background:{_PALETTE[b % len(_PALETTE)]}'>{b}</span>"
+        for b in order
+    )
+    return f"<div style='white-space:nowrap'><span style='display:inline-block;width:64px'>{label}</span>{cells}</div>"
+
+
+def order_html(finding: Finding) -> str:
+    """For a finding whose evidence has a block ``order`` (a reordering found bit for bit): the expected order of
+    the blocks beside the order found in the checkpoint, one colour per block; "" otherwise."""
+    order = finding.evidence.get("order")
+    if not isinstance(order, list | tuple) or not order or len(order) > _MAX_BLOCKS_DRAWN:
+        return ""
+    if not all(isinstance(b, int) for b in order):
+        return ""
+    rows = finding.evidence.get("block_rows")
+    unit = f" ({rows} slice(s) on dim {finding.evidence.get('dim', 0)} each)" if rows else ""
+    return (f"<div style='margin-top:4px;font-family:monospace'>"
+            f"{_strip(sorted(order), 'right')}{_strip(list(order), 'found')}"
+            f"<div style='font-size:10px;color:#555'>blocks in checkpoint order{html.escape(unit)}</div></div>")
+
+
 def _report_html(report: Report) -> str:
     esc = html.escape
     colour = "#1a7f37" if report.ok else ("#b42318" if not report.readable else "#9a6700")
     head = esc(report.to_text().splitlines()[0])
     rows = []
-    for f in report.findings[:_MAX_HTML_ROWS]:
-        evidence = "<br>".join(f"<b>{esc(str(k))}</b>: {esc(_short(v))}" for k, v in f.evidence.items())
+    groups = report.groups()
+    for g in groups[:_MAX_HTML_ROWS]:
+        shared = g.shared
+        evidence = "<br>".join(f"<b>{esc(str(k))}</b>: {esc(_short(v))}" for k, v in shared.items()
+                               if k not in ("order", "block_rows"))
+        if g.count > 1:
+            firsts = "".join(
+                f"<li><code>{esc(f.key)}</code>: "
+                + esc("; ".join(f"{k}={_short(v)}" for k, v in f.evidence.items() if k not in shared)) + "</li>"
+                for f in g.findings[:_FIRST_KEYS])
+            more = f"<li>... and {g.count - _FIRST_KEYS} more</li>" if g.count > _FIRST_KEYS else ""
+            evidence += f"<ul style='margin:2px 0;padding-left:16px'>{firsts}{more}</ul>"
+        picture = order_html(g.findings[0])
+        kind = esc(g.kind) + (f" &times;{g.count}" if g.count > 1 else "")
         rows.append(
-            f"<tr><td><code>{esc(f.kind)}</code></td><td><code>{esc(f.key)}</code></td>"
-            f"<td>{evidence}</td><td>{esc(f.hint)}</td></tr>"
+            f"<tr><td><code>{kind}</code></td><td><code>{esc(g.where())}</code></td>"
+            f"<td>{evidence}{picture}</td><td>{esc(g.hint)}</td></tr>"
         )
-    more = len(report.findings) - _MAX_HTML_ROWS
+    more = len(groups) - _MAX_HTML_ROWS
     if more > 0:
-        rows.append(f"<tr><td colspan=4>... and {more} more</td></tr>")
+        rows.append(f"<tr><td colspan=4>... and {more} more group(s)</td></tr>")
     table = (
         "<table style='border-collapse:collapse;font-size:12px'>"
-        "<tr style='text-align:left'><th>kind</th><th>key</th><th>evidence</th><th>fix</th></tr>"
+        "<tr style='text-align:left'><th>kind</th><th>keys</th><th>evidence</th><th>fix</th></tr>"
         + "".join(rows)
         + "</table>"
         if rows

@@ -11,11 +11,16 @@ interleaved gathered as     ``permuted``               block ``r*F + j`` holds b
 contiguous (W, F)
 contiguous treated as       ``permuted``               the inverse
 interleaved (W, F)
-wrong rank order            ``permuted``               reversed, or the two mesh dims of W swapped
+wrong rank order            ``permuted``               reversed, the two mesh dims of W swapped, or
+                                                       string-sorted (rank 10 before rank 2)
+interleave applied twice    ``permuted``               the interleave's map composed with itself
+one shard in every slot     ``partial_shard``          every block holds reference block ``k``
 gate/up halves swapped      ``permuted``               halves swapped (in each of k groups)
 transposed                  ``permuted``               ``actual = reference.T``
 replicated x W              ``replicated_concat``      ``i -> i % N``
-one shard only              ``partial_shard``          rank r's rows (contiguous or interleaved)
+one shard only              ``partial_shard``          rank r's rows (contiguous or interleaved), only
+                                                       where torch's chunk rule gives that piece
+a piece no split gives      ``shape_mismatch``         slices ``a:b`` of the reference
 padding not trimmed         ``padding_not_trimmed``    ``i -> i`` for ``i < N``, then padding
 ==========================  =========================  ==========================================
 
@@ -24,6 +29,7 @@ A candidate is reported only when the data matches it exactly (bit for bit, stre
 
 from __future__ import annotations
 
+import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -32,7 +38,8 @@ import torch
 from workbench.debug.signatures import Signatures
 from workbench.debug.views import TensorView, bits
 
-__all__ = ["Candidate", "Hint", "resized_candidates", "same_length_candidates", "verify_map", "verify_transpose"]
+__all__ = ["Candidate", "Hint", "chunk_shard", "resized_candidates", "same_length_candidates", "verify_map",
+           "verify_transpose"]
 
 SMALL_W = (2, 3, 4, 6, 8, 16, 32, 64)
 SMALL_F = (2, 3, 4, 8)
@@ -96,8 +103,11 @@ def _at(mesh_dim: str) -> str:
     return f"@{mesh_dim}" if mesh_dim else ""
 
 
-def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str) -> Iterator[Candidate]:
-    """Permutations of ``n`` slices along ``dim`` that real gathers produce, layout hints first."""
+def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str,
+                           sig_ref: torch.Tensor | None = None, sig_act: torch.Tensor | None = None
+                           ) -> Iterator[Candidate]:
+    """Permutations of ``n`` slices along ``dim`` that real gathers produce, layout hints first; with the slice
+    signatures, also "one rank's shard written into every rank's slot"."""
     fusedish = any(s in key for s in ("gate_up", "w13", "w1w3", "fused", "gate_proj"))
     if fusedish and n % 2 == 0:
         yield _halves(n, dim, 1)
@@ -121,11 +131,35 @@ def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str) ->
                             f"the tensor was cut contiguously but reassembled as if interleaved ({cut}): gather "
                             "a plain Shard with plain concatenation",
                             details)
+            for twice, how in (([order[o] for o in order], "gathered as contiguous"),
+                               ([inverse[o] for o in inverse], "undone")):
+                if twice not in (list(range(w * f)), order, inverse):
+                    yield Candidate("permuted", dim, _block_map(n, twice, g),
+                                    f"interleave {how} twice ({cut}{inside})",
+                                    f"the interleave of {cut} was {how} twice (a conversion applied on top of a save "
+                                    "that already did it, or a loop that converts every time): apply it once",
+                                    details)
         else:
             yield Candidate("permuted", dim, _block_map(n, list(range(w))[::-1], g),
                             f"rank order reversed (S({dim}){_at(mesh_dim)} over {w} ranks{inside})",
                             f"the {w} shards were concatenated in reverse rank order: gather in group-rank order",
                             details)
+            if w > 10:
+                yield Candidate("permuted", dim, _block_map(n, sorted(range(w), key=str), g),
+                                f"shards in string-sorted rank order (S({dim}){_at(mesh_dim)} over {w} ranks"
+                                f"{inside}: rank 10 before rank 2)",
+                                "the shard files or keys were sorted as strings ('rank_10' < 'rank_2'): sort them "
+                                "by rank number before concatenating",
+                                (*details, ("order", "string-sorted")))
+            repeated = _one_shard_everywhere(n, w, g, sig_ref, sig_act)
+            if repeated is not None:
+                yield Candidate("partial_shard", dim, _block_map(n, [repeated] * w, g),
+                                f"rank {repeated}'s shard written in every rank's slot (S({dim}){_at(mesh_dim)} over "
+                                f"{w} ranks{inside})",
+                                f"every rank wrote the piece of group rank {repeated} (the same local shard, or the "
+                                "same offset) instead of its own: each rank must write its own shard at its own "
+                                "offset",
+                                (*details, ("rank", repeated)))
             for w1 in range(2, w):
                 if w % w1 == 0:
                     w2 = w // w1
@@ -139,6 +173,21 @@ def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str) ->
     for k in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         if n % (2 * k) == 0 and not (k == 1 and fusedish):
             yield _halves(n, dim, k)
+
+
+def _one_shard_everywhere(n: int, w: int, g: int, sig_ref: torch.Tensor | None,
+                          sig_act: torch.Tensor | None) -> int | None:
+    """The group rank ``k`` whose block every block of ``sig_act`` holds (in each of ``g`` outer pieces), if any."""
+    if sig_ref is None or sig_act is None or len(sig_act) != n or g * w > n or n % (g * w):
+        return None
+    act = sig_act.reshape(g, w, -1)
+    if not bool((act == act[:, :1]).all()):
+        return None
+    ref = sig_ref.reshape(g, w, -1)
+    for k in range(w):
+        if torch.equal(ref[:, k], act[:, 0]) and not bool((ref == ref[:, k : k + 1]).all()):
+            return k
+    return None
 
 
 def _halves(n: int, dim: int, groups: int) -> Candidate:
@@ -179,14 +228,45 @@ def resized_candidates(n_ref: int, n_act: int, dim: int, hints: Sequence[Hint],
                         yield _partial(dim, src, f"rank {r}'s interleaved shard (IS({dim},{f}){_at(mesh_dim)} "
                                        f"over {w} ranks)", r, w)
         starts = torch.nonzero(sig_ref[: n_ref - n_act + 1] == sig_act[0]).flatten().tolist()
-        chunk = -(-n_ref // max(1, -(-n_ref // n_act)))
+        worlds = {h.world: h.mesh_dim for h in hints if h.dim == dim and h.factor == 1 and h.world > 1}
         for start in starts[:64]:
             src = torch.arange(start, start + n_act, dtype=torch.int64)
-            world = -(-n_ref // n_act)
-            rank = start // n_act if start % n_act == 0 else None
-            what = (f"rank {rank}'s contiguous shard of {world}" if rank is not None and chunk == n_act
-                    else "a contiguous shard")
-            yield _partial(dim, src, f"{what} (slices {start}:{start + n_act} of {n_ref} on dim {dim})", rank, world)
+            shard = chunk_shard(n_ref, start, n_act, worlds)
+            if shard is None:
+                what = ("rows", "columns")[dim] if dim < 2 else f"slices on dim {dim}"
+                yield Candidate("shape_mismatch", dim, src,
+                                f"equals {what} {start}:{start + n_act} of the expected (of {n_ref}; no even or "
+                                "chunked split into shards gives this piece)",
+                                f"the tensor holds {n_act} of the expected {n_ref} {what}, a count that no rank's "
+                                "shard has under torch's chunk rule: the write stopped early, or it was cut by hand; "
+                                "save the whole tensor",
+                                ((what.split()[0], f"{start}:{start + n_act}"),))
+                continue
+            rank, world = shard
+            where = f"{_at(worlds[world])} " if worlds.get(world) else ""
+            yield _partial(dim, src, f"rank {rank}'s contiguous shard of {world} {where}(slices {start}:"
+                           f"{start + n_act} of {n_ref} on dim {dim})", rank, world)
+
+
+def chunk_shard(n: int, start: int, length: int, preferred: Sequence[int] = ()) -> tuple[int, int] | None:
+    """``(rank, world)`` when slices ``start:start + length`` of ``n`` are one rank's piece under torch's chunk
+    rule (chunk ``ceil(n / world)``, trailing ranks short or empty) for some world size, the ``preferred`` world
+    sizes first, else the smallest; None when no world size cuts that piece."""
+    if not 0 < length < n or start < 0 or start + length > n:
+        return None
+    for world in preferred:
+        chunk = -(-n // world)
+        if start % chunk == 0 and start // chunk < world and min(chunk, n - start) == length:
+            return start // chunk, world
+    chunks = [length] if start + length < n else []
+    if start + length == n:  # the last piece may be shorter than the chunk: any chunk >= length dividing start
+        chunks = sorted({length} | {c for d in range(1, math.isqrt(start) + 1) if start % d == 0
+                                    for c in (d, start // d) if c >= length}, reverse=True)  # fewest ranks first
+    for chunk in chunks:
+        world = -(-n // chunk)
+        if -(-n // world) == chunk and start % chunk == 0:
+            return start // chunk, world
+    return None
 
 
 def _partial(dim: int, src: torch.Tensor, what: str, rank: int | None, world: int) -> Candidate:
