@@ -126,6 +126,44 @@ def test_hang_report_then_interrupt_then_the_next_cell_works(kernel: tuple[Any, 
     assert again.result == "(2.0, 0)"  # collectives work again, and the state survived
 
 
+HOLD_THE_GIL = """import ctypes, subprocess
+def hold_the_gil(seconds):  # a C call that keeps the GIL (PyDLL) until a child writes: signals do not end it
+    child = subprocess.Popen(['sh', '-c', f'sleep {seconds}; echo'], stdout=subprocess.PIPE)
+    ctypes.PyDLL(None).read(child.stdout.fileno(), ctypes.create_string_buffer(1), 1)
+    child.wait()
+if rank == 1:
+    hold_the_gil(8)
+dist.barrier()
+'done'"""
+
+
+def test_a_rank_holding_the_gil_in_native_code_is_reported_with_its_stack(kernel: tuple[Any, Any]) -> None:
+    # Rank 1's main thread holds the GIL in a C call, so its I/O thread cannot answer; faulthandler's dump (C, no
+    # GIL) still gives its Python stack, and rank 0's ledger names the collective it waits in.
+    _, client = kernel
+    execute(client, "%hang_timeout 2")
+    seen: dict[str, float] = {}
+
+    def watch(msg: dict) -> None:
+        if msg["msg_type"] == "stream" and "still running after" in msg["content"]["text"]:
+            seen.setdefault("report", time.monotonic())
+
+    start = time.monotonic()
+    out = execute(client, HOLD_THE_GIL, timeout=120, on_output=watch)
+    execute(client, "%hang_timeout off")
+    assert out.reply["status"] == "ok", out.error_text  # nothing was interrupted: the call returned, then the barrier
+    assert seen["report"] - start < 2 + 5, seen["report"] - start
+    stderr = out.streams["stderr"]
+    assert "rank 1: busy outside any collective at" in stderr
+    assert "line 4, in hold_the_gil (holding the GIL in native code: no answer; stack from faulthandler)" in stderr
+    assert "--- rank 1 Python stack (faulthandler) (innermost last):" in stderr
+    native = stderr.split("--- rank 1 Python stack (faulthandler)")[1].split("---")[0]
+    assert "hold_the_gil(8)" in native and "ctypes.PyDLL(None).read(" in native  # the cell's own lines
+    assert "rank 0: waiting in a collective, called at" in stderr
+    assert "dist.barrier()" in stderr and ": barrier #" in stderr and "on group default (ranks 0,1), for " in stderr
+    assert stderr.index("rank 1: busy") < stderr.index("rank 0: waiting")  # the culprit first
+
+
 def test_a_widget_lives_on_rank_0_and_its_comm_goes_both_ways(kernel: tuple[Any, Any]) -> None:
     _, client = kernel
     seen: list[dict] = []

@@ -23,6 +23,7 @@ Configuration comes from the kernelspec's environment (``workbench kernel instal
 from __future__ import annotations
 
 import os
+import re
 import sys
 import time
 import uuid
@@ -121,6 +122,7 @@ class SPMDKernel(Kernel):
         self._released: set[int] = set()
         self._abandoned: tuple[str, set[int]] | None = None  # (cell id, ranks still in it) after giving up
         self._pump_callback: Any = None
+        self._cell_code: dict[int, str] = {}  # execution count -> the code the ranks ran (native stacks' lines)
 
     help_links = (  # what JupyterLab's Help menu lists for this kernel
         {"text": "Python Reference", "url": "https://docs.python.org/{}.{}".format(*sys.version_info[:2])},
@@ -181,6 +183,8 @@ class SPMDKernel(Kernel):
         if problem:
             return self._fail("RanksNotReady", problem, [problem], silent)
         ranks = directives.ranks or tuple(range(self.rankset.world_size or 0))
+        self._cell_code[self.execution_count] = body
+        self._cell_code.pop(self.execution_count - 100, None)
         cell = _Cell(id=uuid.uuid4().hex, ranks=ranks, primary=min(ranks), mode=self.output_mode, silent=silent)
         cell.pending = set(ranks)
         cell.folders = {name: Folder(ranks) for name in ("stdout", "stderr")}
@@ -430,7 +434,10 @@ class SPMDKernel(Kernel):
             self._route(None, *got)
 
     # -- forensics ------------------------------------------------------------------------------------------------
-    def _stacks(self, cell: _Cell, ranks: list[int], timeout: float = 3.0) -> dict[int, dict[str, Any]]:
+    def _stacks(self, cell: _Cell | None, ranks: list[int], timeout: float = 1.5) -> dict[int, dict[str, Any]]:
+        """Every rank's main-thread stack and collective: asked of the rank's I/O thread first; for ranks that do not
+        answer within ``timeout`` (their main thread holds the GIL in native code), faulthandler's dump in C, read
+        here for ranks on this host and by a rank of the same host for the others (``_native_stacks``)."""
         request = uuid.uuid4().hex
         self.rankset.broadcast({"op": "stacks", "id": request}, ranks)
         answers: dict[int, dict[str, Any]] = {}
@@ -441,10 +448,104 @@ class SPMDKernel(Kernel):
                 break
             rank, message = got
             if message["op"] == "stacks" and message.get("id") == request:
-                answers[rank] = message
+                answers[rank] = self._with_ledger(message)
             else:
                 self._route(cell, rank, message)
+        silent = [r for r in ranks if r not in answers]
+        if silent:
+            answers.update(self._native_stacks(cell, silent, answered=sorted(answers)))
         return answers
+
+    def _native_stacks(self, cell: _Cell | None, ranks: list[int], answered: list[int]) -> dict[int, dict[str, Any]]:
+        from workbench.run.kernel.ledger import read_ledger
+        from workbench.run.kernel.stackdump import Frame, dump_all, parse
+
+        infos = {r: self.rankset.ranks[r] for r in ranks if r in self.rankset.ranks}
+        here = {r: (i.pid, i.stack_file) for r, i in infos.items() if i.stack_file and self.rankset.on_this_host(r)}
+        frames: dict[int, list[Any] | None] = {}
+        ledgers: dict[int, Any] = {}
+        for rank, text in dump_all(here).items():
+            frames[rank] = parse(text, infos[rank].thread) if text else None
+            ledgers[rank] = read_ledger(infos[rank].ledger_file)
+        by_host: dict[str, list[int]] = {}
+        for r in answered:
+            if r in self.rankset.ranks:
+                by_host.setdefault(self.rankset.ranks[r].host, []).append(r)
+        asked: dict[str, int] = {}
+        for rank, info in infos.items():
+            helpers = by_host.get(info.host)
+            if rank in here or not info.stack_file or not helpers:
+                continue
+            request = uuid.uuid4().hex
+            asked[request] = rank
+            self.rankset.send(helpers[0], {"op": "dump_peer", "id": request, "rank": rank, "pid": info.pid,
+                                           "stack_file": info.stack_file, "ledger_file": info.ledger_file,
+                                           "thread": info.thread})
+        deadline = time.monotonic() + 3.0
+        while asked and time.monotonic() < deadline:
+            got = self.rankset.recv(deadline - time.monotonic())
+            if not got:
+                break
+            sender, message = got
+            if message["op"] == "peer_dump" and message.get("id") in asked:
+                rank = asked.pop(message["id"])
+                found = message.get("frames")
+                frames[rank] = None if found is None else [(Frame(f[0], int(f[1]), f[2]), f[3]) for f in found]
+                ledgers[rank] = message.get("collective")
+            else:
+                self._route(cell, sender, message)
+        out = {}
+        for rank in ranks:
+            stack = frames.get(rank)
+            if stack is None:
+                continue
+            entries = [(f, "") if not isinstance(f, tuple) else f for f in stack]
+            out[rank] = self._with_ledger({"native": True, "collective": ledgers.get(rank), "pending": [],
+                                           **self._summarize_native(entries)})
+        return out
+
+    def _summarize_native(self, entries: list[tuple[Any, str]]) -> dict[str, Any]:
+        from workbench.run.kernel.stackdump import file_source, format_frames, summarize
+
+        texts = {(f.file, f.line): text for f, text in entries}
+
+        def source(file: str, line: int) -> str:
+            cell = _CELL_FILE.match(file)
+            if cell:
+                lines = self._cell_code.get(int(cell.group(1)), "").splitlines()
+                return lines[line - 1] if 0 < line <= len(lines) else ""
+            return texts.get((file, line)) or file_source(file, line)
+
+        return summarize(format_frames([f for f, _ in entries], source))
+
+    @staticmethod
+    def _with_ledger(report: dict[str, Any]) -> dict[str, Any]:
+        """A stack report plus what the rank's ledger says: in a collective (which), or waiting on the GPU."""
+        record = report.get("collective") or {}
+        inside = record.get("state") == "in"
+        return {**report, "in_collective": bool(report.get("in_collective")) or inside or bool(report.get("pending")),
+                "call": record if inside else None}
+
+    def _state_line(self, rank: int, s: dict[str, Any] | None) -> str:
+        """One line saying what a rank is doing, for hang reports and give-ups."""
+        if s is None:
+            info = self.rankset.ranks.get(rank)
+            host = f" on host {info.host}" if info else ""
+            return (f"rank {rank}: did not answer, and its stack could not be read{host} (no rank there answered "
+                    f"to read it for the kernel)")
+        native = " (holding the GIL in native code: no answer; stack from faulthandler)" if s.get("native") else ""
+        now = time.time()
+        if s["in_collective"]:
+            line = f"rank {rank}: waiting in a collective, called at {s['where']}{native}"
+            call = s.get("call")
+            if call:
+                line += f": {_call_text(call)}, for {now - float(call['since']):.0f} s"
+        else:
+            line = f"rank {rank}: busy outside any collective at {s['where']}{native}"
+        for p in s.get("pending") or []:
+            line += (f"; the GPU has not finished its {_call_text(p)} (called {now - float(p['since']):.0f} s "
+                     "ago)")
+        return line
 
     def _report_hang(self, cell: _Cell, elapsed: float) -> None:
         running = sorted(cell.pending)
@@ -454,19 +555,11 @@ class SPMDKernel(Kernel):
                  f"{format_ranks(running)}" + (f" (rank(s) {format_ranks(finished)} finished it)" if finished else "")
                  + "; ranks outside any collective first (the others are waiting for them):"]
         order = sorted(running, key=lambda r: (r in stacks and stacks[r]["in_collective"], r))
-        for rank in order:
-            s = stacks.get(rank)
-            if s is None:
-                native = self.rankset.signal_local(rank, _sigusr1())
-                lines.append(f"  rank {rank}: did not answer (holding the GIL in native code?)"
-                             + (f"; native stacks dumped to {self.rankset.log_path}" if native else ""))
-            elif s["in_collective"]:
-                lines.append(f"  rank {rank}: waiting in a collective, called at {s['where']}")
-            else:
-                lines.append(f"  rank {rank}: busy outside any collective at {s['where']}")
+        lines += [f"  {self._state_line(rank, stacks.get(rank))}" for rank in order]
         for rank in order:
             if rank in stacks:
-                lines.append(f"--- rank {rank} Python stack (innermost last):")
+                how = " (faulthandler)" if stacks[rank].get("native") else ""
+                lines.append(f"--- rank {rank} Python stack{how} (innermost last):")
                 lines.extend(entry.rstrip() for entry in stacks[rank]["stack"])
         action = ("interrupt (Kernel > Interrupt) to stop every rank" if self.hang_action == "report"
                   else "interrupting now")
@@ -480,8 +573,10 @@ class SPMDKernel(Kernel):
         stuck = [r for r in running if r in stacks and stacks[r]["in_collective"]]
         elsewhere = [r for r in running if r not in stuck]
         if elsewhere:
-            where = "; ".join(f"rank {r} at {stacks[r]['where']}" if r in stacks else f"rank {r} (no answer)"
-                              for r in elsewhere)
+            where = "; ".join(
+                f"rank {r} (no answer, stack unreadable)" if r not in stacks else f"rank {r} at {stacks[r]['where']}"
+                + (" (holding the GIL in native code: the interrupt reaches it when that call returns)"
+                   if stacks[r].get("native") else "") for r in elsewhere)
             self._stream("stderr", f"workbench kernel: still running outside any collective after "
                          f"{_GRACE:g} s: {where}; interrupt again, or restart the kernel\n", cell.silent)
             cell.stuck_checked = False  # look again after the next interrupt
@@ -604,8 +699,11 @@ class _RanksGone(RuntimeError):
     pass
 
 
-def _sigusr1() -> int:
-    import signal
+_CELL_FILE = re.compile(r"^<ipython-input-(\d+)-[0-9a-f]+>$")  # how IPython names a cell's code
 
-    return int(signal.SIGUSR1)
+
+def _call_text(call: dict[str, Any]) -> str:
+    """A ledger record as words: "all_reduce #3 on group default (ranks 0-1)"."""
+    within = f" (inside {call['within']})" if call.get("within") else ""
+    return f"{call.get('op')} #{call.get('seq')} on group {call.get('group')}{within}"
 

@@ -29,12 +29,13 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "ENV_CONNECT", "ENV_KERNEL_PID", "ENV_TOKEN", "ENV_TOKEN_FILE", "WILDCARD_HOSTS", "Link", "Rejected",
+    "ENV_CONNECT", "ENV_KERNEL_PID", "ENV_RUN_DIR", "ENV_TOKEN", "ENV_TOKEN_FILE", "WILDCARD_HOSTS", "Link", "Rejected",
     "check_address", "decode", "encode", "new_identity", "new_token", "parse_listen", "read_token", "write_token_file",
 ]
 
 ENV_CONNECT = "WORKBENCH_KERNEL_CONNECT"  # the kernel's address, set by the kernel for the ranks it starts itself
 ENV_KERNEL_PID = "WORKBENCH_KERNEL_PID"  # local ranks exit when this process is gone
+ENV_RUN_DIR = "WORKBENCH_KERNEL_RUN_DIR"  # where local ranks keep their stack dump and ledger files
 ENV_TOKEN = "WORKBENCH_KERNEL_TOKEN"  # the token itself (what a scheduler may set in a job's environment)
 ENV_TOKEN_FILE = "WORKBENCH_KERNEL_TOKEN_FILE"  # a file holding the token: the kernel writes it, ranks read it
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::")  # hosts that bind every interface

@@ -27,6 +27,7 @@ from typing import Any
 from workbench.run.kernel.protocol import (
     ENV_CONNECT,
     ENV_KERNEL_PID,
+    ENV_RUN_DIR,
     ENV_TOKEN,
     ENV_TOKEN_FILE,
     WILDCARD_HOSTS,
@@ -58,6 +59,9 @@ class RankInfo:
     host: str
     pid: int
     backend: str
+    stack_file: str = ""  # faulthandler writes its stacks here on SIGUSR2 (stackdump)
+    ledger_file: str = ""  # the collective it is in (ledger)
+    thread: int = 0  # its main thread's ident, as faulthandler's dump names it
 
 
 class RankSet:
@@ -129,6 +133,7 @@ class RankSet:
         log_dir = Path(tempfile.mkdtemp(prefix="workbench-kernel-"))
         self.log_path = log_dir / "ranks.log"
         env = {**os.environ, ENV_CONNECT: self.address, ENV_TOKEN: self._token, ENV_KERNEL_PID: str(os.getpid()),
+               ENV_RUN_DIR: str(log_dir),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
         env.pop(ENV_TOKEN_FILE, None)  # the token comes from the environment, not from a file the kernel may own
         command = [
@@ -173,6 +178,11 @@ class RankSet:
                     self._agent.wait(grace)
         self.ranks.clear()
         self._identity.clear()
+
+    def on_this_host(self, rank: int) -> bool:
+        """Whether the rank runs on the kernel's host (its files can be read and its process signalled here)."""
+        info = self.ranks.get(rank)
+        return info is not None and info.host == socket.gethostname()
 
     def signal_local(self, rank: int, sig: int) -> bool:
         """Send a signal to a local rank's process (e.g. SIGUSR1: native stacks into the log)."""
@@ -255,7 +265,9 @@ class RankSet:
         try:
             world = int(hello["world_size"])
             info = RankInfo(rank=rank, world_size=world, local_rank=int(hello["local_rank"]),
-                            host=str(hello["host"]), pid=int(hello["pid"]), backend=str(hello["backend"]))
+                            host=str(hello["host"]), pid=int(hello["pid"]), backend=str(hello["backend"]),
+                            stack_file=str(hello.get("stack_file", "")), ledger_file=str(hello.get("ledger_file", "")),
+                            thread=int(hello.get("thread", 0)))
         except (KeyError, TypeError, ValueError) as exc:
             return f"hello of rank {rank} lacks {exc}"
         if self.world_size is not None and world != self.world_size:

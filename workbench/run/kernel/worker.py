@@ -32,6 +32,7 @@ from typing import Any
 from workbench.run.kernel.protocol import (
     ENV_CONNECT,
     ENV_KERNEL_PID,
+    ENV_RUN_DIR,
     ENV_TOKEN,
     ENV_TOKEN_FILE,
     Link,
@@ -44,17 +45,11 @@ from workbench.run.kernel.protocol import (
 
 __all__ = ["main", "stack_report"]
 
-# frames of the machinery between the rank's main loop and the user's cell, left out of stack reports
-_MACHINERY = ("/IPython/", "/workbench/run/kernel/", "runpy", "/threading.py", "/torch/distributed/elastic/")
-
-
 def stack_report(frame: Any) -> dict[str, Any]:
     """A main-thread stack as the kernel shows it: the frames from the cell in, and whether it is in a collective."""
-    from workbench.run.launcher import _innermost_user_frame
+    from workbench.run.kernel.stackdump import summarize
 
-    stack = [entry for entry in traceback.format_stack(frame) if not any(m in entry for m in _MACHINERY[:4])]
-    in_collective = bool(stack) and "/torch/distributed/" in stack[-1]
-    return {"stack": stack, "in_collective": in_collective, "where": _innermost_user_frame(stack) if stack else ""}
+    return summarize(traceback.format_stack(frame))
 
 
 class _Worker:
@@ -90,6 +85,26 @@ class _Worker:
         self._socket.connect(address)
         self._store: Any = None
         self._streams: dict[str, _RankStream] = {}
+        self.ledger: Any = None  # the collective it is in, readable without it (ledger.Ledger)
+        self.stack_file = ""  # where SIGUSR2 makes faulthandler write its stacks (stackdump.register)
+
+    def start_forensics(self) -> None:
+        """Files through which the rank's stack and collective can be read while it cannot answer: its Python
+        stacks on SIGUSR2 (faulthandler, in C) and a ledger of the collective it is in (shared memory)."""
+        import atexit
+        import tempfile
+
+        from workbench.run.kernel.ledger import Ledger, track
+        from workbench.run.kernel.stackdump import register
+
+        folder = os.environ.get(ENV_RUN_DIR) or os.path.join(tempfile.gettempdir(), f"workbench-kernel-{os.getuid()}")
+        os.makedirs(folder, mode=0o700, exist_ok=True)
+        base = os.path.join(folder, f"rank{self.rank}-{os.getpid()}")
+        self.stack_file = base + ".stacks"
+        self._stack_out = register(self.stack_file)
+        self.ledger = Ledger(base + ".ledger")
+        track(self.ledger, cuda_events=self.backend == "nccl")
+        atexit.register(_remove, self.stack_file, self.ledger.path)
 
     # -- outbound (any thread) --------------------------------------------------------------------------
     def send(self, message: dict[str, Any]) -> None:
@@ -170,8 +185,11 @@ class _Worker:
         if op == "stacks":
             frame = sys._current_frames().get(self.main_ident)
             report = stack_report(frame) if frame is not None else {"stack": [], "in_collective": False, "where": ""}
+            ledger = self._ledger_now()
             self._send_now({"op": "stacks", "id": message.get("id"), "rank": self.rank, "busy": self.busy,
-                            "cell": self.cell, **report})
+                            "cell": self.cell, **report, **ledger})
+        elif op == "dump_peer":  # a rank of this host that cannot answer: read its stack for the kernel
+            threading.Thread(target=self._dump_peer, args=(message,), daemon=True).start()
         elif op == "ping":
             self._send_now({"op": "pong"})
         elif op == "interrupt":
@@ -186,6 +204,26 @@ class _Worker:
         else:
             self.tasks.put(message)
         return False
+
+    def _ledger_now(self) -> dict[str, Any]:
+        """The collective this rank is in (or was in last) and, on NCCL, those the GPU has not finished."""
+        from workbench.run.kernel.ledger import read_ledger
+
+        if self.ledger is None:
+            return {}
+        return {"collective": read_ledger(self.ledger.path), "pending": self.ledger.pending()}
+
+    def _dump_peer(self, message: dict[str, Any]) -> None:
+        """Helper thread: faulthandler's dump of another rank process of this host, with this host's source lines."""
+        from workbench.run.kernel.ledger import read_ledger
+        from workbench.run.kernel.stackdump import dump, file_source, parse
+
+        text = dump(int(message["pid"]), str(message["stack_file"]))
+        frames = parse(text, int(message["thread"])) if text else None
+        self.send({"op": "peer_dump", "id": message.get("id"), "rank": int(message["rank"]),
+                   "frames": None if frames is None else [[f.file, f.line, f.function, file_source(f.file, f.line)]
+                                                          for f in frames],
+                   "collective": read_ledger(str(message.get("ledger_file", "")))})
 
     def _send_now(self, message: dict[str, Any]) -> None:
         """I/O thread: sign and send one message at once."""
@@ -224,7 +262,9 @@ class _Worker:
 
         self.send({"op": "hello", "rank": self.rank, "world_size": self.world_size,
                    "local_rank": self.local_rank, "host": socket.gethostname(), "pid": os.getpid(),
-                   "backend": self.backend, "torch": torch.__version__, "generation": self.generation})
+                   "backend": self.backend, "torch": torch.__version__, "generation": self.generation,
+                   "stack_file": self.stack_file, "ledger_file": self.ledger.path if self.ledger else "",
+                   "thread": self.main_ident})
         while True:
             try:
                 message = self.tasks.get()
@@ -281,6 +321,8 @@ class _Worker:
         error = None
         try:
             self.destroy_process_groups()
+            if self.ledger is not None:
+                self.ledger.forget_groups()
             self.generation = generation
             self.init_process_group()
             self._refresh_namespace()
@@ -499,6 +541,12 @@ def _comm_info(shell: Any, args: dict[str, Any]) -> dict[str, Any]:
 _QUERIES = {"complete": _complete, "inspect": _inspect, "history": _history, "comm_info": _comm_info}
 
 
+def _remove(*paths: str) -> None:
+    for path in paths:
+        with contextlib.suppress(OSError):
+            os.unlink(path)
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m workbench.run.kernel.worker`` (under torchrun)."""
     parser = argparse.ArgumentParser(
@@ -539,6 +587,7 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # native stacks on demand, into the rank's log
     worker = _Worker(address, token, backend)
+    worker.start_forensics()
     worker.init_process_group()
     worker.serve()
     worker.destroy_process_groups()
