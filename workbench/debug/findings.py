@@ -285,8 +285,8 @@ def order_html(finding: Finding) -> str:
         return ""
     if not all(isinstance(b, int) for b in order):
         return ""
-    rows = finding.evidence.get("block_rows")
-    unit = f" ({rows} slice(s) on dim {finding.evidence.get('dim', 0)} each)" if rows else ""
+    rows, dim = finding.evidence.get("block_rows"), finding.evidence.get("dim", 0)
+    unit = "" if not rows else f" ({rows} row(s) each)" if dim == 0 else f" ({rows} slice(s) on dim {dim} each)"
     return (f"<div style='margin-top:4px;font-family:monospace'>"
             f"{_strip(sorted(order), 'right')}{_strip(list(order), 'found')}"
             f"<div style='font-size:10px;color:#555'>blocks in checkpoint order{html.escape(unit)}</div></div>")
@@ -300,8 +300,10 @@ def _report_html(report: Report) -> str:
     groups = report.groups()
     for g in groups[:_MAX_HTML_ROWS]:
         shared = g.shared
-        evidence = "<br>".join(f"<b>{esc(str(k))}</b>: {esc(_short(v))}" for k, v in shared.items()
-                               if k not in ("order", "block_rows"))
+        picture = order_html(g.findings[0])
+        drawn = ("order", "block_rows", "dim") if picture else ()
+        evidence = "<br>".join(f"<b>{esc(str(k))}</b>: {esc(_short(v, 480))}" for k, v in shared.items()
+                               if k not in drawn)
         if g.count > 1:
             firsts = "".join(
                 f"<li><code>{esc(f.key)}</code>: "
@@ -309,7 +311,6 @@ def _report_html(report: Report) -> str:
                 for f in g.findings[:_FIRST_KEYS])
             more = f"<li>... and {g.count - _FIRST_KEYS} more</li>" if g.count > _FIRST_KEYS else ""
             evidence += f"<ul style='margin:2px 0;padding-left:16px'>{firsts}{more}</ul>"
-        picture = order_html(g.findings[0])
         kind = esc(g.kind) + (f" &times;{g.count}" if g.count > 1 else "")
         rows.append(
             f"<tr><td><code>{kind}</code></td><td><code>{esc(g.where())}</code></td>"
