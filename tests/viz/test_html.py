@@ -19,7 +19,7 @@ from workbench.layout.layout_file import load_layout
 from workbench.plan.load_plan import plan_hf_load
 from workbench.plan.save_plan import plan_hf_save
 from workbench.run.simulated import plan_save
-from workbench.viz._style import rank_colours
+from workbench.viz.colours import rank_colours
 from workbench.viz.html import render_html
 
 RECT = re.compile(r'<rect x="([\d.]+)" y="([\d.]+)" width="([\d.]+)" height="([\d.]+)" fill="(#[0-9a-f]{6})"/>')
@@ -55,7 +55,7 @@ def test_layout_groups_repeated_layers() -> None:
 def test_spec_picture_colours_are_the_owners() -> None:
     spec = expert_tp_16()  # 16 x 4: the 240 x 120 picture has one raster row per tensor row
     text = spec._repr_html_()
-    colour = rank_colours(spec.mesh.size)
+    colour = rank_colours(spec.mesh)
     by_hex = {"#" + "".join(f"{round(255 * c):02x}" for c in colour(r)[:3]): r for r in spec.mesh.all_ranks()}
     owners = owners_from_runs(spec)[:, 0]
     rows = np.full(16, -2)

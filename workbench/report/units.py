@@ -12,6 +12,8 @@ call                                   result
 ``parse_bytes("4GiB")``                ``4294967296``
 ``format_ranks([0, 1, 2, 3, 7])``      ``'0-3, 7'``
 ``parse_ranks("0,5,8-11")``            ``(0, 5, 8, 9, 10, 11)``
+``byte_tick_step(5 << 20, 6)``         ``(1048576.0, 2)``: 1 MiB steps
+``format_bytes_in(3 << 19, 2, 1)``     ``'1.5 MiB'``
 =====================================  ===========================
 """
 
@@ -20,7 +22,8 @@ from __future__ import annotations
 from collections.abc import Iterable
 
 __all__ = [
-    "format_bytes", "format_count", "format_ranks", "format_seconds", "parse_bytes", "parse_ranks", "rank_phrase",
+    "byte_tick_step", "format_bytes", "format_bytes_in", "format_count", "format_ranks", "format_seconds",
+    "parse_bytes", "parse_ranks", "rank_phrase",
 ]
 
 _BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
@@ -59,6 +62,45 @@ def format_bytes(n: float, *, exact: bool = False) -> str:
 
 def _decimals(value: float) -> int:
     return 2 if value < 9.995 else 1 if value < 99.95 else 0
+
+
+# round steps of a byte axis, as (mantissa, decimals) of a binary unit: 0.1 .. 50 units, then the next unit
+_STEP_MANTISSAS = ((0.1, 1), (0.2, 1), (0.4, 1), (0.5, 1), (1, 0), (2, 0), (4, 0), (5, 0), (10, 0), (20, 0), (40, 0),
+                   (50, 0))
+
+
+def byte_tick_step(span: float, max_intervals: int) -> tuple[float, int]:
+    """The step of round ticks on a byte axis and the binary unit to label them in.
+
+    The step is the smallest ``m x unit`` (m in 0.1, 0.2, 0.4, 0.5, 1, 2, 4, 5, 10, 20, 40, 50; unit B, KiB,
+    MiB, ...; no fractional bytes) that cuts ``span`` bytes into at most ``max_intervals`` intervals.
+
+    Returns:
+        ``(step_bytes, unit)`` where ``unit`` indexes B, KiB, MiB, ... (``1024 ** unit`` bytes).
+    """
+    if max_intervals < 1:
+        raise ValueError(f"byte_tick_step: max_intervals must be >= 1, got {max_intervals}")
+    need = max(float(span), 1.0) / max_intervals
+    for unit in range(len(_BINARY)):
+        for mantissa, decimals in _STEP_MANTISSAS:
+            if unit == 0 and decimals:
+                continue
+            step = mantissa * 1024.0**unit
+            if step >= need:
+                return step, unit
+    return 50 * 1024.0 ** (len(_BINARY) - 1), len(_BINARY) - 1
+
+
+def format_bytes_in(n: float, unit: int, decimals: int = 0) -> str:
+    """``n`` bytes in one binary unit (an axis's labels share it): ``format_bytes_in(3 << 19, 2, 1) == '1.5 MiB'``.
+
+    Zero is ``'0'``; ``decimals`` digits after the point.
+    """
+    if not 0 <= unit < len(_BINARY):
+        raise ValueError(f"format_bytes_in: unit must index {_BINARY}, got {unit}")
+    if n == 0:
+        return "0"
+    return f"{n / 1024.0**unit:.{decimals}f} {_BINARY[unit]}"
 
 
 def format_count(n: int) -> str:

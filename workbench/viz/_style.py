@@ -1,27 +1,41 @@
-"""Shared look of workbench figures: colours per rank, byte formatting, a headless figure factory."""
+"""Shared look of workbench figures: text sizes, the figure factory (hi-dpi PNGs), fills and readable text colours.
+
+Rules every figure follows: text is at least ``MIN_PT`` points; figures are laid out at ``DPI`` dots per inch
+and shown at that size in CSS pixels, rendered at ``HIDPI`` times the pixels (sharp on hi-dpi screens); the
+background is opaque white (readable in a dark notebook theme); text on a fill is black or white, whichever
+contrasts more (WCAG contrast ratio).
+"""
 
 from __future__ import annotations
 
 import functools
 import io
-from collections.abc import Callable
 from typing import Any
 
 __all__ = [
-    "DISCRETE_LIMIT",
-    "bytes_formatter",
+    "DPI",
+    "HIDPI",
+    "LABEL_PT",
+    "MIN_PT",
+    "TITLE_PT",
+    "amount_cmap",
+    "contrast",
     "ellipsize",
     "format_bytes",
-    "heat_cmap",
     "lane_colours",
     "matplotlib",
     "new_figure",
-    "rank_colourbar",
-    "rank_colours",
+    "png_bytes",
     "text_on",
+    "text_width_pt",
 ]
 
-DISCRETE_LIMIT = 20  # up to this many ranks, each gets a distinct qualitative colour
+MIN_PT = 8.0  # the smallest text any figure draws
+LABEL_PT = 9.0  # axis labels, legends
+TITLE_PT = 10.0  # titles
+DPI = 100  # CSS pixels per figure inch in a notebook
+HIDPI = 2  # rendered pixels per CSS pixel
+OVER = "#d62728"  # over budget, oversized: the one red of every figure
 
 
 def matplotlib() -> Any:
@@ -33,15 +47,19 @@ def matplotlib() -> Any:
     return mpl
 
 
-def new_figure(figsize: tuple[float, float]) -> Any:
+def new_figure(figsize: tuple[float, float], *, constrained: bool = True) -> Any:
     """A Figure on an Agg canvas, not registered with pyplot (no GUI, no global state, garbage-collected).
 
-    It shows itself in any notebook front end (``_repr_png_``), whatever matplotlib backend is active.
+    It lays itself out with matplotlib's constrained layout (titles, legends, colour bars and labels outside the
+    data get room), and shows itself in any notebook front end (``_repr_png_``) whatever backend is active.
     """
     matplotlib()
     from matplotlib.backends.backend_agg import FigureCanvasAgg
 
-    fig = _figure_class()(figsize=figsize, dpi=100)
+    fig = _figure_class()(figsize=figsize, dpi=DPI, facecolor="white",
+                          layout="constrained" if constrained else None)
+    if constrained:
+        fig.get_layout_engine().set(w_pad=0.06, h_pad=0.06, wspace=0.04, hspace=0.04)
     FigureCanvasAgg(fig)
     return fig
 
@@ -51,66 +69,90 @@ def _figure_class() -> type:
     from matplotlib.figure import Figure
 
     class WorkbenchFigure(Figure):
-        """A matplotlib Figure that notebooks display as a PNG."""
+        """A matplotlib Figure that notebooks display as a hi-dpi PNG, at ``DPI`` CSS pixels per inch."""
 
-        def _repr_png_(self) -> bytes:
-            buffer = io.BytesIO()
-            self.savefig(buffer, format="png", bbox_inches="tight")
-            return buffer.getvalue()
+        def _repr_png_(self) -> tuple[bytes, dict[str, int]]:
+            data = png_bytes(self)
+            width, height = _png_size(data)
+            return data, {"width": width // HIDPI, "height": height // HIDPI}
 
     return WorkbenchFigure
 
 
-def rank_colours(size: int) -> Callable[[int], tuple[float, float, float, float]]:
-    """Colour of each rank: tab20 for small meshes, a continuous map over rank order otherwise."""
-    mpl = matplotlib()
-    if size <= 10:
-        cmap = mpl.colormaps["tab10"]
-        return lambda r: cmap(r % 10)
-    if size <= DISCRETE_LIMIT:
-        cmap = mpl.colormaps["tab20"]
-        return lambda r: cmap(r % 20)
-    cmap = mpl.colormaps["turbo"]
-    top = max(size - 1, 1)
-    return lambda r: cmap(0.05 + 0.9 * r / top)
+def png_bytes(fig: Any, scale: int = HIDPI) -> bytes:
+    """The figure as a PNG of ``scale`` pixels per CSS pixel (``DPI * scale`` dots per inch), white background."""
+    buffer = io.BytesIO()
+    fig.savefig(buffer, format="png", dpi=DPI * scale, facecolor="white")
+    return buffer.getvalue()
 
 
-def rank_colourbar(ax: Any, size: int) -> None:
-    """A colour bar mapping the continuous rank colours back to rank numbers."""
-    mpl = matplotlib()
-    from matplotlib.colors import LinearSegmentedColormap, Normalize
-
-    colour = rank_colours(size)
-    cmap = LinearSegmentedColormap.from_list("ranks", [colour(r) for r in range(0, size, max(1, size // 64))])
-    bar = ax.figure.colorbar(mpl.cm.ScalarMappable(Normalize(0, size - 1), cmap), ax=ax, fraction=0.04, pad=0.12)
-    bar.set_label("rank", fontsize=7)
-    bar.ax.tick_params(labelsize=6)
+def _png_size(data: bytes) -> tuple[int, int]:
+    """(width, height) from a PNG's IHDR chunk."""
+    return int.from_bytes(data[16:20], "big"), int.from_bytes(data[20:24], "big")
 
 
-def heat_cmap() -> Any:
-    """Colour map of the bytes-held heat maps."""
-    return matplotlib().colormaps["YlOrRd"]
+def amount_cmap() -> Any:
+    """Colour map of every "how much a rank holds" fill (elements, bytes): light (little) to dark (much)."""
+    return matplotlib().colormaps["YlGnBu"]
 
 
 def lane_colours(n: int) -> list[Any]:
-    """A distinct colour per schedule lane."""
+    """A distinct colour per schedule lane (red is kept for over budget and oversized)."""
     cmap = matplotlib().colormaps["tab10"]
-    usable = [cmap(i) for i in range(10) if i != 3]  # red (3) marks oversized calls
+    usable = [cmap(i) for i in range(10) if i != 3]
     return [usable[i % len(usable)] for i in range(n)]
 
 
-def text_on(rgba: tuple[float, ...]) -> str:
-    """Black or white, whichever reads better on ``rgba``."""
-    r, g, b = rgba[:3]
-    return "black" if 0.299 * r + 0.587 * g + 0.114 * b > 0.55 else "white"
+def _luminance(rgba: Any) -> float:
+    """WCAG relative luminance of an sRGB colour."""
+    def linear(c: float) -> float:
+        return c / 12.92 if c <= 0.04045 else ((c + 0.055) / 1.055) ** 2.4
+
+    r, g, b = (linear(float(c)) for c in matplotlib().colors.to_rgb(rgba))
+    return 0.2126 * r + 0.7152 * g + 0.0722 * b
+
+
+def contrast(a: Any, b: Any) -> float:
+    """WCAG contrast ratio of two colours (1 to 21; text wants >= 4.5)."""
+    la, lb = sorted((_luminance(a), _luminance(b)), reverse=True)
+    return (la + 0.05) / (lb + 0.05)
+
+
+def text_on(rgba: Any) -> str:
+    """Black or white, whichever contrasts more with ``rgba``."""
+    return "black" if contrast(rgba, "black") >= contrast(rgba, "white") else "white"
 
 
 def ellipsize(text: str, limit: int) -> str:
-    """``text`` cut to ``limit`` characters with an ellipsis in the middle."""
+    """``text`` cut to ``limit`` characters with an ellipsis in the middle (for names only, never numbers)."""
     if len(text) <= limit:
         return text
     half = (limit - 3) // 2
     return text[:half] + "..." + text[-(limit - 3 - half):]
+
+
+def text_width_pt(text: str, size: float = MIN_PT) -> float:
+    """Width of the widest line of ``text`` in points at ``size``, as Agg draws it (matplotlib's default font)."""
+    from matplotlib.font_manager import FontProperties
+
+    prop = FontProperties(size=size)
+    return max((_line_width(line, prop.get_size_in_points(), prop) for line in text.split("\n")), default=0.0)
+
+
+@functools.lru_cache(maxsize=4096)
+def _line_width(line: str, size: float, prop: Any) -> float:
+    if not line:
+        return 0.0
+    renderer = _measuring_renderer()
+    width, _, _ = renderer.get_text_width_height_descent(line, prop, ismath=False)
+    return width * 72.0 / renderer.dpi
+
+
+@functools.cache
+def _measuring_renderer() -> Any:
+    from matplotlib.backends.backend_agg import RendererAgg
+
+    return RendererAgg(10, 10, 72)
 
 
 def format_bytes(n: float) -> str:
@@ -118,11 +160,3 @@ def format_bytes(n: float) -> str:
     from workbench.report.units import format_bytes as shared
 
     return shared(n)
-
-
-def bytes_formatter() -> Any:
-    """A matplotlib tick formatter printing bytes in human units."""
-    matplotlib()
-    from matplotlib.ticker import FuncFormatter
-
-    return FuncFormatter(lambda v, _: format_bytes(v))

@@ -20,7 +20,9 @@ __all__ = ["render_html"]
 
 _MAX_ROWS = 24
 _BOX = "font-family: ui-monospace, Menlo, Consolas, monospace; font-size: 12px; line-height: 1.35"
-_TH = ("text-align: left; white-space: nowrap; padding: 1px 8px 1px 0; color: #555; font-weight: normal; "
+# no fixed text colours: text follows the notebook theme (light or dark); secondary text is dimmed by opacity
+_DIM = "opacity: 0.72"
+_TH = ("text-align: left; white-space: nowrap; padding: 1px 8px 1px 0; opacity: 0.72; font-weight: normal; "
        "vertical-align: top")
 _TD = "text-align: left; white-space: nowrap; padding: 1px 8px 1px 0; vertical-align: top"
 
@@ -82,7 +84,7 @@ def _grid(header: Sequence[str], rows: Sequence[Sequence[Any]], total: int | Non
     hidden = (total or len(rows)) - (len(shown) - (1 if None in shown else 0))
     for row in shown:
         if row is None:
-            body.append(f'<tr><td colspan="{len(header)}" style="{_TD}; color: #888">... {hidden} more</td></tr>')
+            body.append(f'<tr><td colspan="{len(header)}" style="{_TD}; {_DIM}">... {hidden} more</td></tr>')
             continue
         body.append("<tr>" + "".join(f'<td style="{_TD}">{_e(c)}</td>' for c in row) + "</tr>")
     return f'<table style="border-collapse: collapse; margin: 4px 0"><tr>{head}</tr>{"".join(body)}</table>'
@@ -99,21 +101,36 @@ def _hex(rgba: Sequence[float]) -> str:
     return "#" + "".join(f"{round(255 * c):02x}" for c in rgba[:3])
 
 
-def _rank_hex(size: int) -> Callable[[int], str]:
-    from workbench.viz._style import rank_colours
-
-    colour = rank_colours(size)
-    return lambda r: "#eeeeee" if r < 0 else _hex(colour(r))
+def _rgb(hex_colour: str) -> tuple[float, float, float]:
+    return tuple(int(hex_colour[i : i + 2], 16) / 255 for i in (1, 3, 5))  # type: ignore[return-value]
 
 
-def _heat_hex(value: float) -> str:
-    from workbench.viz._style import heat_cmap
+def _rank_hex(mesh: Any) -> Callable[[int], str]:
+    """Each rank's colour, the same as in every figure (``workbench.viz.colours``); -1 (nobody) light grey."""
+    from workbench.viz.colours import rank_colours
 
-    return "#dddddd" if value <= 0 else _hex(heat_cmap()(0.15 + 0.85 * min(value, 1.0)))
+    return rank_colours(mesh).hex
+
+
+def _amount_rgba(value: float) -> tuple[float, ...]:
+    """Fill of a held amount (``value`` a fraction of the largest), the figures' map; grey for nothing."""
+    from workbench.viz._style import amount_cmap
+
+    return (0.85, 0.85, 0.85, 1.0) if value <= 0 else amount_cmap()(min(value, 1.0))
+
+
+def _amount_hex(value: float) -> str:
+    return _hex(_amount_rgba(value))
+
+
+def _text_hex(fill: Sequence[float]) -> str:
+    from workbench.viz._style import text_on
+
+    return "#000000" if text_on(tuple(fill)) == "black" else "#ffffff"
 
 
 def _svg(width: int, height: int, body: str, label: str = "") -> str:
-    caption = f'<div style="color: #666; font-size: 11px">{_e(label)}</div>' if label else ""
+    caption = f'<div style="{_DIM}; font-size: 11px">{_e(label)}</div>' if label else ""
     return (f'{caption}<svg xmlns="http://www.w3.org/2000/svg" width="{width}" height="{height}" '
             f'viewBox="0 0 {width} {height}" style="border: 1px solid #ddd">{body}</svg>')
 
@@ -145,21 +162,22 @@ def _mesh_picture(mesh: Any, values: np.ndarray | None = None, highlight: Sequen
     rows, cols = (shape[-2], shape[-1]) if len(shape) >= 2 else (1, shape[0])
     panels = math.prod(shape[:-2]) if len(shape) > 2 else 1
     shown = min(panels, 8)
-    cell = max(3, min(22, 300 // max(cols * shown, 1), 160 // max(rows, 1)))
+    cell = max(3, min(26, 320 // max(cols * shown, 1), 180 // max(rows, 1)))
     ranks = np.array(mesh.all_ranks()).reshape(panels, rows, cols)
-    colour = _rank_hex(mesh.size)
+    colour = _rank_hex(mesh)
     top = float(values.max()) if values is not None and values.size and values.max() > 0 else 1.0
     flat_values = values.reshape(panels, rows, cols) if values is not None else None
     parts = []
     for p in range(shown):
         x0 = p * (cols * cell + 8)
         raster = ranks[p] if flat_values is None else np.round(flat_values[p] / top * 1000).astype(np.int64)
-        fill = colour if flat_values is None else (lambda v: _heat_hex(v / 1000))
+        fill = colour if flat_values is None else (lambda v: _amount_hex(v / 1000))
         parts.append(f'<g transform="translate({x0},0)">{_raster_rects(raster, cell, cell, fill)}</g>')
-        if cell >= 14 and rows * cols <= 64:
+        if cell >= 24 and rows * cols <= 64:  # rank numbers at 11 px, in a colour that reads on the fill
             for (i, j), r in np.ndenumerate(ranks[p]):
-                parts.append(f'<text x="{x0 + j * cell + cell / 2:.1f}" y="{i * cell + cell * 0.65:.1f}" '
-                             f'font-size="{cell * 0.42:.0f}" text-anchor="middle" fill="#222">{r}</text>')
+                back = colour(int(r)) if flat_values is None else _amount_hex(flat_values[p][i, j] / top)
+                parts.append(f'<text x="{x0 + j * cell + cell / 2:.1f}" y="{i * cell + cell * 0.62:.1f}" '
+                             f'font-size="11" text-anchor="middle" fill="{_text_hex(_rgb(back))}">{r}</text>')
     marked = set(highlight)
     for p in range(shown):
         for (i, j), r in np.ndenumerate(ranks[p]):
@@ -167,7 +185,11 @@ def _mesh_picture(mesh: Any, values: np.ndarray | None = None, highlight: Sequen
                 parts.append(f'<rect x="{p * (cols * cell + 8) + j * cell}" y="{i * cell}" width="{cell}" '
                              f'height="{cell}" fill="none" stroke="black" stroke-width="2"/>')
     width = shown * (cols * cell + 8)
+    from workbench.viz.colours import rank_colours
+
     label = f"{' x '.join(mesh.dim_names)}" + (f" ({shown} of {panels} panels)" if shown < panels else "")
+    if values is None:
+        label += f"; colours: {rank_colours(mesh).describe()}"
     return _svg(width, rows * cell, "".join(parts), label)
 
 
@@ -192,7 +214,7 @@ def _spec_picture(spec: Any, width: int = 240, height: int = 120) -> str:
     ri = np.searchsorted(view.row_edges, ys, side="right") - 1
     ci = np.searchsorted(view.col_edges, xs, side="right") - 1
     raster = view.cell_owners[np.ix_(ri, ci)]
-    body = _raster_rects(raster, width / pw, h / ph, _rank_hex(spec.mesh.size))
+    body = _raster_rects(raster, width / pw, h / ph, _rank_hex(spec.mesh))
     if view.key_axis is not None and len(view.key_bounds) <= 64:
         for start, _ in view.key_bounds[1:]:
             if view.key_axis == 0:
@@ -204,7 +226,9 @@ def _spec_picture(spec: Any, width: int = 240, height: int = 120) -> str:
     if view.padding is not None and view.padding[0] is not None:
         y = view.padding[0] / rows * h
         body += (f'<rect x="0" y="{y:.1f}" width="{width}" height="{h - y:.1f}" fill="#999" fill-opacity="0.5"/>')
-    notes = "owner of each element by rank colour"
+    from workbench.viz.colours import rank_colours
+
+    notes = f"owner of each element by rank colour ({rank_colours(spec.mesh).describe()})"
     if view.replicated:
         notes += f", x{int(view.cell_holders.max())} replicas"
     if view.key_axis is not None:
@@ -281,7 +305,8 @@ def _layout(layout: Any) -> str:
     ]) + _grid(("parameter pattern", "count", "keys", "global shape", "shards", "dtype", "bytes"), rows)
     values = per_rank.reshape(layout.mesh.shape)
     return _side(table, _mesh_picture(layout.mesh, values) +
-                 '<div style="color: #666; font-size: 11px">bytes held per rank</div>')
+                 f'<div style="{_DIM}; font-size: 11px">bytes held per rank (light: little, dark: much; '
+                 f"{_bytes(per_rank.min())} .. {_bytes(per_rank.max())})</div>")
 
 
 # -- plans ----------------------------------------------------------------------------------------------
@@ -335,7 +360,8 @@ def _save_plan(plan: Any) -> str:
     for i, (label, shape) in enumerate(stages):
         w = max(2.0, 180 * math.prod(shape) / top)
         body.append(f'<rect x="0" y="{i * 18 + 2}" width="{w:.1f}" height="12" fill="#4c72b0"/>'
-                    f'<text x="{w + 4:.1f}" y="{i * 18 + 12}" font-size="10">{_e(label)} {_e(shape)}</text>')
+                    f'<text x="{w + 4:.1f}" y="{i * 18 + 12}" font-size="11" fill="currentColor">{_e(label)} '
+                    f"{_e(shape)}</text>")
     return _side(table, _svg(330, len(stages) * 18 + 4, "".join(body), "elements after each step"))
 
 

@@ -45,11 +45,14 @@ class TimedCommunicator:
         return out
 
     def measured(self, result: Any = None) -> dict[str, Any]:
-        """``{"call_seconds", "call_bytes", "seconds", "peak_bytes"}`` of the calls so far (and the save's
-        total time when its SaveResult is given; ``peak_bytes`` on CUDA only)."""
+        """``{"call_seconds", "call_bytes", "seconds", "predicted_peak_bytes", "peak_bytes"}`` of the calls so
+        far (with the save's total time and its own predicted peak, writer queue included, when its SaveResult
+        is given; ``peak_bytes`` on CUDA only)."""
         out: dict[str, Any] = {"call_seconds": list(self.call_seconds), "call_bytes": list(self.call_bytes)}
         if result is not None:
             out["seconds"] = result.seconds
+            if getattr(result, "predicted_peak_bytes", None) is not None:
+                out["predicted_peak_bytes"] = result.predicted_peak_bytes
         if self._cuda:
             import torch
 

@@ -9,6 +9,7 @@ byte axis with the modeled memory waterline.
 
 from __future__ import annotations
 
+import dataclasses
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -33,6 +34,7 @@ __all__ = [
     "schedule_view",
     "shard_view",
     "short_keys",
+    "zoom_window",
 ]
 
 ELEMENT_LIMIT = 1 << 20  # views up to this many elements get per-element ``owners``
@@ -295,6 +297,37 @@ def format_ranks(ranks: Sequence[int], limit: int = 6) -> str:
     return shared(ranks, limit=limit)
 
 
+def zoom_window(
+    view: ShardView, rank: int, *, readable: float = 0.05, context: float = 3.0
+) -> tuple[tuple[int, int], tuple[int, int]] | None:
+    """The part of ``view`` to enlarge so that ``rank``'s first box is readable, or None when it already is.
+
+    On each axis where the box covers less than ``readable`` of the view, the window is ``context`` times the
+    box, centred on it and kept inside the view (so the box fills about 1/``context`` of the zoomed axis and
+    its neighbours show around it); on other axes it is the whole view. None also when the rank holds nothing
+    of the view.
+
+    Returns:
+        ``((row0, row1), (col0, col1))`` in view coordinates.
+    """
+    mine = sorted((b for b in view.boxes if b.rank == rank), key=lambda b: (b.row0, b.col0))
+    if not mine:
+        return None
+    first = mine[0]
+    window: list[tuple[int, int]] = []
+    zoomed = False
+    for lo, hi, n in ((first.row0, first.row1, view.shape[0]), (first.col0, first.col1, view.shape[1])):
+        size = hi - lo
+        if size >= readable * n:
+            window.append((0, n))
+            continue
+        span = min(n, max(math.ceil(size * context), size + 2))
+        start = min(max(lo - (span - size) // 2, 0), n - span)
+        window.append((start, start + span))
+        zoomed = True
+    return (window[0], window[1]) if zoomed else None
+
+
 # -- mesh ------------------------------------------------------------------------------------------------
 @dataclass(frozen=True, slots=True, kw_only=True)
 class MeshView:
@@ -305,6 +338,8 @@ class MeshView:
         ranks: the rank at every mesh coordinate (an array of the mesh's shape).
         held: elements of ``spec`` each rank holds (same shape; all zero without a spec).
         labels: per rank, a short text of what it holds (the global ranges it holds on each cut dim).
+        regions: per rank, per cut dim (``cut_dims``), the global ``(start, stop)`` ranges it holds.
+        cut_dims: the tensor dims the spec cuts, in order.
         highlighted: ranks outlined (a rank, or its group along a mesh dim).
         highlight_text: what the outline means.
     """
@@ -315,6 +350,8 @@ class MeshView:
     labels: Mapping[int, str]
     highlighted: tuple[int, ...]
     highlight_text: str
+    regions: Mapping[int, tuple[tuple[tuple[int, int], ...], ...]] = dataclasses.field(default_factory=dict)
+    cut_dims: tuple[int, ...] = ()
 
 
 def mesh_view(
@@ -324,6 +361,8 @@ def mesh_view(
     ranks = np.array(mesh.all_ranks(), dtype=np.int64).reshape(mesh.shape)
     held = np.zeros(mesh.shape, dtype=np.int64)
     labels: dict[int, str] = {}
+    regions: dict[int, tuple[tuple[tuple[int, int], ...], ...]] = {}
+    cut: list[int] = []
     if spec is not None:
         if spec.mesh != mesh:
             raise LayoutError(f"parameter {spec.name!r} is on {spec.mesh!r}, not on {mesh!r}")
@@ -335,6 +374,7 @@ def mesh_view(
                 labels[rank] = "empty"
                 continue
             segs = spec.segments(rank)
+            regions[rank] = tuple(tuple((g, g + n) for g, n in segs[d]) for d in cut)
             text = []
             for d in cut:
                 ranges = [f"{g}:{g + n}" for g, n in segs[d]]
@@ -352,7 +392,8 @@ def mesh_view(
             mesh.coordinate(int(highlight))  # checks the rank
             highlighted = (int(highlight),)
             text = f"rank {highlight}"
-    return MeshView(mesh=mesh, ranks=ranks, held=held, labels=labels, highlighted=highlighted, highlight_text=text)
+    return MeshView(mesh=mesh, ranks=ranks, held=held, labels=labels, highlighted=highlighted, highlight_text=text,
+                    regions=regions, cut_dims=tuple(cut))
 
 
 # -- schedule --------------------------------------------------------------------------------------------
@@ -377,8 +418,12 @@ class ScheduleView:
         bars: one per call, in execution order.
         lanes: ``(mesh dim, dtype)`` label of every lane.
         wave_starts: x where each wave starts.
-        water_x, water_y: the modeled memory waterline (live bytes) as a step curve over x.
-        peak_bytes: the schedule's predicted peak; budget_bytes its budget.
+        water_x, water_y: the gathers' modeled live memory (bytes) as a step curve over x.
+        gather_peak_bytes: the modeled peak of the gathers alone (the largest wave peak): what the budget bounds.
+        queued_bytes: the writer queue the save may hold on top (``schedule_unshard``'s ``queued_bytes``).
+        peak_bytes: the schedule's predicted peak: the gathers plus what the writer queue holds meanwhile.
+        scratch: the waterline counts a receive scratch buffer per call (gloo's ``gather_scratch``).
+        budget_bytes: the budget (None: unbounded); total_bytes: bytes gathered by every call.
     """
 
     bars: tuple[ScheduleBar, ...]
@@ -387,53 +432,94 @@ class ScheduleView:
     water_x: tuple[int, ...]
     water_y: tuple[int, ...]
     peak_bytes: int
+    gather_peak_bytes: int
+    queued_bytes: int
+    scratch: bool
     budget_bytes: int | None
     total_bytes: int
 
+    @property
+    def over_budget(self) -> bool:
+        """True when the predicted peak exceeds the budget."""
+        return self.budget_bytes is not None and self.peak_bytes > self.budget_bytes
+
 
 def schedule_view(schedule: Any) -> ScheduleView:
-    """Place every call of ``schedule`` on a byte axis and replay the scheduler's memory model per call.
+    """Place every call of ``schedule`` on a byte axis and replay the scheduler's memory model call by call.
 
-    The waterline follows ``workbench.plan.schedule``'s model (send buffer, receive buffer, merged outputs;
-    outputs live until their wave ends). It leaves out the cast copies of tensors gathered in another dtype
-    than their runtime one, which the schedule does not record; ``peak_bytes`` is the schedule's own figure.
+    The waterline follows ``workbench.plan.schedule``'s model (the last reply kept until the next call, the send
+    buffer, the receive buffer and its scratch copy when the backend needs one, merged outputs; a wave's outputs
+    handed out at its end; a look-ahead output kept until its own wave). It leaves out the copies of tensors cast
+    to another gather dtype and of trimmed FP8 tails, which the schedule does not record; ``gather_peak_bytes``
+    is the schedule's own figure, which counts them. Whether calls received into a scratch buffer is read from
+    the schedule when it says, else from its wave peaks (the replay that reproduces them).
     """
     lanes: dict[str, int] = {}
     bars: list[ScheduleBar] = []
     wave_starts: list[int] = []
-    xs: list[int] = [0]
-    ys: list[int] = [0]
     x = 0
     wave = None
-    live = 0
-    held: dict[str, int] = {}
     for n, call in enumerate(schedule.calls):
         if call.wave != wave:
-            wave, live, held = call.wave, 0, {}
+            wave = call.wave
             wave_starts.append(x)
-            xs.append(x)
-            ys.append(0)
         lane = lanes.setdefault(f"{format_mesh_dim(call.mesh_dim)} {str(call.dtype).removeprefix('torch.')}",
                                 len(lanes))
-        width = call.bytes_out
-        bars.append(ScheduleBar(n, call.wave, call.round, lane, x, width, call.oversized))
-        size = call.dtype.itemsize
-        out = sum(i.bound_numel for i in call.items) * size
-        send = out // call.world
-        freed = sum(held.get(i.name, 0) for i in call.items)
-        in_place = len(call.items) == 1 and call.items[0].dim == 0 and call.items[0].interleave_factor == 1
-        merged = 0 if in_place else out
-        third = width / 3
-        for k, level in enumerate((live + send, live - freed + send + out, live - freed + out + merged)):
-            xs.append(round(x + k * third))
-            ys.append(level)
-        live = live - freed + (out if in_place else merged)
-        for i in call.items:
-            held[i.name] = i.bound_numel * size
-        x += width
-        xs.append(x)
-        ys.append(live)
+        bars.append(ScheduleBar(n, call.wave, call.round, lane, x, call.bytes_out, call.oversized))
+        x += call.bytes_out
+    wave_peaks = tuple(getattr(schedule, "wave_peaks", ()) or ())
+    scratch = getattr(schedule, "gather_scratch", None)
+    if scratch is None:
+        plain = _replay(schedule, scratch=False)
+        scratch = bool(wave_peaks) and plain[2] != list(wave_peaks) and _replay(schedule, True)[2] == list(wave_peaks)
+    xs, ys, peaks = _replay(schedule, scratch=bool(scratch))
+    gather_peak = max(wave_peaks, default=max(peaks, default=0))
     return ScheduleView(
         bars=tuple(bars), lanes=tuple(lanes), wave_starts=tuple(wave_starts), water_x=tuple(xs), water_y=tuple(ys),
-        peak_bytes=int(schedule.peak_bytes), budget_bytes=schedule.budget_bytes, total_bytes=x,
+        peak_bytes=int(schedule.peak_bytes), gather_peak_bytes=int(gather_peak),
+        queued_bytes=int(getattr(schedule, "queued_bytes", 0) or 0), scratch=bool(scratch),
+        budget_bytes=schedule.budget_bytes, total_bytes=x,
     )
+
+
+def _replay(schedule: Any, scratch: bool) -> tuple[list[int], list[int], list[int]]:
+    """The memory model over the calls: waterline points (x, bytes) and the peak of every wave."""
+    xs, ys, peaks = [0], [0], []
+    held: dict[str, int] = {}
+    live = reply = 0
+    x = 0
+    by_wave: dict[int, list[Any]] = {}
+    for call in schedule.calls:
+        by_wave.setdefault(call.wave, []).append(call)
+    for w, names in enumerate(schedule.waves):
+        reply = 0  # the previous wave's outputs were handed out: the driver dropped its last reply
+        xs.append(x)
+        ys.append(live)
+        peak = live
+        for call in by_wave.get(w, []):
+            size = call.dtype.itemsize
+            out = sum(i.bound_numel for i in call.items) * size
+            send = out // call.world
+            freed = sum(held.get(i.name, 0) for i in call.items)
+            in_place = len(call.items) == 1 and call.items[0].dim == 0 and call.items[0].interleave_factor == 1
+            merged = 0 if in_place else out
+            staged = out if scratch else 0
+            levels = (live + reply + send, live - freed + send + out + staged, live - freed + out + merged)
+            third = call.bytes_out / 3
+            for k, level in enumerate(levels):
+                xs.append(round(x + k * third))
+                ys.append(level)
+            peak = max(peak, *levels)
+            live = live - freed + (out if in_place else merged)
+            reply = 0 if in_place else out
+            for i in call.items:
+                held[i.name] = i.bound_numel * size
+            x += call.bytes_out
+            xs.append(x)
+            ys.append(live)
+        for name in names:
+            live -= held.pop(name, 0)
+        xs.append(x)
+        ys.append(live)
+        peaks.append(peak)
+    return xs, ys, peaks

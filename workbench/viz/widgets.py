@@ -1,21 +1,21 @@
 """``explore(layout)``: an ipywidgets app to browse a layout: parameter or HF key, rank, save policy, budget.
 
-Standard widgets only (Dropdown, IntSlider, Image, HTML, boxes), so it works in JupyterLab, classic Notebook
-and VS Code. Figures are rendered to PNG into ``Image`` widgets. Everything slow is cached: a parameter's
-shard view and base figures are drawn once and a rank change only moves the outlines; schedules are planned
-once per (policy, budget) for every rank (ranks of one shape class share one), or per rank for policies whose
-plans depend on each rank's keys.
+Standard widgets only (Combobox, IntSlider, Dropdown, Image, HTML, boxes), so it works in JupyterLab, classic
+Notebook and VS Code. Figures are PNGs rendered at twice their CSS size (sharp on hi-dpi screens) into
+``Image`` widgets of that CSS width. A rank change only redraws what depends on the rank: each view's static
+part is drawn once per parameter and kept as pixels; the rank's outline, zoom panel and group are drawn on a
+copy (tens of ms). Schedules are planned once per (policy, budget) for every rank where ranks of one shape
+class share one (drawn once per class, in a background thread right after the explorer opens), or per rank in
+the background for policies whose plans depend on each rank's keys; a rank change never waits for them.
 """
 
 from __future__ import annotations
 
-import io
 import math
+import threading
 import time
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
-
-import numpy as np
 
 from workbench.layout.model_layout import Layout
 from workbench.viz import _style
@@ -23,23 +23,27 @@ from workbench.viz import _style
 __all__ = ["Explorer", "explore"]
 
 _BUDGETS = ("unbounded", "1/64", "1/16", "1/4", "1/2")  # fractions of the largest tensor's gathered bytes
-_DPI = 72
+_WHOLE = "(whole tensor)"
+_SCALE = _style.HIDPI  # PNG pixels per CSS pixel
 
 
-def explore(layout: Layout, *, param: str | None = None, rank: int = 0) -> Any:
+def explore(layout: Layout, *, param: str | None = None, rank: int = 0, background: bool = True) -> Any:
     """An ipywidgets app over ``layout``; returns the top ``Widget`` (its ``.explorer`` drives it from code).
 
-    Pick a parameter (and optionally one of its HF keys), slide a rank or its mesh coordinates, choose a save
-    policy and a memory budget: the shard offsets, the mesh (elements each rank holds, the rank's group
-    outlined), the rank's unshard schedule and the bytes-per-rank heat map of the whole layout update together.
+    Pick a parameter (and optionally one of its HF keys; type to filter either list), slide a rank or its
+    mesh coordinates, choose a save policy and a memory budget: the shard offsets (zoomed on the rank when its
+    part is thin), the mesh (elements each rank holds, the rank's group outlined), the rank's unshard schedule
+    and the bytes-per-rank heat map of the whole layout update together. ``background=False`` plans and draws
+    schedules at once instead of in a background thread (scripts, tests).
     """
-    return Explorer(layout, param=param, rank=rank).widget
+    return Explorer(layout, param=param, rank=rank, background=background).widget
 
 
 class Explorer:
-    """State and widgets of ``explore``; ``update_seconds`` is how long the last refresh took."""
+    """State and widgets of ``explore``; ``update_seconds`` is how long the last refresh took (schedules
+    planned or drawn in the background not included: ``settle()`` waits for them)."""
 
-    def __init__(self, layout: Layout, *, param: str | None = None, rank: int = 0) -> None:
+    def __init__(self, layout: Layout, *, param: str | None = None, rank: int = 0, background: bool = True) -> None:
         try:
             import ipywidgets as w
         except ImportError as exc:  # pragma: no cover - ipywidgets is a dependency
@@ -47,24 +51,32 @@ class Explorer:
         self.layout = layout
         mesh = layout.mesh
         names = list(layout.specs)
+        if not names:
+            raise ValueError(f"explore: {layout!r} has no parameters")
         if param is None:
             param = max(names, key=lambda n: math.prod(layout.specs[n].global_shape))
-        self._views: dict[tuple, Any] = {}
+        elif param not in layout.specs:
+            raise ValueError(f"explore: {param!r} is not a parameter of {layout!r}")
+        mesh.coordinate(rank)  # a clear error for a rank outside the mesh
+        self._pictures: dict[tuple, Any] = {}
         self._schedules: dict[tuple, Any] = {}
         self._schedule_png: dict[tuple, bytes] = {}
-        self._heat_values: np.ndarray | None = None
         self.update_seconds = 0.0
         self._busy = False
+        self._param_value = param
+        self._key_value: str | None = None
+        self._worker = _Worker() if background else None
 
-        self.param = w.Dropdown(options=names, value=param, description="parameter",
-                                layout=w.Layout(width="520px"))
-        self.key = w.Dropdown(options=self._key_options(param), value="(whole tensor)", description="HF key",
-                              layout=w.Layout(width="520px"))
+        wide = w.Layout(width="560px")
+        self.param = w.Combobox(options=names, value=param, description="parameter", ensure_option=True,
+                                placeholder=f"type to filter {len(names)} parameters", layout=wide)
+        self.key = w.Combobox(options=self._key_options(param), value=_WHOLE, description="HF key",
+                              ensure_option=True, placeholder="type to filter the HF keys", layout=wide)
         self.rank = w.IntSlider(value=rank, min=0, max=mesh.size - 1, description="rank", continuous_update=False,
-                                layout=w.Layout(width="520px"))
+                                layout=wide)
         self.coords = [
             w.IntSlider(value=c, min=0, max=s - 1, description=n, continuous_update=False,
-                        layout=w.Layout(width="250px"))
+                        layout=w.Layout(width="270px"))
             for n, s, c in zip(mesh.dim_names, mesh.shape, mesh.coordinate(rank))
         ]
         self.group = w.Dropdown(options=["(rank only)", *mesh.dim_names], value="(rank only)",
@@ -73,14 +85,17 @@ class Explorer:
         self.policy = w.Dropdown(options=["full", "minimal", *refs], value="full", description="policy")
         self.budget = w.Dropdown(options=list(_BUDGETS), value="unbounded", description="budget")
         self.offsets = w.Image(format="png")
+        self.zoom_image = w.Image(format="png")
         self.mesh_image = w.Image(format="png")
         self.schedule_image = w.Image(format="png")
         self.heat = w.Image(format="png")
         self.info = w.HTML()
+        self.message = w.HTML()
+        self.schedule_note = w.HTML()
         self.status = w.HTML()
 
         self.param.observe(self._on_param, names="value")
-        self.key.observe(lambda _: self.refresh(), names="value")
+        self.key.observe(self._on_key, names="value")
         self.rank.observe(self._on_rank, names="value")
         for slider in self.coords:
             slider.observe(self._on_coord, names="value")
@@ -91,25 +106,43 @@ class Explorer:
         controls = w.VBox([
             w.HTML(f"<b>{layout.name}</b>: {mesh!r}, {len(layout)} parameters, {len(layout.hf_keys)} HF keys"),
             self.param, self.key, self.rank, w.HBox(self.coords, layout=w.Layout(flex_flow="row wrap")),
-            w.HBox([self.group, self.policy, self.budget], layout=w.Layout(flex_flow="row wrap")), self.info,
+            w.HBox([self.group, self.policy, self.budget], layout=w.Layout(flex_flow="row wrap")),
+            self.message, self.info,
         ])
-        left = w.VBox([w.HTML("<b>shard offsets</b>"), self.offsets])
+        left = w.VBox([w.HTML("<b>shard offsets</b>"), w.HBox([self.offsets, self.zoom_image])])
         right = w.VBox([w.HTML("<b>mesh</b> (elements of the parameter held)"), self.mesh_image,
                         w.HTML("<b>bytes per rank</b>, whole layout"), self.heat])
         self.widget = w.VBox([controls, w.HBox([left, right], layout=w.Layout(flex_flow="row wrap")),
-                              w.HTML("<b>unshard schedule</b> of the rank"), self.schedule_image, self.status])
+                              w.HTML("<b>unshard schedule</b> of the rank"), self.schedule_note,
+                              self.schedule_image, self.status])
         self.widget.explorer = self
         self.widget.add_class("workbench-explorer")
+        self._set_image(self.heat, self._heat_png())
         self.refresh()
+        if self._worker is not None:  # draw every shape class's schedule of the default policy ahead
+            self._worker.submit(("precompute",), self._precompute, None)
 
     # -- events ------------------------------------------------------------------------------------------
     def _on_param(self, change: Any) -> None:
+        name = change["new"]
+        if name not in self.layout.specs:  # typed text that names no parameter (yet)
+            self.message.value = _warn(f"no parameter is named {name!r}; pick one from the list")
+            return
+        self._param_value = name
         self._busy = True
         try:
-            self.key.options = self._key_options(change["new"])
-            self.key.value = "(whole tensor)"
+            self.key.options = self._key_options(name)
+            self.key.value = _WHOLE
         finally:
             self._busy = False
+        self.refresh()
+
+    def _on_key(self, change: Any) -> None:
+        if self._busy:
+            return
+        if change["new"] not in self.key.options:
+            self.message.value = _warn(f"{change['new']!r} is not an HF key of {self._param_value}")
+            return
         self.refresh()
 
     def _on_rank(self, change: Any) -> None:
@@ -128,7 +161,12 @@ class Explorer:
 
     def _key_options(self, param: str) -> list[str]:
         keys = self.layout.specs[param].hf_keys
-        return ["(whole tensor)", *keys] if len(keys) > 1 else ["(whole tensor)"]
+        return [_WHOLE, *keys] if len(keys) > 1 else [_WHOLE]
+
+    def settle(self, timeout: float = 120.0) -> None:
+        """Wait until schedules planned or drawn in the background are shown."""
+        if self._worker is not None:
+            self._worker.settle(timeout)
 
     # -- drawing -----------------------------------------------------------------------------------------
     def refresh(self) -> None:
@@ -137,88 +175,97 @@ class Explorer:
             return
         start = time.perf_counter()
         rank = self.rank.value
-        name = self.param.value
+        name = self._param_value
         spec = self.layout.specs[name]
-        key = None if self.key.value == "(whole tensor)" else self.key.value
-        offsets = self._offsets_figure(name, key)
-        mine = [b for b in offsets.fig.view.boxes if b.rank == rank]
-        self.offsets.value = offsets.png({0: [(b.col0, b.row0, b.col1 - b.col0, b.row1 - b.row0) for b in mine]})
+        key = None if self.key.value in (_WHOLE, "") or self.key.value not in spec.hf_keys else self.key.value
+        overview, zoom = self._offsets_picture(name, key).png(rank)
+        self._set_image(self.offsets, overview)
+        if zoom is None:
+            self.zoom_image.layout.display = "none"
+        else:
+            self._set_image(self.zoom_image, zoom)
+            self.zoom_image.layout.display = None
         group = (rank,) if self.group.value == "(rank only)" else self.layout.mesh.group_ranks(rank, self.group.value)
-        self.mesh_image.value = self._mesh_figure(name).png(_mesh_cells(self.layout.mesh, group))
-        if not self.heat.value:  # the whole layout's bytes per rank do not depend on the controls
-            self.heat.value = _png(self._heat_figure())
-        schedule = self._schedule(rank)
-        self.schedule_image.value = self._schedule_picture(schedule)
+        self._set_image(self.mesh_image, self._mesh_picture(name).png(group))
+        self._show_schedule(rank)
         coord = ", ".join(f"{n}={c}" for n, c in zip(self.layout.mesh.dim_names, self.layout.mesh.coordinate(rank)))
-        regions = spec.key_regions(rank)
-        shown = "<br>".join(str(r) for r in regions[:6]) + (f"<br>... {len(regions) - 6} more" if len(regions) > 6
-                                                            else "")
+        regions = [r for r in spec.key_regions(rank) if key is None or r.hf_key == key]
+        shown = "<br>".join(_escape(str(r)) for r in regions[:6])
+        if len(regions) > 6:
+            shown += f"<br>... {len(regions) - 6} more"
+        if not regions:
+            what = key or name
+            self.message.value = _warn(f"rank {rank} holds none of {what}")
+        else:
+            self.message.value = ""
         self.info.value = (
             f"<code>rank {rank} ({coord}): local {spec.local_shape(rank)} of {spec.global_shape}, "
-            f"{spec.describe_shards()}<br>{shown or 'holds no HF key region'}</code>"
+            f"{_escape(spec.describe_shards())}<br>{shown or 'holds no HF key region here'}</code>"
         )
         self.update_seconds = time.perf_counter() - start
-        self.status.value = (
-            f"<small>schedule: {schedule.num_calls} call(s), predicted peak "
-            f"{_style.format_bytes(schedule.peak_bytes)}; updated in {self.update_seconds * 1000:.0f} ms</small>"
-        )
+        self.status.value = f"<small>updated in {self.update_seconds * 1000:.0f} ms</small>"
 
-    def _offsets_figure(self, name: str, key: str | None) -> Any:
+    def _set_image(self, image: Any, png: bytes) -> None:
+        width = str(_png_width(png) // _SCALE)
+        if image.width != width:
+            image.width = width
+        image.value = png
+
+    def _offsets_picture(self, name: str, key: str | None) -> Any:
         cache = ("offsets", name, key)
-        fig = self._views.get(cache)
-        if fig is None:
-            from workbench.viz.figures import plot_shard_offsets
+        picture = self._pictures.get(cache)
+        if picture is None:
+            picture = _OffsetsPicture(self.layout.specs[name], key)
+            self._pictures[cache] = picture
+        return picture
 
-            fig = _Blitted(plot_shard_offsets(self.layout.specs[name], key=key, figsize=(6.0, 4.0)))
-            self._views[cache] = fig
-        return fig
-
-    def _mesh_figure(self, name: str) -> Any:
+    def _mesh_picture(self, name: str) -> Any:
         cache = ("mesh", name)
-        fig = self._views.get(cache)
-        if fig is None:
-            from workbench.viz.figures import plot_mesh
+        picture = self._pictures.get(cache)
+        if picture is None:
+            from workbench.viz.mesh_figure import plot_mesh
 
-            fig = _Blitted(plot_mesh(self.layout.mesh, self.layout.specs[name], figsize=(5.0, 3.2)))
-            self._views[cache] = fig
-        return fig
+            fig = plot_mesh(self.layout.mesh, self.layout.specs[name], figsize=(5.2, 3.6))
+            picture = _MeshPicture(fig)
+            self._pictures[cache] = picture
+        return picture
 
-    def _heat_figure(self) -> Any:
-        fig = self._views.get(("heat",))
-        if fig is None:
-            from workbench.viz.html import _layout_bytes_per_rank
+    def _heat_png(self) -> bytes:
+        from workbench.viz.html import _layout_bytes_per_rank
+        from workbench.viz.mesh_figure import amount_figure
 
-            values = _layout_bytes_per_rank(self.layout)
-            self._heat_values = values
-            fig = _heat(self.layout, values)
-            self._views[("heat",)] = fig
-        return fig
+        values = _layout_bytes_per_rank(self.layout)
+        heading = f"bytes per rank: {_style.format_bytes(values.min())} .. {_style.format_bytes(values.max())}"
+        fig = amount_figure(self.layout.mesh, values, heading, figsize=(5.2, 3.2))
+        return _style.png_bytes(fig, _SCALE)
 
-    def _budget_bytes(self) -> int | None:
-        if self.budget.value == "unbounded":
+    # -- schedules ---------------------------------------------------------------------------------------
+    def _budget_bytes(self, budget: str | None = None) -> int | None:
+        budget = self.budget.value if budget is None else budget
+        if budget == "unbounded":
             return None
-        fraction = 1 / int(self.budget.value.split("/")[1])
+        fraction = 1 / int(budget.split("/")[1])
         largest = max(math.prod(s.global_shape) * self.layout.dtype(n).itemsize for n, s in self.layout.specs.items())
         return max(1, int(largest * fraction))
 
-    def _policy(self) -> Any:
+    def _policy(self, value: str | None = None) -> Any:
         from workbench.plan.policy import SavePolicy
 
-        value = self.policy.value
+        value = self.policy.value if value is None else value
         if value.startswith("preserve("):
             return SavePolicy.preserve(value[len("preserve("):-1])
         return SavePolicy.full() if value == "full" else SavePolicy.minimal()
 
-    def _schedule(self, rank: int) -> Any:
-        """The rank's schedule under the chosen policy and budget (cached)."""
-        policy, budget = self._policy(), self._budget_bytes()
-        world_key = (str(policy), budget)
-        if policy.mode in ("full", "gather_only"):
+    def _schedule(self, rank: int, policy: str | None = None, budget: str | None = None) -> Any:
+        """The rank's schedule under the policy and budget (default: the chosen ones), planned once."""
+        policy_value, budget_bytes = self._policy(policy), self._budget_bytes(budget)
+        world_key = (str(policy_value), budget_bytes)
+        if policy_value.mode in ("full", "gather_only"):
             schedules = self._schedules.get(world_key)
             if schedules is None:  # every rank at once: ranks of one shape class share a schedule
                 from workbench.run.simulated import plan_save
 
-                schedules = plan_save(self.layout, policy=policy, budget_bytes=budget).schedules
+                schedules = plan_save(self.layout, policy=policy_value, budget_bytes=budget_bytes).schedules
                 self._schedules[world_key] = schedules
             return schedules[rank]
         cache = (*world_key, rank)
@@ -228,106 +275,203 @@ class Explorer:
             from workbench.plan.schedule import schedule_unshard
 
             runtime = {n: self.layout.dtype(n) for n in self.layout}
-            plans = [plan_hf_save(s, rank, policy, runtime_dtype=runtime[n]) for n, s in self.layout.specs.items()]
-            schedule = schedule_unshard(plans, runtime, budget)
+            plans = [plan_hf_save(s, rank, policy_value, runtime_dtype=runtime[n])
+                     for n, s in self.layout.specs.items()]
+            schedule = schedule_unshard(plans, runtime, budget_bytes)
             self._schedules[cache] = schedule
         return schedule
 
+    def _known_schedule(self, rank: int) -> Any:
+        """The rank's schedule if it is planned already, else None."""
+        policy_value, budget_bytes = self._policy(), self._budget_bytes()
+        world = self._schedules.get((str(policy_value), budget_bytes))
+        if world is not None:
+            return world[rank]
+        return self._schedules.get((str(policy_value), budget_bytes, rank))
+
+    def _show_schedule(self, rank: int) -> None:
+        request = (self.policy.value, self.budget.value, rank)
+        self._wanted = request
+        schedule = self._known_schedule(rank)
+        png = self._schedule_png.get(_class_key(schedule)) if schedule is not None else None
+        if png is not None or self._worker is None:
+            self._put_schedule(request, png if png is not None else self._schedule_picture(self._schedule(rank)),
+                               schedule or self._schedule(rank))
+            return
+        self.schedule_note.value = f"<small>planning and drawing rank {rank}'s schedule ...</small>"
+
+        def work() -> tuple[Any, bytes]:
+            found = self._schedule(rank, *request[:2])
+            return found, self._schedule_picture(found)
+
+        self._worker.submit(request, work, lambda result: self._put_schedule(request, result[1], result[0]))
+
+    def _put_schedule(self, request: tuple, png: bytes, schedule: Any) -> None:
+        if request != self._wanted:
+            return  # the controls moved on
+        self._set_image(self.schedule_image, png)
+        self.schedule_note.value = (
+            f"<small>rank {request[2]}: {schedule.num_calls} call(s), predicted peak "
+            f"{_style.format_bytes(schedule.peak_bytes)} (every rank of its shape class has this schedule)</small>"
+        )
+
     def _schedule_picture(self, schedule: Any) -> bytes:
-        cache = (id(schedule.calls), schedule.peak_bytes)  # ranks of one shape class share their calls
+        cache = _class_key(schedule)
         png = self._schedule_png.get(cache)
         if png is None:
-            from workbench.viz.figures import plot_schedule
+            from workbench.viz.schedule_figure import plot_schedule
 
-            fig = plot_schedule(schedule, figsize=(9.0, 3.6))
-            title = fig.axes[0].get_title()
-            fig.axes[0].set_title(title.split(": ", 1)[-1] + "  (every rank of this shape class)", fontsize=9)
-            png = _png(fig)
+            title = (f"{len(schedule.waves)} wave(s), {len(schedule.rounds)} round(s), {schedule.num_calls} call(s) "
+                     f"gathering {_style.format_bytes(sum(c.bytes_out for c in schedule.calls))}")
+            png = _style.png_bytes(plot_schedule(schedule, figsize=(10.0, 4.6), title=title), _SCALE)
             if len(self._schedule_png) > 64:
                 self._schedule_png.clear()
             self._schedule_png[cache] = png
         return png
 
+    def _precompute(self) -> None:
+        """Plan the default policy's schedules of every rank and draw each shape class once."""
+        schedules = {}
+        for rank in self.layout.mesh.all_ranks():
+            schedule = self._schedule(rank, "full", "unbounded")
+            schedules.setdefault(_class_key(schedule), schedule)
+        for schedule in schedules.values():
+            self._schedule_picture(schedule)
 
-# -- helpers --------------------------------------------------------------------------------------------
-def _png(fig: Any) -> bytes:
-    buffer = io.BytesIO()
-    fig.savefig(buffer, format="png", dpi=_DPI)
-    return buffer.getvalue()
+
+# -- pictures -----------------------------------------------------------------------------------------------
+class _Frozen:
+    """Figures laid out and drawn once at ``_SCALE`` x their CSS size; ``capture`` keeps their pixels, a frame
+    restores them, draws only what changed and encodes (reusing the compressed bands that did not change)."""
+
+    def __init__(self, *figs: Any) -> None:
+        from workbench.viz.png import BandEncoder
+
+        self.figs = figs
+        self.encoders = [BandEncoder() for _ in figs]
+        for fig in figs:
+            fig.set_dpi(_style.DPI * _SCALE)
+            fig.canvas.draw()
+            fig.set_layout_engine("none")
+
+    def capture(self) -> None:
+        self.backgrounds = []
+        for fig in self.figs:
+            fig.canvas.draw()
+            self.backgrounds.append(fig.canvas.copy_from_bbox(fig.bbox))
+
+    def restore(self) -> None:
+        for fig, background in zip(self.figs, self.backgrounds):
+            fig.canvas.restore_region(background)
+
+    def encode(self, n: int = 0) -> bytes:
+        import numpy as np
+
+        return self.encoders[n].encode(np.asarray(self.figs[n].canvas.buffer_rgba()))
 
 
-class _Blitted:
-    """A figure drawn once; each update restores its pixels and draws only the outlines (tens of ms, not
-    hundreds: ticks and text are never drawn again)."""
+class _OffsetsPicture(_Frozen):
+    """The offsets figure of one parameter (or HF key): the overview is static, the rank's outline and window
+    are drawn on it; a zoomed tensor gets a second figure, the zoom panel, drawn per rank."""
+
+    def __init__(self, spec: Any, key: str | None) -> None:
+        from workbench.viz.offsets_figure import OffsetsFigure, needs_zoom
+        from workbench.viz.views import shard_view
+
+        view = shard_view(spec, hf_key=key)
+        zoom = needs_zoom(view)
+        self.drawing = OffsetsFigure(spec, view, rank=None, zoom_panel="separate" if zoom else False,
+                                     figsize=(5.6, 4.6), rank_note=False)
+        drawing = self.drawing
+        super().__init__(*((drawing.fig, drawing.zoom_fig) if zoom else (drawing.fig,)))
+        for artist in drawing.dynamic:
+            artist.set_visible(False)
+        self.capture()
+
+    def png(self, rank: int) -> tuple[bytes, bytes | None]:
+        """PNGs of the overview and of the zoom panel (None: no zoom) for ``rank``."""
+        self.restore()
+        self.drawing.show_rank(rank)
+        self.drawing.draw_dynamic()
+        return self.encode(0), (self.encode(1) if len(self.figs) > 1 else None)
+
+
+class _MeshPicture(_Frozen):
+    """A ``plot_mesh`` figure drawn once; each update outlines other ranks on a copy of its pixels."""
 
     def __init__(self, fig: Any) -> None:
-        fig.set_dpi(_DPI)
-        fig.canvas.draw()
-        self.fig = fig
-        self.axes = [a for a in fig.axes if a.get_label() != "<colorbar>"]
-        self.background = fig.canvas.copy_from_bbox(fig.bbox)
+        self.drawing = fig.drawing
+        super().__init__(fig)
+        self.drawing.outline(())
+        self.capture()
 
-    def png(self, boxes: dict[int, Sequence[tuple[float, float, float, float]]]) -> bytes:
-        """PNG of the figure with black outlines ``(x, y, width, height)`` on axes ``n`` for each ``n: boxes``."""
-        from matplotlib.patches import Rectangle
-        from PIL import Image
-
-        canvas = self.fig.canvas
-        canvas.restore_region(self.background)
-        for n, rects in boxes.items():
-            ax = self.axes[n]
-            for x, y, width, height in rects:
-                patch = Rectangle((x, y), width, height, fill=False, edgecolor="black", linewidth=2.2)
-                patch.set_clip_path(ax.patch)
-                ax.add_patch(patch)
-                ax.draw_artist(patch)
-                patch.remove()
-        buffer = io.BytesIO()
-        Image.frombuffer("RGBA", canvas.get_width_height(), canvas.buffer_rgba(), "raw", "RGBA", 0, 1).save(
-            buffer, format="png", compress_level=1)
-        return buffer.getvalue()
+    def png(self, ranks: Sequence[int]) -> bytes:
+        """PNG of the mesh with ``ranks`` outlined."""
+        self.restore()
+        for artist in self.drawing.outline(ranks):
+            self.figs[0].draw_artist(artist)
+        return self.encode()
 
 
-def _mesh_cells(mesh: Any, ranks: Sequence[int]) -> dict[int, list[tuple[float, float, float, float]]]:
-    """Per panel of a ``plot_mesh`` figure, the cell ``(x, y, 1, 1)`` of each of ``ranks``."""
-    out: dict[int, list[tuple[float, float, float, float]]] = {}
-    for rank in ranks:
-        coord = mesh.coordinate(rank)
-        if mesh.ndim == 1:
-            panel, i, j = 0, 0, coord[0]
-        else:
-            lead = coord[:-2]
-            panel = int(np.ravel_multi_index(lead, mesh.shape[:-2])) if lead else 0
-            i, j = coord[-2], coord[-1]
-        out.setdefault(panel, []).append((j, i, 1, 1))
-    return out
+class _Worker:
+    """One background thread running the latest request of each kind (older queued ones are dropped)."""
+
+    def __init__(self) -> None:
+        self._lock = threading.Condition()
+        self._queue: list[tuple[tuple, Callable[[], Any], Callable[[Any], None] | None]] = []
+        self._running = False
+        self._thread: threading.Thread | None = None
+
+    def submit(self, key: tuple, work: Callable[[], Any], done: Callable[[Any], None] | None) -> None:
+        with self._lock:
+            self._queue = [q for q in self._queue if q[0][:1] == ("precompute",)] + [(key, work, done)]
+            if self._thread is None or not self._thread.is_alive():
+                self._thread = threading.Thread(target=self._loop, name="workbench-explorer", daemon=True)
+                self._thread.start()
+            self._lock.notify_all()
+
+    def _loop(self) -> None:
+        while True:
+            with self._lock:
+                if not self._queue:
+                    self._running = False
+                    self._lock.notify_all()
+                    return
+                _, work, done = self._queue.pop(0)
+                self._running = True
+            try:
+                result = work()
+                if done is not None:
+                    done(result)
+            except Exception as exc:  # shown, never raised into a thread nobody joins
+                import warnings
+
+                warnings.warn(f"workbench explorer: {type(exc).__name__}: {exc}", RuntimeWarning, stacklevel=1)
+
+    def settle(self, timeout: float) -> None:
+        deadline = time.monotonic() + timeout
+        with self._lock:
+            while self._queue or self._running:
+                left = deadline - time.monotonic()
+                if left <= 0:
+                    raise TimeoutError(f"explorer: background drawing still running after {timeout} s")
+                self._lock.wait(left)
 
 
-def _heat(layout: Layout, values: np.ndarray) -> Any:
-    """Bytes per rank over the mesh (one panel per leading coordinate), with a colour bar."""
-    mesh = layout.mesh
-    fig = _style.new_figure((5.0, 2.6))
-    grid = values.reshape(mesh.shape)
-    panels = [grid.reshape(1, -1)] if mesh.ndim == 1 else [grid[lead] for lead in np.ndindex(*mesh.shape[:-2])]
-    ncols = min(len(panels), 4)
-    nrows = -(-len(panels) // ncols)
-    image = None
-    for n, panel in enumerate(panels):
-        ax = fig.add_subplot(nrows, ncols, n + 1)
-        image = ax.pcolormesh(panel, cmap=_style.heat_cmap(), vmin=0, vmax=max(values.max(), 1))
-        ax.set_xlim(0, panel.shape[1])
-        ax.set_ylim(panel.shape[0], 0)
-        for axis, size in ((ax.xaxis, panel.shape[1]), (ax.yaxis, panel.shape[0])):
-            step = max(1, size // 8)
-            axis.set_ticks(np.arange(0, size, step) + 0.5, [str(i) for i in range(0, size, step)])
-        ax.set_xlabel(mesh.dim_names[-1], fontsize=6)
-        if mesh.ndim > 1:
-            ax.set_ylabel(mesh.dim_names[-2], fontsize=6)
-        ax.tick_params(labelsize=6)
-    bar = fig.colorbar(image, ax=fig.axes, fraction=0.05)
-    bar.ax.set_label("<colorbar>")
-    bar.ax.yaxis.set_major_formatter(_style.bytes_formatter())
-    bar.ax.tick_params(labelsize=6)
-    fig.suptitle(f"bytes per rank: {_style.format_bytes(values.min())} .. {_style.format_bytes(values.max())}",
-                 fontsize=8)
-    return fig
+def _class_key(schedule: Any) -> tuple:
+    return (id(schedule.calls), schedule.peak_bytes)  # ranks of one shape class share their calls
+
+
+def _png_width(png: bytes) -> int:
+    return int.from_bytes(png[16:20], "big")
+
+
+def _escape(text: str) -> str:
+    import html
+
+    return html.escape(text, quote=False)
+
+
+def _warn(text: str) -> str:
+    return (f'<div style="padding: 2px 6px; border-left: 3px solid {_style.OVER}; font-weight: bold">'
+            f"{_escape(text)}</div>")
