@@ -1,13 +1,18 @@
-"""Debug benchmarks: inspect a synthetic DeepSeek-V3-sized checkpoint (headers only), and diff a 2 GB pair.
+"""Debug benchmarks: inspect a synthetic DeepSeek-V3-sized checkpoint (headers only), diagnose a 2 GB pair, and
+diagnose a 100k-key checkpoint with one swap.
 
-    .venv/bin/python bench/debug.py [--gb 2] [--dir /tmp/wb-debug-bench]
+    .venv/bin/python bench/debug.py [--gb 2] [--keys 100000] [--dir /tmp/wb-debug-bench] [--skip-inspect]
 
 1. ~100k keys, ~1T parameters (61 layers x 256 experts x 3 + attention + norms), 160 files written as real
    headers followed by *sparse* data (``truncate``): no disk is used for the data, the headers are real.
    ``inspect_checkpoint`` is timed against the baseline of opening every file with ``safe_open`` and listing
    its keys (what people do by hand), in the same run.
-2. Two ~2 GB checkpoints differing in one permuted tensor: ``diff_checkpoints`` in a subprocess; its peak RSS
+2. Two ~2 GB checkpoints differing in one permuted tensor: ``diagnose`` in a subprocess; its peak RSS
    minus the RSS after imports is the extra memory (target < 300 MB).
+3. Two checkpoints of ~100k small keys (DeepSeek-V3's key names, 160 files) where two experts' down_proj, in two
+   different files, are swapped: ``diagnose`` in a subprocess must name the swap (``misplaced_tensor``) at a cost
+   linear in the keys (content fingerprints looked up by value, no pairwise compares); a 10x smaller copy in the
+   same run shows the scaling.
 """
 
 from __future__ import annotations
@@ -118,16 +123,22 @@ class Peak:
     def __exit__(self, *exc):
         self._stop = True; self._t.join(); self.peak = max(self.peak, _rss())
 import sys
-from workbench.debug import diff_checkpoints
+from workbench.debug import diagnose
 import workbench.debug.analyze, torch
 with Peak() as p:
     t = time.perf_counter()
-    report = diff_checkpoints(sys.argv[1], sys.argv[2])
+    report = diagnose(sys.argv[2], expected=sys.argv[1])
     took = time.perf_counter() - t
-print(report.to_text().splitlines()[0]); print([(f.kind, f.key, f.transform) for f in report.findings])
+print(report.to_text().splitlines()[0]); print([(f.kind, f.key, f.transform) for f in report.findings][:4])
 extra = (p.peak - p.base) / 2**20
-print(f"RESULT diff {took:.2f} s, RSS before {p.base / 2**20:.0f} MiB, extra peak RSS {extra:.1f} MiB")
+print(f"RESULT diagnose {took:.2f} s, RSS before {p.base / 2**20:.0f} MiB, extra peak RSS {extra:.1f} MiB, "
+      f"read {report.stats.get('bytes_read', 0) / 2**20:.1f} MiB")
 """
+
+
+def _run_child(a: Path, b: Path) -> str:
+    done = subprocess.run([sys.executable, "-c", _CHILD, str(a), str(b)], capture_output=True, text=True, check=True)
+    return done.stdout.strip()
 
 
 def bench_diff(root: Path, gb: float) -> None:
@@ -155,23 +166,71 @@ def bench_diff(root: Path, gb: float) -> None:
             del tensors
         write_index(d, plan)
     total = sum(f.stat().st_size for f in (root / "a").glob("*.safetensors"))
-    print(f"diff pair: 2 x {total / (1 << 30):.2f} GiB, {n} tensors each, one permuted")
-    done = subprocess.run([sys.executable, "-c", _CHILD, str(root / "a"), str(root / "b")],
-                          capture_output=True, text=True, check=True)
-    print(done.stdout.strip())
+    print(f"diagnose pair: 2 x {total / (1 << 30):.2f} GiB, {n} tensors each, one permuted")
+    print(_run_child(root / "a", root / "b"))
+    shutil.rmtree(root / "a")
+    shutil.rmtree(root / "b")
+
+
+def _write_small(directory: Path, keys: list[str], swap: tuple[str, str] | None, n_files: int = 160) -> None:
+    """Real safetensors files of ``keys`` (bf16 [4, 8], random bits seeded by key index), ``swap``'s data swapped."""
+    import numpy as np
+
+    directory.mkdir(parents=True)
+    index = {k: i for i, k in enumerate(keys)}
+    per = -(-len(keys) // n_files)
+    weight_map = {}
+    rng = np.random.default_rng(0)
+    data = rng.integers(0, 2**16, size=(len(keys), 32), dtype=np.uint16)  # every key's bits, 64 bytes each
+    if swap is not None:
+        a, b = index[swap[0]], index[swap[1]]
+        data[[a, b]] = data[[b, a]]
+    for f in range(n_files):
+        name = f"model-{f + 1:05d}-of-{n_files:05d}.safetensors"
+        chunk = keys[f * per : (f + 1) * per]
+        header = {"__metadata__": {"format": "pt"}}
+        for j, key in enumerate(chunk):
+            header[key] = {"dtype": "BF16", "shape": [4, 8], "data_offsets": [64 * j, 64 * (j + 1)]}
+            weight_map[key] = name
+        raw = json.dumps(header).encode()
+        first = f * per
+        with open(directory / name, "wb") as fh:
+            fh.write(struct.pack("<Q", len(raw)) + raw + data[first : first + len(chunk)].tobytes())
+    (directory / "model.safetensors.index.json").write_text(
+        json.dumps({"metadata": {"total_size": 64 * len(keys)}, "weight_map": weight_map}))
+
+
+def bench_swap(root: Path, n_keys: int) -> None:
+    layers = max(1, n_keys // (3 * 256))
+    keys = [f"model.layers.{i}.mlp.experts.{e}.{p}_proj.weight"
+            for i in range(layers) for e in range(256) for p in ("gate", "up", "down")]
+    swap = (keys[2], keys[-1])  # layer 0 expert 0's down_proj <-> the last layer's expert 255's: first and last file
+    _write_small(root / "a", keys, None)
+    _write_small(root / "b", keys, swap)
+    print(f"swap: {len(keys)} keys of bf16[4, 8] in 160 files, {swap[0]} <-> {swap[1]}")
+    print(_run_child(root / "a", root / "b"))
+    shutil.rmtree(root / "a")
+    shutil.rmtree(root / "b")
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--gb", type=float, default=2.0)
+    parser.add_argument("--keys", type=int, default=100_000)
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--skip-inspect", action="store_true")
     parser.add_argument("--skip-diff", action="store_true")
+    parser.add_argument("--skip-swap", action="store_true")
     args = parser.parse_args()
     root = Path(args.dir or tempfile.mkdtemp(prefix="wb-debug-bench-"))
     root.mkdir(parents=True, exist_ok=True)
     try:
-        bench_inspect(root, 256, True)   # DeepSeek-V3 as shipped: FP8 weights + scales
-        bench_inspect(root, 384, False)  # Kimi-K2-sized: 1T params in BF16
+        if not args.skip_inspect:
+            bench_inspect(root, 256, True)   # DeepSeek-V3 as shipped: FP8 weights + scales
+            bench_inspect(root, 384, False)  # Kimi-K2-sized: 1T params in BF16
+        if not args.skip_swap:
+            bench_swap(root, args.keys // 10)
+            bench_swap(root, args.keys)
         if not args.skip_diff:
             bench_diff(root, args.gb)
     finally:

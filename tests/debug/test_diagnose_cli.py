@@ -126,3 +126,19 @@ def test_report_text_json_html() -> None:
     assert Report(subject="x").to_text() == "x: healthy: no findings"
     with pytest.raises(ValueError, match="not one of"):
         Finding("bogus", "k")
+
+
+def test_against_layout_checks_only_the_dtypes_it_gives(tmp_path) -> None:
+    # issue 22.4: a layout that gives no dtype expects none; it used to expect float32 and call every bf16 key a
+    # dtype_mismatch
+    from workbench.layout.model_layout import Layout
+
+    toy = load_layout(TOY)
+    ck = write(tmp_path / "ck", _toy_tensors())
+    bare = Layout(toy.mesh, toy.specs, name="no dtypes")
+    report = diagnose(ck, bare)
+    assert report.ok, report.to_text()
+    assert report.stats["dtypes_not_checked"] == "5 parameter(s) whose layout gives no dtype"
+    wrong = Layout(toy.mesh, toy.specs, dict.fromkeys(toy.specs, "float16"), name="fp16")
+    kinds = {(f.kind, f.evidence["expected_dtype"], f.evidence["actual_dtype"]) for f in diagnose(ck, wrong).findings}
+    assert kinds == {("dtype_mismatch", "F16", "BF16"), ("dtype_mismatch", "F16", "F32")}

@@ -63,9 +63,10 @@ _MAX_BLAMED = 256  # differing keys whose ranks are named from the checkpoint's 
 class _Fingerprints:
     """Content fingerprints of a source's keys, whole and by dim-0 half, indexed for lookups by value.
 
-    One streamed read of a key hashes each of its two dim-0 halves (when dim 0 is even) and the whole key is the
-    hash of its meta and those two: equal keys are found at the cost of the read the equality pass makes anyway,
-    and the halves (fused gate/up) come for free. A lookup by (shape, dtype) indexes the keys of that meta once.
+    One streamed read of a key hashes each of its two dim-0 halves (when dim 0 is even; a key within one block is
+    read once) and the whole key's fingerprint is the two digests: equal keys are found at the cost of the read the
+    equality pass makes anyway, and the halves (fused gate/up) come for free. Fingerprints are only compared between
+    keys of one (shape, dtype); a lookup by meta indexes the keys of that meta once.
     """
 
     def __init__(self, source: Source, metas: Mapping[str, KeyMeta], block_bytes: int) -> None:
@@ -75,40 +76,47 @@ class _Fingerprints:
         self._by_meta: dict[KeyMeta, list[str]] = {}
         for key, meta in metas.items():
             self._by_meta.setdefault(meta, []).append(key)
-        self._whole: dict[str, str] = {}
-        self._halves: dict[str, tuple[str, str]] = {}
-        self._index: dict[KeyMeta, dict[str, list[str]]] = {}
-        self._half_index: dict[KeyMeta, dict[str, tuple[str, int]]] = {}
+        self._whole: dict[str, bytes] = {}
+        self._index: dict[KeyMeta, tuple[dict[bytes, str], dict[bytes, list[str]]]] = {}
+        self._half_index: dict[KeyMeta, dict[bytes, tuple[str, int]]] = {}
 
-    def of(self, key: str) -> str:
-        """The fingerprint of the whole key."""
+    def of(self, key: str) -> bytes:
+        """The fingerprint of the whole key (the digests of its two halves, or of all of it)."""
         found = self._whole.get(key)
         if found is None:
             meta = self.metas[key]
-            split = meta.nbytes // 2 if len(meta.shape) >= 1 and meta.rows >= 2 and meta.rows % 2 == 0 else 0
-            parts = [_digest(self.source, key, 0, split, self.block_bytes)] if split else []
-            parts.append(_digest(self.source, key, split, meta.nbytes, self.block_bytes))
-            if split:
-                self._halves[key] = (parts[0], parts[1])
-            found = self._whole[key] = hashlib.blake2b(f"{meta.dtype}{list(meta.shape)}{parts}".encode(),
-                                                       digest_size=16).hexdigest()
+            n = meta.nbytes
+            split = n // 2 if len(meta.shape) >= 1 and meta.rows >= 2 and meta.rows % 2 == 0 else 0
+            if n <= self.block_bytes:  # one read, hashed in two
+                raw = memoryview(self.source.read_raw(key, 0, n))
+                parts = [raw[:split], raw[split:]] if split else [raw]
+                found = b"".join(hashlib.blake2b(p, digest_size=16).digest() for p in parts)
+            else:
+                found = b"".join(_digest(self.source, key, a, b, self.block_bytes)
+                                 for a, b in (((0, split), (split, n)) if split else ((0, n),)))
+            self._whole[key] = found
         return found
 
-    def halves(self, key: str) -> tuple[str, str] | None:
+    def halves(self, key: str) -> tuple[bytes, bytes] | None:
         """The fingerprints of the two dim-0 halves (None unless dim 0 is even and > 1)."""
-        self.of(key)
-        return self._halves.get(key)
+        found = self.of(key)
+        return (found[:16], found[16:]) if len(found) == 32 else None
 
-    def keys_with(self, meta: KeyMeta, fingerprint: str) -> list[str]:
+    def keys_with(self, meta: KeyMeta, fingerprint: bytes) -> list[str]:
         """The keys of ``meta`` whose bytes have ``fingerprint``."""
         index = self._index.get(meta)
         if index is None:
-            index = self._index[meta] = {}
+            first: dict[bytes, str] = {}
+            more: dict[bytes, list[str]] = {}
             for key in self._by_meta.get(meta, ()):
-                index.setdefault(self.of(key), []).append(key)
-        return index.get(fingerprint, [])
+                fp = self.of(key)
+                if first.setdefault(fp, key) is not key:
+                    more.setdefault(fp, []).append(key)
+            index = self._index[meta] = (first, more)
+        hit = index[0].get(fingerprint)
+        return [] if hit is None else [hit, *index[1].get(fingerprint, ())]
 
-    def half_with(self, meta: KeyMeta, fingerprint: str) -> tuple[str, int] | None:
+    def half_with(self, meta: KeyMeta, fingerprint: bytes) -> tuple[str, int] | None:
         """``(key, half)``: a key of ``meta`` whose dim-0 half ``half`` has ``fingerprint``."""
         index = self._half_index.get(meta)
         if index is None:
@@ -119,11 +127,11 @@ class _Fingerprints:
         return index.get(fingerprint)
 
 
-def _digest(source: Source, key: str, start: int, stop: int, block: int) -> str:
+def _digest(source: Source, key: str, start: int, stop: int, block: int) -> bytes:
     digest = hashlib.blake2b(digest_size=16)
     for a in range(start, stop, block):
         digest.update(source.read_raw(key, a, min(stop, a + block)))
-    return digest.hexdigest()
+    return digest.digest()
 
 
 def _all_zero(source: Source, key: str, nbytes: int, block: int = DEFAULT_BLOCK_BYTES) -> bool:
