@@ -253,3 +253,22 @@ def test_checkpoint_layout_file(tmp_path: Path) -> None:
     path.write_text("[mesh]\n")
     with pytest.raises(LayoutFileError, match=r"workbench_layout\.toml"):
         read_checkpoint_layout(tmp_path)
+
+
+def test_a_loop_bomb_is_refused_before_it_expands() -> None:
+    import time
+
+    bomb = GOOD.replace("for = { layer = 2 }", "for = { layer = 100000, x = 100000 }")
+    start = time.perf_counter()
+    with pytest.raises(LayoutFileError, match=r"line 7 .*more than 10,000,000 HF keys"):
+        parse_layout(bomb, source="tiny.toml")
+    assert time.perf_counter() - start < 1.0
+
+
+def test_an_oversized_checkpoint_layout_file_is_not_read(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workbench.layout import layout_file
+
+    write = layout_file.write_checkpoint_layout(load_layout(ROOT / "sample_meshes" / "toy_expert_tp.toml"), tmp_path)
+    monkeypatch.setattr(layout_file, "MAX_LAYOUT_FILE_BYTES", write.stat().st_size - 1)
+    with pytest.raises(LayoutFileError, match="more than a layout file may have"):
+        layout_file.read_checkpoint_layout(tmp_path)

@@ -2,13 +2,14 @@
 
 from workbench.debug.diagnose import diagnose
 from workbench.debug.diff import diff_checkpoints
-from workbench.debug.findings import KINDS, Finding, Report
+from workbench.debug.findings import KINDS, Finding, FindingGroup, Report
 from workbench.debug.inspect import FileSummary, Inspection, KeyGroup, inspect_checkpoint
 
 __all__ = [
     "KINDS",
     "FileSummary",
     "Finding",
+    "FindingGroup",
     "Inspection",
     "KeyGroup",
     "Report",

@@ -41,8 +41,14 @@ def diagnose(
             values cannot be checked without a reference); or an ``nn.Module`` / state dict keyed by HF
             keys (values are compared, DTensors gathered with ``full_tensor()``).
         layout: with a reference checkpoint or model, the training layout: its cuts are tried first and
-            fused parameters are analyzed across their HF keys.
+            fused parameters are analyzed across their HF keys. A checkpoint that carries the layout it was
+            saved with (``workbench_layout.toml``, written by ``save_hf``) needs none: that layout's cuts are
+            used, each differing key names the ranks (with mesh coordinates) whose shards differ
+            (``written_from``), and each missing key the ranks that held it (``held_by``).
         block_bytes: the largest block read at once (memory stays bounded by a few blocks).
+
+    Damaged or missing files are findings, never exceptions: their keys are reported by what happened to
+    their file and every other key is compared; ``Report.readable`` is False only when nothing can be read.
 
     Example::
 

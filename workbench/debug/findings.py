@@ -38,6 +38,7 @@ KINDS: tuple[str, ...] = (
 _ORDER = {k: i for i, k in enumerate(KINDS)}
 _MAX_HTML_ROWS = 200
 _FIRST_KEYS = 3  # keys shown with their own evidence in a group
+_LIMITS = {"written_from": 480, "held_by": 480, "transform": 320, "detail": 320}  # text kept of long evidence
 
 
 @dataclass(frozen=True, slots=True)
@@ -76,7 +77,7 @@ class Finding:
         return {"kind": self.kind, "key": self.key, "evidence": _jsonable(self.evidence), "hint": self.hint}
 
     def __str__(self) -> str:
-        evidence = "; ".join(f"{k}={_short(v)}" for k, v in self.evidence.items())
+        evidence = "; ".join(f"{k}={_short(v, _LIMITS.get(k, 160))}" for k, v in self.evidence.items())
         text = f"{self.kind:<21} {self.key or '(checkpoint)'}"
         if evidence:
             text += f"\n    evidence: {evidence}"
@@ -142,9 +143,10 @@ class FindingGroup:
         shared = self.shared
         lines = [f"{self.kind + f' x{self.count}':<21} {self.where()}"]
         if shared:
-            lines.append("    evidence (all): " + "; ".join(f"{k}={_short(v)}" for k, v in shared.items()))
+            lines.append("    evidence (all): " + "; ".join(f"{k}={_short(v, _LIMITS.get(k, 160))}"
+                                                          for k, v in shared.items()))
         for f in self.findings[:_FIRST_KEYS]:
-            own = "; ".join(f"{k}={_short(v)}" for k, v in f.evidence.items() if k not in shared)
+            own = "; ".join(f"{k}={_short(v, _LIMITS.get(k, 160))}" for k, v in f.evidence.items() if k not in shared)
             lines.append(f"    {f.key or '(checkpoint)'}" + (f": {own}" if own else ""))
         if self.count > _FIRST_KEYS:
             lines.append(f"    ... and {self.count - _FIRST_KEYS} more")

@@ -21,6 +21,7 @@ __all__ = ["KeyShard", "differing_shards", "held_by", "key_shards", "ranks_text"
            "written_from"]
 
 _MAX_NAMED = 3  # differing shards named one by one; more are counted
+MAX_RANKS = 1 << 17  # meshes larger than this are not walked rank by rank (a hostile layout file could claim any)
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,9 +33,10 @@ class KeyShard:
 
 
 def key_shards(layout: Layout, key: str) -> tuple[KeyShard, ...] | None:
-    """Every rank's box of ``key`` under ``layout``, replicas merged; None when the layout has no such key."""
+    """Every rank's box of ``key`` under ``layout``, replicas merged; None when the layout has no such key (or has
+    more than ``MAX_RANKS`` ranks)."""
     name = layout.hf_keys.get(key)
-    if name is None:
+    if name is None or layout.mesh.size > MAX_RANKS:
         return None
     spec = layout.specs[name]
     boxes: dict[tuple[tuple[int, int], ...], list[int]] = {}

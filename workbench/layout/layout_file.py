@@ -25,6 +25,7 @@ k, as FSDP2 prepends it), ``IS(d,F)`` (InterleavedShard), ``P`` (Partial, always
 from __future__ import annotations
 
 import itertools
+import math
 import re
 import tomllib
 from collections.abc import Iterator, Mapping, Sequence
@@ -45,6 +46,9 @@ __all__ = [
     "LAYOUT_FILE_NAME", "layout_to_toml", "load_layout", "parse_layout", "parse_placement", "read_checkpoint_layout",
     "save_layout", "write_checkpoint_layout",
 ]
+
+MAX_LAYOUT_KEYS = 10_000_000  # HF keys a layout file may expand to (DeepSeek-V3 has ~47k; a 2T MoE a few 100k)
+MAX_LAYOUT_FILE_BYTES = 64 << 20  # the largest layout file read from a checkpoint folder
 
 _PARAM_FIELDS = {
     "name", "for", "hf_keys", "keys_for", "global_shape", "fused_dim", "origin_shape", "placements",
@@ -120,10 +124,15 @@ def parse_layout(text: str, *, source: str = "<string>") -> Layout:
         raise LayoutFileError(f"{source}: needs at least one [[param]] table")
     specs: dict[str, LoadSpec] = {}
     dtypes: dict[str, str] = {}
+    keys = 0
     for index, entry in enumerate(params):
         line = header_lines[index] if index < len(header_lines) else None
         where = f"{source}" + (f" line {line}" if line else "") + f" ([[param]] #{index + 1}"
         where += f" {entry.get('name')!r})" if isinstance(entry, dict) else ")"
+        keys += _expanded_keys(entry, where)
+        if keys > MAX_LAYOUT_KEYS:
+            raise LayoutFileError(f"{where}: the file expands to more than {MAX_LAYOUT_KEYS:,} HF keys "
+                                  "(MAX_LAYOUT_KEYS); no model has that many: a loop count is wrong")
         for spec, dtype in _expand(entry, defaults, mesh, where):
             if spec.name in specs:
                 raise LayoutFileError(f"{where}: parameter {spec.name!r} is defined twice")
@@ -179,10 +188,21 @@ def _expand(entry: Any, defaults: Mapping[str, Any], mesh: MeshSpec, where: str)
         yield spec, dtype
 
 
-def _loops(table: Any, where: str, what: str) -> Iterator[dict[str, Any]]:
-    if not isinstance(table, dict):
-        raise LayoutFileError(f"{where}: field {what!r} must be a table like {{ layer = 48 }}")
-    names, ranges = list(table), []
+def _expanded_keys(entry: Any, where: str) -> int:
+    """How many HF keys a ``[[param]]`` table expands to (its loops' sizes multiplied; nothing is built)."""
+    if not isinstance(entry, dict):
+        return 0
+    templates = entry.get("hf_keys")
+    count = len(templates) if isinstance(templates, list) else 1
+    for what in ("for", "keys_for"):
+        table = entry.get(what, {})
+        if isinstance(table, dict):
+            count *= math.prod(len(r) for r in _ranges(table, where, what))
+    return count
+
+
+def _ranges(table: dict[str, Any], where: str, what: str) -> list[Sequence[Any]]:
+    ranges: list[Sequence[Any]] = []
     for var, spec in table.items():
         if isinstance(spec, int) and not isinstance(spec, bool):
             ranges.append(range(spec))
@@ -193,6 +213,13 @@ def _loops(table: Any, where: str, what: str) -> Iterator[dict[str, Any]]:
             ranges.append(spec)
         else:
             raise LayoutFileError(f"{where}: field {what!r}: {var} = {spec!r} is not a count, 'lo:hi' or a list")
+    return ranges
+
+
+def _loops(table: Any, where: str, what: str) -> Iterator[dict[str, Any]]:
+    if not isinstance(table, dict):
+        raise LayoutFileError(f"{where}: field {what!r} must be a table like {{ layer = 48 }}")
+    names, ranges = list(table), _ranges(table, where, what)
     for combo in itertools.product(*ranges):
         yield dict(zip(names, combo))
 
@@ -270,6 +297,10 @@ def read_checkpoint_layout(directory: str | Path) -> Layout | None:
     path = Path(directory) / LAYOUT_FILE_NAME
     if not path.is_file():
         return None
+    size = path.stat().st_size
+    if size > MAX_LAYOUT_FILE_BYTES:
+        raise LayoutFileError(f"{path}: {size:,} bytes, more than a layout file may have (MAX_LAYOUT_FILE_BYTES, "
+                              f"{MAX_LAYOUT_FILE_BYTES:,}); not read")
     return load_layout(path)
 
 
