@@ -18,6 +18,7 @@ import workbench as wb
 from tests.io.support import bits, nbytes, random_tensor, small_model
 from workbench.errors import CheckpointError
 from workbench.io.index import INDEX_NAME
+from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
 
 FILE_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
 
@@ -66,7 +67,9 @@ def test_files_index_and_metadata(tmp_path: Path) -> None:
     assert all(FILE_NAME.fullmatch(f.name) for f in files)
     assert result.path == path and result.rank == 0 and result.files == tuple(f.name for f in files)
     assert result.bytes_written == sum(f.stat().st_size for f in files)
-    assert sorted(p.name for p in path.iterdir()) == sorted([INDEX_NAME, *(f.name for f in files)])
+    assert sorted(p.name for p in path.iterdir()) == sorted([INDEX_NAME, LAYOUT_FILE_NAME, *(f.name for f in files)])
+    carried = read_checkpoint_layout(path)  # the layout it was saved with, for diagnose's provenance
+    assert (carried is not None and list(carried.specs) == sorted(state)) or set(carried.specs) == set(state)
 
     index = _index(path)
     assert index["metadata"]["total_size"] == sum(nbytes(t) for t in state.values())
@@ -213,7 +216,7 @@ def test_saving_over_a_checkpoint_replaces_it_atomically(tmp_path: Path) -> None
 
     # then the new one, and only it: a new directory swapped in, not files written over the old ones
     assert path.stat().st_ino != old_inode
-    assert sorted(p.name for p in path.iterdir()) == sorted([INDEX_NAME, "model-00001-of-00001.safetensors"])
+    assert sorted(p.name for p in path.iterdir()) == sorted([INDEX_NAME, LAYOUT_FILE_NAME, "model-00001-of-00001.safetensors"])
     assert set(_index(path)["weight_map"]) == set(new_state)
     read = _everything(path)
     assert read.keys() == new_state.keys() and all(torch.equal(read[k], new_state[k]) for k in new_state)

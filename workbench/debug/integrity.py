@@ -73,7 +73,7 @@ def _escaping(directory: Path, files: set[str]) -> list[str]:
             continue
         try:
             target = (directory / name).resolve()
-        except (OSError, RuntimeError):
+        except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the name
             bad.append(name)
             continue
         if not target.is_relative_to(root):

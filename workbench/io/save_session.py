@@ -37,6 +37,7 @@ from workbench.io.save_timings import SaveClock, SaveTimings
 from workbench.io.snapshot import HostCopy, Snapshotter
 from workbench.io.stream_write import StreamWriter
 from workbench.io.writeback import WritebackWindow
+from workbench.layout.layout_file import LAYOUT_FILE_NAME, write_checkpoint_layout
 from workbench.layout.load_spec import KeyRegion
 from workbench.layout.model_layout import Layout
 from workbench.memo import LRU, remember_by_identity
@@ -59,7 +60,7 @@ from workbench.run.unshard_ops import split_keys
 __all__ = ["SaveResult", "SaveSession"]
 
 _IN_FLIGHT: set[Path] = set()  # targets of this process's saves that are not published or failed yet
-_RESERVED = {INDEX_NAME, MARKER_NAME}
+_RESERVED = {INDEX_NAME, MARKER_NAME, LAYOUT_FILE_NAME}
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -465,6 +466,8 @@ class SaveSession:
                     self.file_plan,
                     {"workbench_version": self.metadata["workbench_version"], "layout": self.metadata["layout"]},
                 )
+                # the layout it was saved with, so diagnose can name the ranks that wrote a region
+                write_checkpoint_layout(self.layout, self.publisher.temporary)
                 for config in self.config_files:
                     shutil.copy2(config, self.publisher.temporary / config.name)
                 if self.heartbeat is not None:
