@@ -99,3 +99,51 @@ def test_cli_json_names_the_ranks_and_a_bad_layout_file_is_a_note(tmp_path, caps
     assert workbench_main(["diff", str(good), str(bad), "--layout", str(good)]) == 1  # a folder carrying a layout
     assert workbench_main(["diff", str(good), str(bad), "--layout", str(tmp_path)]) == 2  # a folder without one
     assert "without workbench_layout.toml" in capsys.readouterr().err
+
+
+def _save_sharded(path: str) -> bool:
+    """One rank of a 4-rank gloo save: 4 experts' down_proj fused, S(0)@ep x S(1)@tp, and a replicated norm."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Replicate, Shard, distribute_tensor
+
+    import workbench as wb
+    from workbench.layout.key_map import HFKeys
+
+    mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("ep", "tp"))
+    g = torch.Generator().manual_seed(0)
+    state = {"experts.w2": distribute_tensor(torch.randn(16, 8, generator=g).bfloat16(), mesh, [Shard(0), Shard(1)]),
+             "norm": distribute_tensor(torch.randn(8, generator=g), mesh, [Replicate(), Replicate()])}
+    keys = {"experts.w2": HFKeys(tuple(f"model.layers.0.mlp.experts.{e}.down_proj.weight" for e in range(4)), 0),
+            "norm": HFKeys(("model.norm.weight",))}
+    wb.save_hf(state, path, key_map=keys.get)
+    return True
+
+
+def test_save_hf_carries_its_layout_and_diagnose_names_the_rank(tmp_path) -> None:
+    import shutil
+
+    from safetensors import safe_open
+    from safetensors.torch import load_file, save_file
+
+    import workbench as wb
+
+    good = tmp_path / "good"
+    wb.launch(_save_sharded, nprocs=4, args=(str(good),), timeout=120)
+    carried = wb.load_layout(good / LAYOUT_FILE_NAME)
+    index = json.loads((good / "model.safetensors.index.json").read_text())
+    assert carried.fingerprint() == index["metadata"]["layout"]  # the very layout the save fingerprinted
+    bad = tmp_path / "bad"
+    shutil.copytree(good, bad)
+    key = "model.layers.0.mlp.experts.1.down_proj.weight"
+    for f in bad.glob("*.safetensors"):
+        tensors = load_file(f)
+        if key in tensors:
+            with safe_open(f, "pt") as handle:
+                metadata = handle.metadata()
+            tensors[key] = tensors[key].clone()
+            tensors[key][:, 4:] = 7.0  # the columns tp rank 1 of ep rank 0 held
+            save_file(tensors, f, metadata=metadata)
+    (finding,) = wb.diagnose(bad, good).findings
+    # 16 rows over ep=2 (experts 0-1 on ep 0), 8 columns over tp=2: expert 1's columns 4:8 are rank (ep 0, tp 1) = 1
+    assert finding.evidence["written_from"] == (f"columns 4:8 of {key} were written from rank 1 (ep=0, tp=1) (16 of 16 "
+                                                "elements differ); the other 1 shard(s) are right")
