@@ -15,6 +15,7 @@ from typing import Any
 
 from workbench.debug.views import TensorView, bits
 from workbench.layout.model_layout import Layout
+from workbench.memo import LRU, remember_by_identity
 from workbench.report.units import format_ranks
 
 __all__ = ["KeyShard", "differing_shards", "held_by", "key_shards", "ranks_text", "region_text", "same_shape",
@@ -34,18 +35,31 @@ class KeyShard:
 
 def key_shards(layout: Layout, key: str) -> tuple[KeyShard, ...] | None:
     """Every rank's box of ``key`` under ``layout``, replicas merged; None when the layout has no such key (or has
-    more than ``MAX_RANKS`` ranks)."""
-    name = layout.hf_keys.get(key)
+    more than ``MAX_RANKS`` ranks). Computed once per parameter of a layout (every key of it at once)."""
+    name = _owners(layout).get(key)
     if name is None or layout.mesh.size > MAX_RANKS:
         return None
+    return remember_by_identity(_SHARDS, (layout,), name, lambda: _param_shards(layout, name)).get(key, ())
+
+
+_OWNERS = LRU(4)  # layout -> {hf_key: parameter}
+_SHARDS = LRU(1 << 12)  # (layout, parameter) -> {hf_key: its shards}
+
+
+def _owners(layout: Layout) -> dict[str, str]:
+    return remember_by_identity(_OWNERS, (layout,), None, lambda: layout.hf_keys)
+
+
+def _param_shards(layout: Layout, name: str) -> dict[str, tuple[KeyShard, ...]]:
     spec = layout.specs[name]
-    boxes: dict[tuple[tuple[int, int], ...], list[int]] = {}
+    boxes: dict[str, dict[tuple[tuple[int, int], ...], list[int]]] = {}
     for rank in layout.mesh.all_ranks():
         for region in spec.key_regions(rank):
-            if region.hf_key == key and all(region.sizes):
+            if all(region.sizes):
                 box = tuple((o, o + s) for o, s in zip(region.key_offset, region.sizes))
-                boxes.setdefault(box, []).append(rank)
-    return tuple(KeyShard(box, tuple(ranks)) for box, ranks in sorted(boxes.items()))
+                boxes.setdefault(region.hf_key, {}).setdefault(box, []).append(rank)
+    return {key: tuple(KeyShard(box, tuple(ranks)) for box, ranks in sorted(by_box.items()))
+            for key, by_box in boxes.items()}
 
 
 def _cutting_dims(layout: Layout, name: str) -> tuple[int, ...]:
@@ -58,7 +72,7 @@ def ranks_text(layout: Layout, key: str, ranks: Sequence[int]) -> str:
     """``'rank 5 (ep=1, tp=1)'``, or ``'ranks 5, 13 (ep=1, tp=1; replicas)'``: the coordinates along the mesh dims
     that cut the key's parameter (every dim for a replicated one)."""
     mesh = layout.mesh
-    dims = _cutting_dims(layout, layout.hf_keys[key])
+    dims = _cutting_dims(layout, _owners(layout)[key])
     coords = [mesh.coordinate(r) for r in ranks]
     shared = [i for i in dims if len({c[i] for c in coords}) == 1]
     where = ", ".join(f"{mesh.dim_names[i]}={coords[0][i]}" for i in shared)
@@ -144,7 +158,7 @@ def held_by(layout: Layout, key: str) -> dict[str, Any]:
 
 def same_shape(layout: Layout, key: str, shape: Sequence[int]) -> bool:
     """Whether the layout's checkpoint shape of ``key`` is ``shape``."""
-    name = layout.hf_keys.get(key)
+    name = _owners(layout).get(key)
     if name is None:
         return False
     spec = layout.specs[name]
