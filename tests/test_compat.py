@@ -256,3 +256,54 @@ def test_all_gather_flat_uses_the_installed_successor(monkeypatch: pytest.Monkey
     monkeypatch.delattr(dist, "all_gather_single")
     all_gather_flat(out, send, group="g")
     assert calls == ["single", "into_tensor"]
+
+
+# -- process groups ------------------------------------------------------------------------------
+
+
+def test_abort_nccl_communicators_leaves_gloo_groups_alone() -> None:
+    """On NCCL it frees a rank stuck in a collective (tests/gpu/test_kernel_nccl.py); gloo groups are untouched."""
+    assert _compat.abort_nccl_communicators() == 0  # no process group at all
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        sub = dist.new_group([0])
+        assert _compat.abort_nccl_communicators() == 0
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        dist.all_reduce(t, group=sub)
+        assert t.tolist() == [1.0, 1.0] and dist.is_initialized()
+    finally:
+        dist.destroy_process_group()
+
+
+def test_abort_nccl_communicators_aborts_each_nccl_backend_inside_one_group_call() -> None:
+    calls: list[str] = []
+
+    class ProcessGroupNCCL:  # what _get_backend(cuda) returns for an NCCL group (named as torch's class)
+        def __init__(self, name: str) -> None:
+            self.name = name
+
+        def _group_start(self) -> None:
+            calls.append("start")
+
+        def _group_end(self) -> None:
+            calls.append("end")
+
+        def abort(self) -> None:
+            calls.append(f"abort {self.name}")
+
+    class Group:
+        def __init__(self, backend: object) -> None:
+            self.backend = backend
+
+        def _get_backend(self, device: torch.device) -> object:
+            if self.backend is None:
+                raise RuntimeError(f"no backend for {device}")
+            return self.backend
+
+    world = SimpleNamespace(pg_map={Group(ProcessGroupNCCL("a")): 0, Group(None): 1, Group(ProcessGroupNCCL("b")): 2})
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(dist, "is_initialized", lambda: True)
+        patch.setattr(dist.distributed_c10d, "_world", world)
+        assert _compat.abort_nccl_communicators() == 2
+    assert calls == ["start", "abort a", "abort b", "end"]

@@ -19,6 +19,7 @@ import torch
 __all__ = [
     "HAS_TORCH_STRIDED_SHARD",
     "StridedShardBase",
+    "abort_nccl_communicators",
     "all_gather_flat",
     "chunk_size_and_offset",
     "dtensor_local",
@@ -282,3 +283,42 @@ def local_tensor_mode(world_size: int) -> Any:
     except ImportError:
         return None
     return LocalTensorMode(world_size)
+
+
+# -- process groups ------------------------------------------------------------------------------
+def abort_nccl_communicators() -> int:
+    """Abort the NCCL communicators of every process group of this process (``ncclCommAbort``); return how many
+    groups had one. The groups stay registered: destroy them afterwards (``destroy_process_group``).
+
+    A rank blocked in an NCCL collective, or in a CUDA sync waiting on one, returns even though its peers never
+    joined; destroying the groups instead would wait for them. Safe from a thread other than the one blocked.
+    Gloo backends are left alone (aborting a gloo group can itself block). The aborts run inside one NCCL group
+    call, as torch's own ``_abort_process_group`` does (several communicators aborted one by one can deadlock).
+    torch keeps the list of groups private (``_world.pg_map``); without it only the default group is aborted.
+    """
+    import torch.distributed as dist
+
+    if not dist.is_initialized():
+        return 0
+    world = getattr(dist.distributed_c10d, "_world", None)
+    groups = list(getattr(world, "pg_map", None) or [dist.group.WORLD])
+    backends = []
+    for group in groups:
+        try:
+            backend = group._get_backend(torch.device("cuda"))
+        except (RuntimeError, AttributeError, ValueError):
+            continue
+        if type(backend).__name__ == "ProcessGroupNCCL" and hasattr(backend, "abort"):
+            backends.append(backend)
+    if not backends:
+        return 0
+    grouped = hasattr(backends[0], "_group_start")
+    if grouped:
+        backends[0]._group_start()
+    try:
+        for backend in backends:
+            backend.abort()
+    finally:
+        if grouped:
+            backends[0]._group_end()
+    return len(backends)

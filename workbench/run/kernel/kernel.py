@@ -90,6 +90,7 @@ class _Cell:
     release: bool = False
     released_at: float | None = None
     stuck: tuple[int, ...] = ()
+    freed: tuple[int, ...] = ()  # ranks released from a collective (their results of this cell are not valid)
 
 
 class SPMDKernel(Kernel):
@@ -589,7 +590,9 @@ class SPMDKernel(Kernel):
             left = "; ".join(f"rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)} {how}" for how, rs in by_how.items())
             sever = self.config_.close_sockets and self.config_.backend == "gloo"
             how = ("closing every rank's process-group connections and destroying the groups" if sever
+                   else "aborting every rank's NCCL communicators" if self.config_.backend == "nccl"
                    else "destroying the process groups")
+            cell.freed = tuple(stuck)
             self._stream("stderr", f"workbench kernel: rank(s) {format_ranks(stuck)} wait in a collective that the "
                          f"other ranks left ({left or 'none finished'}); {how} so they return (new ones follow)\n",
                          cell.silent)
@@ -610,9 +613,7 @@ class SPMDKernel(Kernel):
         cell.stuck = tuple(sorted(cell.pending))
         lines = [f"workbench kernel: rank(s) {format_ranks(list(cell.stuck))} still wait in a collective "
                  f"{3 * _GRACE:g} s after their peers' connections were closed; giving up on this cell."]
-        for rank in cell.stuck:
-            where = stacks[rank]["where"] if rank in stacks else "(no answer)"
-            lines.append(f"  rank {rank}: {where}")
+        lines += [f"  {self._state_line(rank, stacks.get(rank))}" for rank in cell.stuck]
         lines.append("The kernel refuses new cells until they return: restart it (Kernel > Restart Kernel).")
         self._stream("stderr", lines, cell.silent)
         self._abandoned = (cell.id, set(cell.stuck))
@@ -626,6 +627,11 @@ class SPMDKernel(Kernel):
         note = self._reinit() if cell.release else None
         errors = {r: d["error"] or {"ename": "Error", "evalue": "", "traceback": [], "time": 0.0}
                   for r, d in cell.done.items() if d["status"] == "error"}
+        for rank in cell.freed:  # NCCL: an aborted collective (or the CUDA sync after it) may return as if done
+            if rank not in errors and rank in cell.done:
+                errors[rank] = {"ename": "CollectiveAborted", "evalue": f"rank {rank} was released from a collective "
+                                "its peers had left, by aborting its communicators: what it computed in this cell "
+                                "after that call is not valid", "traceback": [], "time": float("inf")}
         for rank in cell.stuck:
             errors[rank] = {"ename": "RankStuck", "evalue": f"rank {rank} is stuck in a collective; restart the "
                             "kernel", "traceback": [f"rank {rank} did not return from a collective"],

@@ -98,7 +98,11 @@ class Ledger:
             if event is None:
                 continue
             with contextlib.suppress(Exception):
-                if not event.query():
+                import torch
+
+                with torch.cuda.device(event.device):  # this thread may have no current device (or another)
+                    done = event.query()
+                if not done:
                     out.append({k: v for k, v in last.items() if k != "event"})
         return out
 

@@ -86,6 +86,7 @@ class _Worker:
         self._store: Any = None
         self._streams: dict[str, _RankStream] = {}
         self.ledger: Any = None  # the collective it is in, readable without it (ledger.Ledger)
+        self._aborting: threading.Thread | None = None  # NCCL: the thread aborting the communicators
         self.stack_file = ""  # where SIGUSR2 makes faulthandler write its stacks (stackdump.register)
 
     def start_forensics(self) -> None:
@@ -121,12 +122,17 @@ class _Worker:
         import torch
         import torch.distributed as dist
 
+        device = None
         if self.backend == "nccl":
             torch.cuda.set_device(self.local_rank)
+            # bound to its GPU, the group makes its communicators now, with every rank (and new groups split from
+            # it at new_group): no rank can be left alone in a communicator's set-up, which no abort frees
+            device = torch.device("cuda", self.local_rank)
         if self._store is None:
             self._store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
         store = dist.PrefixStore(f"workbench-kernel/gen{self.generation}", self._store)
-        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size)
+        dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
+                                device_id=device)
 
     def destroy_process_groups(self) -> None:
         """Destroy every process group so that peers blocked in a collective with this rank get an error."""
@@ -238,17 +244,28 @@ class _Worker:
 
     def _release_now(self, message: dict[str, Any]) -> None:
         """I/O thread, at once: free ranks (this one included) blocked in a collective whose peers left it."""
-        import torch.distributed as dist
-
-        if self.backend == "nccl":
-            if self.busy:
-                with contextlib.suppress(Exception):  # NCCL: abort the communicators a hung kernel waits on
-                    dist.group.WORLD.abort()
+        if self.backend == "nccl":  # abort every NCCL communicator: a rank in a collective (or in a CUDA sync
+            self._aborting = threading.Thread(target=self._abort_nccl, name="workbench-nccl-abort", daemon=True)
+            self._aborting.start()  # on one) returns
         elif message.get("close_sockets", True):
             from workbench.run.kernel.sever import sever
 
             keep = {int(os.environ.get("MASTER_PORT", "0")), int(self.address.rsplit(":", 1)[1])}
             sever(keep)
+
+    def _abort_nccl(self) -> None:
+        """Helper thread (the I/O thread keeps answering meanwhile): abort this rank's NCCL communicators, so a
+        collective or a CUDA sync waiting on one returns; the main thread then destroys the groups."""
+        from workbench._compat import abort_nccl_communicators
+
+        start = time.monotonic()
+        try:
+            count = abort_nccl_communicators()
+            note = f"aborted the NCCL communicators of {count} process group(s)"
+        except Exception as exc:
+            note = f"aborting the NCCL communicators failed: {exc!r}"
+        print(f"workbench rank {self.rank}: {note} in {time.monotonic() - start:.2f} s", file=sys.__stderr__,
+              flush=True)
 
     def serve(self) -> None:
         """Main thread: run what the kernel sends until it says exit."""
@@ -274,6 +291,9 @@ class _Worker:
                 if op == "execute":
                     self._execute(message)
                 elif op == "release":
+                    if self._aborting is not None:  # NCCL: the communicators are aborted before the groups go
+                        self._aborting.join(60)
+                        self._aborting = None
                     self.destroy_process_groups()
                     self.send({"op": "released", "rank": self.rank})
                 elif op == "reinit":
