@@ -97,3 +97,38 @@ def test_a_failing_renderer_warns_and_shows_the_repr() -> None:
     with pytest.warns(RuntimeWarning, match="could not render LoadSpec"):
         text = render_html(LoadSpec())
     assert text.startswith("<pre") and "&lt;broken &amp; spec&gt;" in text
+
+
+FONT = re.compile(r'font-size(?:="|:\s*)([\d.]+)')
+TEXT = re.compile(r'<text x="([\d.]+)" y="([\d.]+)"[^>]*fill="(#[0-9a-f]{6})">')
+GROUP = re.compile(r'<g transform="translate\(([\d.]+),0\)">(.*?)</g>')
+
+
+@pytest.mark.parametrize("path", SAMPLES, ids=lambda p: p.stem)
+def test_html_text_is_large_enough_and_theme_safe(path: Path) -> None:
+    for obj in _objects(load_layout(path)):
+        text = obj._repr_html_()
+        sizes = [float(s) for s in FONT.findall(text)]
+        assert sizes and min(sizes) >= 11, f"{type(obj).__name__}: font sizes {sorted(set(sizes))} (8 pt = 10.7 px)"
+        # no fixed text colour that a dark notebook theme would hide: text colours are the theme's or chosen
+        # against the fill they sit on
+        assert "color: #" not in text, type(obj).__name__
+
+
+def test_layout_heat_map_numbers_read_on_their_fill() -> None:
+    from tests.viz.legibility import contrast
+
+    text = load_layout(next(p for p in SAMPLES if p.stem == "toy_expert_tp"))._repr_html_()
+    checked = 0
+    for x0, group in GROUP.findall(text):
+        rects = [(float(x), float(y), float(w), float(h), fill) for x, y, w, h, fill in RECT.findall(group)]
+        for x, y, ink in TEXT.findall(text):
+            x, y = float(x) - float(x0), float(y)
+            under = [fill for rx, ry, rw, rh, fill in rects if rx <= x <= rx + rw and ry <= y <= ry + rh]
+            if not under:
+                continue
+            rgb = [int(under[-1][i : i + 2], 16) / 255 for i in (1, 3, 5)]
+            ink_rgb = [int(ink[i : i + 2], 16) / 255 for i in (1, 3, 5)]
+            assert contrast(ink_rgb, rgb) >= 4.5, f"text {ink} on {under[-1]}"
+            checked += 1
+    assert checked >= 8  # every rank's number of the 8-rank toy

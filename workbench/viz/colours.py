@@ -89,16 +89,15 @@ class RankColours:
         ax.imshow(image, aspect="auto", interpolation="nearest", origin="upper")
         ax.set_box_aspect(min(2.0, max(0.6, 1.6 * image.shape[0] / image.shape[1] + 0.6)))
         ax.set_anchor("N")
-        ax.set_xlabel(f"{names[self.hue_dim]}\n(hue)", fontsize=_style.MIN_PT)
+        ax.set_xlabel(f"hue:\n{names[self.hue_dim]}", fontsize=_style.MIN_PT)
         hue_n = image.shape[1]
         ax.set_xticks([0, hue_n - 1], ["0", str(hue_n - 1)], fontsize=_style.MIN_PT)
         if self.light_dims:
             light_n = image.shape[0]
-            ax.set_ylabel(" x ".join(names[d] for d in self.light_dims) + " (lightness)", fontsize=_style.MIN_PT)
+            ax.set_ylabel("lightness: " + " x ".join(names[d] for d in self.light_dims), fontsize=_style.MIN_PT)
             ax.set_yticks([0, light_n - 1], ["0", str(light_n - 1)], fontsize=_style.MIN_PT)
         else:
             ax.set_yticks([])
-        ax.set_title("rank colour", fontsize=_style.MIN_PT)
 
 
 def _hls(h: int, hue_n: int, v: int, light_n: int) -> tuple[float, float, float, float]:

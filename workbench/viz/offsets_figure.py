@@ -141,8 +141,9 @@ class OffsetsFigure:
         ax.set_yticks([0.5], [f"{rows:,}"], fontsize=_style.MIN_PT)  # placeholders for the layout only
         if self.columns_fixed:
             ax.set_xlim(0, cols)
-            _integer_ticks(ax, nbins=4)
             ax.xaxis.set_major_locator(_ticker().MaxNLocator(nbins=3, integer=True, min_n_ticks=2))
+            ax.xaxis.set_major_formatter(_ticker().FuncFormatter(lambda v, _: f"{round(v):,}"))
+            ax.tick_params(axis="x", labelsize=_style.MIN_PT)
         else:
             ax.set_xticks([0.5], [f"{cols:,}"], fontsize=_style.MIN_PT)
         ax.set_title("zoom on the rank", fontsize=_style.LABEL_PT)
@@ -284,15 +285,20 @@ class OffsetsFigure:
         ax.set_ylim(r1, r0)
         shown = [b for b in view.boxes if b.row1 > r0 and b.row0 < r1 and b.col1 > c0 and b.col0 < c1]
         width_pt, height_pt = _axes_size_pt(ax)
-        for b in reversed(shown):
-            x0, x1, y0, y1 = max(b.col0, c0), min(b.col1, c1), max(b.row0, r0), min(b.row1, r1)
-            fill = self.colours(b.rank)
+        # replicas of one region are drawn once: the chosen rank's if it holds it, else the lowest, marked xK
+        holders: dict[tuple[int, int, int, int], list[int]] = {}
+        for b in shown:
+            holders.setdefault((b.row0, b.row1, b.col0, b.col1), []).append(b.rank)
+        for (row0, row1, col0, col1), ranks in holders.items():
+            drawn = rank if rank in ranks else min(ranks)
+            x0, x1, y0, y1 = max(col0, c0), min(col1, c1), max(row0, r0), min(row1, r1)
+            fill = self.colours(drawn)
             self.dynamic.append(ax.add_artist(Rectangle((x0, y0), x1 - x0, y1 - y0, facecolor=fill,
                                                         edgecolor="white", linewidth=0.8)))
             w = (x1 - x0) / (c1 - c0) * width_pt
             h = (y1 - y0) / (r1 - r0) * height_pt
-            text = f"r{b.rank}"
-            if b.rank == rank:
+            text = f"r{drawn}" + (f" x{len(ranks)}" if len(ranks) > 1 else "")
+            if drawn == rank:
                 mesh = self.spec.mesh
                 coord = ", ".join(f"{n}={c}" for n, c in zip(mesh.dim_names, mesh.coordinate(rank)))
                 for candidate in (f"{text} ({coord})", f"{text}\n({coord})"):
