@@ -97,3 +97,44 @@ def test_group_outline_changes_the_mesh(toy) -> None:
     assert ex.mesh_image.value != alone
     ex.group.value = "(rank only)"
     assert ex.mesh_image.value == alone
+
+
+def test_pickers_are_searchable(toy) -> None:
+    ex = explore(toy, background=False).explorer
+    for picker in (ex.param, ex.key):
+        assert isinstance(picker, ipywidgets.Combobox) and picker.ensure_option  # type to filter, no free text
+    assert list(ex.param.options) == list(toy.specs)
+    ex.param.value = "model.layers.0.mlp.experts.fused_w1w"  # typed, not (yet) a parameter: nothing changes
+    assert ex._param_value == W13 and "no parameter is named" in ex.message.value
+
+
+def test_a_rank_holding_none_of_the_key_says_so(toy) -> None:
+    ex = explore(toy, param=W13, rank=0, background=False).explorer
+    key = toy[W13].hf_keys[3]  # expert 1's up_proj: rows 12:16, held by ranks 6 and 7 (fsdp x ep x tp)
+    ex.key.value = key
+    holders = {r for r in toy.mesh.all_ranks() if any(reg.hf_key == key for reg in toy[W13].key_regions(r))}
+    assert 0 not in holders and holders
+    assert f"rank 0 holds none of {key}" in ex.message.value
+    ex.rank.value = min(holders)
+    assert ex.message.value == ""
+
+
+def test_deepseek_rank_change_draws_the_zoom_and_never_waits_for_a_schedule() -> None:
+    import threading
+
+    layout = load_layout(next(p for p in SAMPLES if p.stem == "deepseek_v3_671b"))
+    ex = explore(layout, rank=777).explorer
+    ex.settle()
+    assert ex.zoom_image.layout.display != "none" and ex.zoom_image.value  # 1,024 of 1,048,576 rows: zoomed
+    gate = threading.Event()
+    ex._worker.submit(("hold",), gate.wait, None)  # the background thread is busy
+    ex.policy.value = "minimal"  # schedules now planned per rank, in the background
+    before = ex.schedule_image.value
+    ex.rank.value = 778
+    assert "rank 778 (dp=12, ep=10)" in ex.info.value and "planning" in ex.schedule_note.value
+    assert ex.schedule_image.value == before  # the refresh returned without the schedule
+    gate.set()
+    ex.settle()
+    assert ex.schedule_image.value != before and "rank 778:" in ex.schedule_note.value
+    shown = ex._schedule(778)
+    assert f"{shown.num_calls} call(s)" in ex.schedule_note.value
