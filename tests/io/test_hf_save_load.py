@@ -216,7 +216,8 @@ def test_saving_over_a_checkpoint_replaces_it_atomically(tmp_path: Path) -> None
 
     # then the new one, and only it: a new directory swapped in, not files written over the old ones
     assert path.stat().st_ino != old_inode
-    assert sorted(p.name for p in path.iterdir()) == sorted([INDEX_NAME, LAYOUT_FILE_NAME, "model-00001-of-00001.safetensors"])
+    want = [INDEX_NAME, LAYOUT_FILE_NAME, "model-00001-of-00001.safetensors"]
+    assert sorted(p.name for p in path.iterdir()) == sorted(want)
     assert set(_index(path)["weight_map"]) == set(new_state)
     read = _everything(path)
     assert read.keys() == new_state.keys() and all(torch.equal(read[k], new_state[k]) for k in new_state)
