@@ -37,6 +37,12 @@ def test_install_list_remove_in_a_prefix(tmp_path: Path, capsys: pytest.CaptureF
                  "--keep-sockets"]) == 0
     kept = json.loads((tmp_path / "share" / "jupyter" / "kernels" / "keep" / "kernel.json").read_text())
     assert kept["env"]["WORKBENCH_KERNEL_CLOSE_SOCKETS"] == "0"
+    assert "WORKBENCH_KERNEL_JOIN_TIMEOUT" not in kept["env"] and "WORKBENCH_KERNEL_DEAD_AFTER" not in kept["env"]
+    assert _run(["kernel", "install", "--nprocs", "0", "--listen", ":5555", "--name", "cluster", "--prefix",
+                 str(tmp_path), "--join-timeout", "600", "--dead-after", "45"]) == 0
+    cluster = json.loads((tmp_path / "share" / "jupyter" / "kernels" / "cluster" / "kernel.json").read_text())
+    assert cluster["env"]["WORKBENCH_KERNEL_JOIN_TIMEOUT"] == "600"
+    assert cluster["env"]["WORKBENCH_KERNEL_DEAD_AFTER"] == "45"
     capsys.readouterr()
     assert _run(["kernel", "list", "--prefix", str(tmp_path)]) == 0
     listed = capsys.readouterr().out
@@ -58,6 +64,8 @@ def test_install_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "nprocs 0: give >= 1 local ranks, or 0 with listen" in capsys.readouterr().err
     assert _run(["kernel", "install", "--nprocs", "0", "--listen", "node0:http", "--prefix", str(tmp_path)]) == 2
     assert "listen 'node0:http': expected HOST:PORT, :PORT or PORT" in capsys.readouterr().err
+    assert _run(["kernel", "install", "--nprocs", "2", "--dead-after", "0.5", "--prefix", str(tmp_path)]) == 2
+    assert "dead_after 0.5: seconds must be > 1" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # --user and --prefix exclude each other
         _parser().parse_args(["kernel", "install", "--nprocs", "2", "--user", "--prefix", str(tmp_path)])
 

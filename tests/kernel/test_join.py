@@ -54,7 +54,8 @@ def joined(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Joined]:
     from jupyter_client.manager import start_new_kernel
 
     prefix = tmp_path_factory.mktemp("jupyter-prefix")
-    install_kernel(nprocs=0, backend="gloo", name="wb-listen", prefix=str(prefix), listen="127.0.0.1:0")
+    install_kernel(nprocs=0, backend="gloo", name="wb-listen", prefix=str(prefix), listen="127.0.0.1:0",
+                   join_timeout=2)
     with jupyter_path(prefix):
         manager, client = start_new_kernel(kernel_name="wb-listen", startup_timeout=60)
     agent = None
@@ -90,7 +91,8 @@ def joined(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Joined]:
 
 def test_ranks_connect_prints_a_command_without_the_token(joined: Joined) -> None:
     assert joined.early.reply["ename"] == "RanksNotReady"
-    assert "ranks joined so far: none" in joined.early.reply["evalue"]
+    assert "no rank joined within 2 s" in joined.early.reply["evalue"]
+    assert "Start ranks that join this kernel with:\n  torchrun " in joined.early.reply["evalue"]
     token_file = Path(re.search(r"--token-file (\S+)", joined.help_text).group(1))
     assert token_file.stat().st_mode & 0o777 == 0o600
     token = token_file.read_text().strip()

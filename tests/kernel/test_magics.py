@@ -38,6 +38,12 @@ def test_line_magics_before_code() -> None:
     assert parse_cell("%hang_timeout off", 2).hang_timeout is None
 
 
+def test_join_timeout_and_dead_after() -> None:
+    d = parse_cell("%join_timeout 600\n%dead_after 45\nx = 1", 2)
+    assert (d.join_timeout, d.dead_after, d.code) == (600.0, 45.0, "x = 1")
+    assert parse_cell("x = 1", 2).join_timeout is None and parse_cell("x = 1", 2).dead_after is None
+
+
 def test_ipython_magics_are_left_to_the_ranks() -> None:
     assert parse_cell("%time x = 1", 2).code == "%time x = 1"
 
@@ -45,7 +51,9 @@ def test_ipython_magics_are_left_to_the_ranks() -> None:
 @pytest.mark.parametrize(
     ("cell", "message"),
     [("%rank_output 3", "'3': use one of folded, 0, all"), ("%hang_timeout soon", "'soon': give seconds"),
-     ("%hang_timeout 5 kill", "action 'kill' must be report or interrupt"), ("%hang_timeout -1", "must be > 0")],
+     ("%hang_timeout 5 kill", "action 'kill' must be report or interrupt"), ("%hang_timeout -1", "must be > 0"),
+     ("%join_timeout later", "%join_timeout 'later': give seconds"),
+     ("%dead_after 1", "%dead_after 1: seconds must be > 1"), ("%join_timeout 0", "must be > 0")],
 )
 def test_magic_errors(cell: str, message: str) -> None:
     with pytest.raises(MagicError, match=message):

@@ -45,6 +45,11 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="report every rank's stack when a cell runs longer (default: never)")
     install.add_argument("--hang-action", choices=("report", "interrupt"), default="report",
                          help="after the hang report: keep waiting (report) or interrupt every rank")
+    install.add_argument("--join-timeout", type=float, default=None, metavar="SECONDS",
+                         help="how long a cell waits for every rank of the job to join (default 300; %%join_timeout)")
+    install.add_argument("--dead-after", type=float, default=None, metavar="SECONDS",
+                         help="a rank silent this long whose connection is gone is lost: the cell ends naming it "
+                         "and the job's other ranks exit (default 30; %%dead_after)")
     install.add_argument("--keep-sockets", action="store_true",
                          help="to free ranks stuck in a gloo collective, only destroy the process groups, without "
                          "closing the ranks' TCP connections (ranks whose groups a device mesh holds then need a "
@@ -76,7 +81,8 @@ def _install(args: argparse.Namespace) -> int:
         path = install_kernel(nprocs=args.nprocs, backend=args.backend, name=args.name, user=args.user,
                               prefix=args.prefix, listen=args.listen, hang_timeout=args.hang_timeout,
                               hang_action=args.hang_action, display_name=args.display_name,
-                              close_sockets=not args.keep_sockets)
+                              close_sockets=not args.keep_sockets, join_timeout=args.join_timeout,
+                              dead_after=args.dead_after)
     except ValueError as exc:
         print(f"workbench: error: {exc}", file=sys.stderr)
         return 2

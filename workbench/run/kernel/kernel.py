@@ -51,7 +51,8 @@ class _Config:
     listen: str | None
     hang_timeout: float | None
     hang_action: str
-    startup_timeout: float
+    join_timeout: float
+    dead_after: float
     close_sockets: bool
     token_file: str | None
 
@@ -64,7 +65,9 @@ class _Config:
                    listen=env.get("WORKBENCH_KERNEL_LISTEN") or None,
                    hang_timeout=float(timeout) if timeout not in ("", "off") else None,
                    hang_action=env.get("WORKBENCH_KERNEL_HANG_ACTION", "report"),
-                   startup_timeout=float(env.get("WORKBENCH_KERNEL_STARTUP_TIMEOUT", "300")),
+                   join_timeout=float(env.get("WORKBENCH_KERNEL_JOIN_TIMEOUT")
+                                      or env.get("WORKBENCH_KERNEL_STARTUP_TIMEOUT") or "300"),
+                   dead_after=float(env.get("WORKBENCH_KERNEL_DEAD_AFTER") or "30"),
                    close_sockets=env.get("WORKBENCH_KERNEL_CLOSE_SOCKETS", "1") not in ("0", "off", "false"),
                    token_file=env.get(ENV_TOKEN_FILE) or None)
 
@@ -91,6 +94,9 @@ class _Cell:
     released_at: float | None = None
     stuck: tuple[int, ...] = ()
     freed: tuple[int, ...] = ()  # ranks released from a collective (their results of this cell are not valid)
+    lost: str = ""  # why the cell ended early: ranks of the job were lost (see SPMDKernel._lose)
+    polled_at: float = 0.0  # when the running ranks were last asked where they are
+    poll_id: str = ""
 
 
 class SPMDKernel(Kernel):
@@ -113,6 +119,10 @@ class SPMDKernel(Kernel):
         self.output_mode = "folded"
         self.hang_timeout = self.config_.hang_timeout
         self.hang_action = self.config_.hang_action
+        self.join_timeout = self.config_.join_timeout
+        self.dead_after = self.config_.dead_after
+        self._last_where: dict[int, str] = {}  # rank -> the last line it was seen on (stack polls while cells run)
+        self._lost_note: str | None = None  # ranks lost between cells: the next cell says so
         self.generation = 0
         self.rankset = RankSet(nprocs=self.config_.nprocs, backend=self.config_.backend, listen=self.config_.listen,
                                token_file=self.config_.token_file, log=self.log)
@@ -174,13 +184,24 @@ class SPMDKernel(Kernel):
             self.hang_action = directives.hang_action or self.hang_action
             when = "off" if self.hang_timeout is None else f"{self.hang_timeout:g} s, then {self.hang_action}"
             self._stream("stdout", f"hang timeout: {when}\n", silent)
+        if directives.join_timeout is not None:
+            self.join_timeout = directives.join_timeout
+            self._stream("stdout", f"join timeout: {self.join_timeout:g} s\n", silent)
+        if directives.dead_after is not None:
+            self.dead_after = directives.dead_after
+            self._stream("stdout", f"a rank silent for {self.dead_after:g} s whose connection is gone is lost\n",
+                         silent)
         body = directives.code
         if body.strip() == "%ranks_connect":
             self._stream("stdout", self._connect_help(), silent)
             return self._ok()
         if not body.strip():
             return self._ok()
-        problem = self._wait_for_ranks() or self._check_abandoned()
+        self._pump_messages()
+        if self._lost_note is not None:
+            note, self._lost_note = self._lost_note, None
+            return self._fail("RanksLost", note.splitlines()[0], note.splitlines(), silent)
+        problem = self._wait_for_ranks(silent) or self._check_abandoned()
         if problem:
             return self._fail("RanksNotReady", problem, [problem], silent)
         ranks = directives.ranks or tuple(range(self.rankset.world_size or 0))
@@ -274,11 +295,14 @@ class SPMDKernel(Kernel):
                                   "buffers": [base64.b64encode(bytes(b)).decode() for b in parent.get("buffers", [])]})
 
     # -- waiting for ranks ----------------------------------------------------------------------------------------
-    def _wait_for_ranks(self) -> str | None:
+    def _wait_for_ranks(self, silent: bool = False) -> str | None:
+        """Wait up to the join timeout for every rank of the job (its size comes from the ranks' WORLD_SIZE),
+        showing who has joined from which host; None once all are there, else what is missing."""
         if self.rankset.ready:
             return None
         local = self.config_.nprocs > 0
-        deadline = time.monotonic() + (self.config_.startup_timeout if local else 5.0)
+        deadline = time.monotonic() + self.join_timeout
+        shown = None
         while not self.rankset.ready and time.monotonic() < deadline:
             code = self.rankset.agent_exit_code()
             if code is not None:
@@ -287,13 +311,35 @@ class SPMDKernel(Kernel):
             got = self.rankset.recv(0.2)
             if got:
                 self._route(None, *got)
+            summary = self._joined()
+            if not local and summary != shown:
+                self._stream("stdout", f"waiting up to {self.join_timeout:g} s for the job's ranks: {summary}\n",
+                             silent)
+                shown = summary
         if self.rankset.ready:
+            if shown is not None:
+                self._stream("stdout", f"all {self.rankset.world_size} ranks joined\n", silent)
             return None
-        have = sorted(self.rankset.ranks)
+        world = self.rankset.world_size
+        missing = [r for r in range(world or 0) if r not in self.rankset.ranks]
         if local:
-            return (f"only ranks {have} of {self.config_.nprocs} joined within {self.config_.startup_timeout:g} s; "
-                    f"log: {self.rankset.log_path}")
-        return f"ranks joined so far: {have or 'none'}.\n" + self._connect_help()
+            return (f"rank(s) {format_ranks(missing)} of {self.config_.nprocs} did not join within "
+                    f"{self.join_timeout:g} s ({self._joined()}); log: {self.rankset.log_path}")
+        what = (f"rank(s) {format_ranks(missing)} of {world} did not join within {self.join_timeout:g} s "
+                f"({self._joined()})" if world else f"no rank joined within {self.join_timeout:g} s")
+        return (f"{what}. Run the cell again to wait longer (%join_timeout SECONDS sets how long), or start the "
+                f"missing ranks.\n" + self._connect_help())
+
+    def _joined(self) -> str:
+        """Who has joined so far, by host: "2 of 4 joined: node0 ranks 0,1; node1 rank 2"."""
+        ranks = self.rankset.ranks
+        if not ranks:
+            return "none joined yet"
+        hosts: dict[str, list[int]] = {}
+        for rank in sorted(ranks):
+            hosts.setdefault(ranks[rank].host, []).append(rank)
+        where = "; ".join(f"{host} rank{'s' if len(rs) > 1 else ''} {format_ranks(rs)}" for host, rs in hosts.items())
+        return f"{len(ranks)} of {self.rankset.world_size} joined: {where}"
 
     def _check_abandoned(self) -> str | None:
         """After a cell was given up on: None once its stuck ranks came back (groups re-created), else why not."""
@@ -316,7 +362,8 @@ class SPMDKernel(Kernel):
     def _connect_help(self) -> str:
         joined = sorted(self.rankset.ranks)
         lines = [f"ranks joined: {format_ranks(joined) if joined else 'none'} (world size "
-                 f"{self.rankset.world_size or 'not known yet'})."]
+                 f"{self.rankset.world_size or 'not known yet'})." + (f" By host: {self._joined().split(': ', 1)[1]}"
+                                                                     if joined else "")]
         if self.rankset.token_file is None:
             lines.append(f"This kernel starts its {self.config_.nprocs} rank(s) itself; for ranks a scheduler "
                          "starts, install one with: workbench kernel install --nprocs 0 --listen HOST:PORT")
@@ -344,6 +391,14 @@ class SPMDKernel(Kernel):
         code = self.rankset.agent_exit_code()
         if code is not None:
             raise _RanksGone(code)
+        lost = self.rankset.lost(self.dead_after)
+        if lost:
+            cell.lost = self._lose(cell, lost)
+            cell.pending.clear()
+            return
+        if now - cell.start > 1.0 and now - cell.polled_at > 2.0 and cell.pending:
+            cell.polled_at, cell.poll_id = now, uuid.uuid4().hex  # where each rank is: the last known line
+            self.rankset.broadcast({"op": "stacks", "id": cell.poll_id}, sorted(cell.pending))
         got = self.rankset.recv(0.1)
         if got:
             self._route(cell, *got)
@@ -375,6 +430,8 @@ class SPMDKernel(Kernel):
                               parent=self.get_parent("shell"), metadata=message.get("metadata"), buffers=buffers)
         elif op == "released":
             self._released.add(rank)
+        elif op == "stacks" and cell is not None and message.get("id") == cell.poll_id:
+            self._last_where[rank] = _where_text(message)
         elif op == "done" and self._abandoned is not None and message.get("id") == self._abandoned[0]:
             self._abandoned[1].discard(rank)
         elif not current or cell is None:
@@ -421,13 +478,20 @@ class SPMDKernel(Kernel):
             self.send_response(self.iopub_socket, "stream", {"name": name, "text": text})
 
     def _ping(self, now: float) -> None:
-        if now - self._last_ping > 2.0:
+        if now - self._last_ping > 1.0:
             self._last_ping = now
             self.rankset.broadcast({"op": "ping"})
 
     def _pump(self) -> None:
-        """Between cells: deliver widget messages from rank 0 and keep remote ranks' heartbeat."""
+        """Between cells: deliver widget messages from rank 0, keep remote ranks' heartbeat, notice lost ranks."""
         self._ping(time.monotonic())
+        self._pump_messages()
+        lost = self.rankset.lost(self.dead_after)
+        if lost and self._lost_note is None:
+            self._lost_note = self._lose(None, lost)
+            self.log.warning("%s", self._lost_note)
+
+    def _pump_messages(self) -> None:
         while True:
             got = self.rankset.recv(0)
             if not got:
@@ -620,10 +684,59 @@ class SPMDKernel(Kernel):
         cell.pending.clear()
         cell.release = False
 
+    def _lose(self, cell: _Cell | None, lost: list[int]) -> str:
+        """Ranks of the job are gone: free the others from what they wait in, end the job (every other rank exits,
+        so its agent stops without waiting for the lost ones) and say how to go on. The kernel keeps running: a
+        new set of ranks can join."""
+        ranks = self.rankset.ranks
+        lines = [f"rank(s) {format_ranks(lost)} of the job are gone: nothing heard for "
+                 f"{self.dead_after:g} s or more and their connection is closed (the process exited, or its host is "
+                 "unreachable):"]
+        for rank in lost:
+            info = ranks.get(rank)
+            lines.append(f"  rank {rank} on host {info.host if info else '?'}: last seen "
+                         f"{self._last_where.get(rank) or 'nowhere yet (no stack seen in this cell)'}")
+        survivors = sorted(set(ranks) - set(lost))
+        failed = sorted(r for r in survivors if cell is not None and (cell.done.get(r) or {}).get("status") == "error")
+        for rank in failed:
+            error = cell.done[rank].get("error") or {}
+            evalue = (error.get("evalue") or "").strip().splitlines()
+            lines.append(f"  rank {rank} left the cell with {error.get('ename', 'an error')}"
+                         + (f": {evalue[0][:200]}" if evalue else ""))
+        if cell is not None and cell.pending - set(lost):
+            waiting = sorted(cell.pending - set(lost))
+            self.rankset.broadcast({"op": "release", "close_sockets": self.config_.close_sockets}, waiting)
+            deadline = time.monotonic() + 3 * _GRACE
+            while set(waiting) - set(cell.done) and time.monotonic() < deadline:
+                got = self.rankset.recv(0.1)
+                if got:
+                    self._route(cell, *got)
+            back = sorted(set(waiting) & set(cell.done))
+            lines.append(f"Rank(s) {format_ranks(waiting)} were released from what they waited in"
+                         + (f" (rank(s) {format_ranks(back)} came back)" if back else ""))
+        command = self.rankset.torchrun_command() if self.rankset.token_file is not None else None
+        self.rankset.end_job()
+        self._abandoned, self.generation = None, 0
+        self._released.clear()
+        self._last_where.clear()
+        lines.append(f"The job cannot go on without them (its world size is fixed): rank(s) "
+                     f"{format_ranks(survivors) if survivors else 'none'} were told to exit (their agents stop "
+                     "without waiting for the lost ones), and every variable of the job is gone.")
+        lines.append("Restart the job's ranks" + (f", e.g. with:\n  {command}" if command else "")
+                     + "\nThis kernel keeps running: the next cell waits for the new ranks to join.")
+        text = "\n".join(lines) + "\n"
+        if cell is not None:
+            self._stream("stderr", text, cell.silent)
+        return text
+
     # -- after the cell ------------------------------------------------------------------------------------------
     def _finish(self, cell: _Cell) -> dict:
         for name, folder in cell.folders.items():
             self._stream(name, folder.drain(), cell.silent)
+        for rank in cell.done:
+            self._last_where[rank] = "idle, between cells"
+        if cell.lost:
+            return self._fail("RanksLost", cell.lost.splitlines()[0], cell.lost.splitlines(), cell.silent)
         note = self._reinit() if cell.release else None
         errors = {r: d["error"] or {"ename": "Error", "evalue": "", "traceback": [], "time": 0.0}
                   for r, d in cell.done.items() if d["status"] == "error"}
@@ -706,6 +819,12 @@ class _RanksGone(RuntimeError):
 
 
 _CELL_FILE = re.compile(r"^<ipython-input-(\d+)-[0-9a-f]+>$")  # how IPython names a cell's code
+
+
+def _where_text(report: dict[str, Any]) -> str:
+    """A stack report as its innermost line of user code: 'File "x.py", line 3, in f: code'."""
+    where = report.get("where") or "outside user code"
+    return f"{where}: {report['code']}" if report.get("code") else where
 
 
 def _call_text(call: dict[str, Any]) -> str:

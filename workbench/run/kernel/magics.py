@@ -6,6 +6,8 @@
                            ranks' lines, each prefixed with its rank
 ``%hang_timeout S [MODE]`` report every rank's stack when a cell runs longer than S seconds (``off``: never);
                            MODE ``report`` (default) keeps waiting, ``interrupt`` then interrupts every rank
+``%join_timeout S``        a cell waits up to S seconds for every rank of the job to join (cluster kernels)
+``%dead_after S``          a rank silent for S seconds whose connection is gone is lost: the cell ends naming it
 =========================  ==================================================================================
 
 They are handled by the kernel, not by IPython on the ranks, so they may stand on lines of their own at the top
@@ -35,6 +37,8 @@ class CellDirectives:
     hang_timeout: float | None = None
     hang_action: str | None = None
     timeout_given: bool = False
+    join_timeout: float | None = None
+    dead_after: float | None = None
 
 
 def parse_ranks(text: str, world_size: int) -> tuple[int, ...]:
@@ -65,6 +69,7 @@ def parse_cell(code: str, world_size: int) -> CellDirectives:
     lines = code.split("\n")
     ranks = output = action = None
     timeout: float | None = None
+    seconds: dict[str, float] = {}
     timeout_given = False
     i = 0
     while i < len(lines):
@@ -99,8 +104,21 @@ def parse_cell(code: str, world_size: int) -> CellDirectives:
                 if args[1] not in ("report", "interrupt"):
                     raise MagicError(f"%hang_timeout: action {args[1]!r} must be report or interrupt")
                 action = args[1]
+        elif word in ("%join_timeout", "%dead_after"):
+            seconds[word] = _seconds(word, rest, minimum=1.0 if word == "%dead_after" else 0.0)
         else:
             break
         i += 1
     return CellDirectives(code="\n".join(lines[i:]), ranks=ranks, output=output, hang_timeout=timeout,
-                          hang_action=action, timeout_given=timeout_given)
+                          hang_action=action, timeout_given=timeout_given,
+                          join_timeout=seconds.get("%join_timeout"), dead_after=seconds.get("%dead_after"))
+
+
+def _seconds(magic: str, text: str, minimum: float) -> float:
+    try:
+        value = float(text)
+    except ValueError:
+        raise MagicError(f"{magic} {text!r}: give seconds, e.g. {magic} 60") from None
+    if not value > minimum:
+        raise MagicError(f"{magic} {text}: seconds must be > {minimum:g}")
+    return value

@@ -12,9 +12,11 @@ never travels: ranks a scheduler starts read it from a file of mode 0600 or an e
 
 kernel -> rank: ``execute`` (code, ranks shown), ``stacks``, ``interrupt``, ``release`` (close the process groups'
 connections and destroy the groups, so peers stuck in a collective get an error), ``reinit`` (new process
-groups), ``query`` (completion, inspection, history or comms of the rank's shell), ``comm``, ``ping``, ``exit``.
+groups), ``query`` (completion, inspection, history or comms of the rank's shell), ``comm``, ``ping``, ``exit``
+(with an exit code: nonzero when the kernel ended a job that lost ranks), ``dump_peer`` (read the stack of a rank of
+the same host that cannot answer).
 rank -> kernel: ``hello``, ``stream``, ``display``, ``clear_output``, ``comm``, ``done`` (with the shell's payloads:
-the pager's text), ``stacks``, ``answer``, ``released``, ``reinit_done``, ``pong``.
+the pager's text), ``stacks``, ``answer``, ``peer_dump``, ``released``, ``reinit_done``, ``pong``.
 """
 
 from __future__ import annotations
@@ -29,13 +31,15 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "ENV_CONNECT", "ENV_KERNEL_PID", "ENV_RUN_DIR", "ENV_TOKEN", "ENV_TOKEN_FILE", "WILDCARD_HOSTS", "Link", "Rejected",
+    "ENV_CONNECT", "ENV_HOST", "ENV_KERNEL_PID", "ENV_RUN_DIR", "ENV_TOKEN", "ENV_TOKEN_FILE", "WILDCARD_HOSTS",
+    "Link", "Rejected",
     "check_address", "decode", "encode", "new_identity", "new_token", "parse_listen", "read_token", "write_token_file",
 ]
 
 ENV_CONNECT = "WORKBENCH_KERNEL_CONNECT"  # the kernel's address, set by the kernel for the ranks it starts itself
 ENV_KERNEL_PID = "WORKBENCH_KERNEL_PID"  # local ranks exit when this process is gone
 ENV_RUN_DIR = "WORKBENCH_KERNEL_RUN_DIR"  # where local ranks keep their stack dump and ledger files
+ENV_HOST = "WORKBENCH_KERNEL_HOST"  # the host name a rank reports (default: its hostname), e.g. a node's name
 ENV_TOKEN = "WORKBENCH_KERNEL_TOKEN"  # the token itself (what a scheduler may set in a job's environment)
 ENV_TOKEN_FILE = "WORKBENCH_KERNEL_TOKEN_FILE"  # a file holding the token: the kernel writes it, ranks read it
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::")  # hosts that bind every interface

@@ -39,9 +39,13 @@ from workbench.run.kernel.protocol import (
     write_token_file,
 )
 
-__all__ = ["RankInfo", "RankSet", "RanksStopped"]
+__all__ = ["LOST_EXIT_CODE", "RankInfo", "RankSet", "RanksStopped"]
 
 _ALIVE = 10.0  # seconds: a rank heard from more recently than this keeps its place against a second hello
+_HEARTBEAT_IVL_MS = 1000  # ZMTP heartbeats on every rank connection, answered by libzmq's own thread (no GIL):
+_HEARTBEAT_TIMEOUT_MS = 5000  # a connection whose peer answers none for this long is closed
+_QUIET_AT_SHUTDOWN = 5.0  # seconds: a rank silent this long at shutdown may be gone (see stop)
+LOST_EXIT_CODE = 3  # ranks told to exit because their job lost ranks exit with this (torch's agent then stops)
 _LOGGED_DROPS = 20  # log every dropped message up to this many, then every 100th
 
 
@@ -90,10 +94,15 @@ class RankSet:
         self._links: dict[bytes, Link] = {}  # identity -> link, kept after a rank leaves (its sequence numbers)
         self._identity: dict[int, bytes] = {}  # admitted rank -> its identity
         self._heard: dict[int, float] = {}  # admitted rank -> when a valid message of it last arrived
-        self._lock = threading.Lock()  # sends come from the shell and the control thread
+        self._unreachable: dict[int, float] = {}  # rank -> since when ZMQ says its connection is gone
+        self._tombstones: set[bytes] = set()  # identities of ranks of a job the kernel ended (told to exit)
+        self._lock = threading.RLock()  # the socket is used by the shell thread and the control thread (shutdown)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 0)  # an identity stays with its first connection
+        self._socket.setsockopt(zmq.ROUTER_MANDATORY, 1)  # a send to a rank whose connection is gone says so
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
         self._socket.setsockopt(zmq.LINGER, 0)
         self.token_file: Path | None = None
         if listen:
@@ -158,13 +167,19 @@ class RankSet:
         return "\n".join(text[-lines:])
 
     def stop(self, grace: float = 3.0) -> None:
-        """Stop the local ranks (and their agent), politely first; remote ranks just get ``exit``. The token file
-        goes too: no rank can join a kernel that is stopping."""
+        """Stop the local ranks (and their agent), politely first; remote ranks get ``exit``. The token file
+        goes too: no rank can join a kernel that is stopping.
+
+        Remote ranks exit with code 0 only while every rank of their job is heard from: torch's agent waits (up to
+        300 s) at its exit barrier for every other agent of a job whose ranks succeeded, so when a rank may be gone
+        they exit with ``LOST_EXIT_CODE`` and their agents stop at once."""
         if self.token_file is not None:
             self.token_file.unlink(missing_ok=True)
+        self._ping_all()
+        code = LOST_EXIT_CODE if self._agent is None and self.quiet_ranks(_QUIET_AT_SHUTDOWN) else 0
         with contextlib.suppress(Exception):
             for rank in self.ranks:
-                self.send(rank, {"op": "exit"})
+                self.send(rank, {"op": "exit", "code": code})
         if self._agent is not None and self._agent.poll() is None:
             deadline = time.monotonic() + grace
             while time.monotonic() < deadline and self._agent.poll() is None:
@@ -178,6 +193,44 @@ class RankSet:
                     self._agent.wait(grace)
         self.ranks.clear()
         self._identity.clear()
+
+    def _ping_all(self) -> None:
+        """Send every rank a ping now (a send to a rank whose connection is gone marks it unreachable)."""
+        for rank in list(self.ranks):
+            self.send(rank, {"op": "ping"})
+
+    # -- liveness ---------------------------------------------------------------------------------------------
+    def silent_for(self, rank: int) -> float:
+        """Seconds since a valid message of ``rank`` arrived (pongs included)."""
+        return time.monotonic() - self._heard.get(rank, time.monotonic())
+
+    def quiet_ranks(self, seconds: float) -> list[int]:
+        """Ranks silent for ``seconds`` or whose connection ZMQ reports gone."""
+        return sorted(r for r in self.ranks if r in self._unreachable or self.silent_for(r) >= seconds)
+
+    def lost(self, dead_after: float) -> list[int]:
+        """Ranks that are gone: silent for ``dead_after`` seconds *and* without a connection.
+
+        The connection is kept alive by ZMTP heartbeats that libzmq's I/O thread answers without the GIL, so a
+        rank that only holds the GIL (a long C call) keeps it and is never called lost; a process that exited
+        loses it at once, a host that vanished after the heartbeat timeout (5 s). Local ranks are never lost here:
+        their agent's exit says so."""
+        if self._agent is not None:
+            return []
+        return sorted(r for r in self.ranks if r in self._unreachable and self.silent_for(r) >= dead_after)
+
+    def end_job(self, code: int = LOST_EXIT_CODE) -> None:
+        """The job cannot go on (it lost ranks): tell every rank still there to exit with ``code`` and forget the
+        job, so that a new set of ranks can join. A rank of the ended job that speaks again is told to exit."""
+        for rank in list(self.ranks):
+            self.send(rank, {"op": "exit", "code": code})
+        self._tombstones.update(self._identity.values())
+        self.ranks.clear()
+        self._identity.clear()
+        self._heard.clear()
+        self._unreachable.clear()
+        if not self.nprocs:
+            self.world_size = None
 
     def on_this_host(self, rank: int) -> bool:
         """Whether the rank runs on the kernel's host (its files can be read and its process signalled here)."""
@@ -201,17 +254,27 @@ class RankSet:
         return self.world_size is not None and len(self.ranks) == self.world_size
 
     def send(self, rank: int, message: dict[str, Any]) -> None:
-        """Send one signed message to one admitted rank (dropped by ZMQ if the rank is gone; nothing if unknown)."""
-        import zmq
-
+        """Send one signed message to one admitted rank (nothing if unknown; a rank whose connection is gone is
+        marked unreachable, see ``lost``)."""
         identity = self._identity.get(rank)
         if identity is None:
             return
+        self._send_to(identity, message, rank)
+
+    def _send_to(self, identity: bytes, message: dict[str, Any], rank: int | None = None) -> None:
+        import zmq
+
         body = encode(message)
         with self._lock:
             frames = self._links[identity].seal(body)
-            with contextlib.suppress(zmq.ZMQError):
+            try:
                 self._socket.send_multipart([identity, *frames], flags=zmq.NOBLOCK)
+            except zmq.ZMQError as exc:  # EHOSTUNREACH: no connection with that identity; EAGAIN: queue full
+                if rank is not None and exc.errno == zmq.EHOSTUNREACH:
+                    self._unreachable.setdefault(rank, time.monotonic())
+            else:
+                if rank is not None:
+                    self._unreachable.pop(rank, None)
 
     def broadcast(self, message: dict[str, Any], ranks: Any = None) -> None:
         """Send one message to several ranks (default: every rank that joined)."""
@@ -221,12 +284,20 @@ class RankSet:
     def recv(self, timeout: float) -> tuple[int, dict[str, Any]] | None:
         """The next valid message from an admitted rank, or None after ``timeout`` seconds; hellos are handled here
         (an admitted one is returned too), pongs only mark the rank alive, anything invalid is dropped and logged."""
+        import zmq
+
         deadline = time.monotonic() + timeout
         while True:
             left = max(0.0, deadline - time.monotonic())
-            if not self._socket.poll(int(left * 1000)):
-                return None
-            identity, *frames = self._socket.recv_multipart()
+            with self._lock:  # ZMQ sockets are not thread-safe: short polls, so a send from another thread waits
+                if not self._socket.poll(int(min(left, 0.05) * 1000)):  # at most 50 ms
+                    frames = None
+                else:
+                    identity, *frames = self._socket.recv_multipart(zmq.NOBLOCK)
+            if frames is None:
+                if left <= 0.05:
+                    return None
+                continue
             got = self._accept(identity, frames)
             if got is not None:
                 return got
@@ -244,6 +315,9 @@ class RankSet:
         rank = link.rank
         assert rank is not None  # open() took it from the header
         op = message["op"]
+        if identity in self._tombstones:  # a rank of a job the kernel ended (a frozen host that came back)
+            self._send_to(identity, {"op": "exit", "code": LOST_EXIT_CODE})
+            return self._drop(identity, f"rank {rank} belongs to a job this kernel ended; told it to exit")
         if op == "hello":
             problem = self._admit(identity, rank, message)
         elif self._identity.get(rank) != identity:
@@ -288,6 +362,7 @@ class RankSet:
             self.world_size = world
         self.ranks[rank] = info
         self._identity[rank] = identity
+        self._unreachable.pop(rank, None)
         return None
 
     def _drop(self, identity: bytes, reason: str) -> None:

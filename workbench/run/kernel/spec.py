@@ -33,7 +33,8 @@ class KernelSpecInfo:
 
 def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = None, user: bool = False,
                    prefix: str | None = None, listen: str | None = None, hang_timeout: float | None = None,
-                   hang_action: str = "report", display_name: str | None = None, close_sockets: bool = True) -> str:
+                   hang_action: str = "report", display_name: str | None = None, close_sockets: bool = True,
+                   join_timeout: float | None = None, dead_after: float | None = None) -> str:
     """Write a kernelspec that starts ``nprocs`` local ranks (or waits for ranks at ``listen``); return its path.
 
     ``listen`` is ``HOST:PORT``, ``:PORT`` or ``PORT`` (host 127.0.0.1 then; ``0.0.0.0`` binds every interface,
@@ -42,6 +43,9 @@ def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = Non
     ``close_sockets=False``: when ranks are left stuck in a gloo collective, only destroy the process groups
     instead of also closing every rank's TCP connections (sockets a cell opened itself are closed too otherwise);
     groups held alive by device meshes, FSDP modules or DTensors then keep stuck ranks stuck until a restart.
+
+    ``join_timeout``: seconds the first cell waits for every rank to join (default 300); ``dead_after``: seconds a
+    rank may be silent, its connection gone, before it is lost and the cell ends naming it (default 30).
 
     Installs into ``prefix`` (``PREFIX/share/jupyter/kernels/NAME``), the user's Jupyter directory (``user``), or
     by default this Python environment (``sys.prefix``), where a JupyterLab of the same environment finds it.
@@ -59,6 +63,9 @@ def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = Non
         raise ValueError(f"hang_action {hang_action!r}: use report or interrupt")
     if listen:
         parse_listen(listen)  # a bad HOST:PORT fails here, not when the kernel starts
+    for label, value, least in (("join_timeout", join_timeout, 0.0), ("dead_after", dead_after, 1.0)):
+        if value is not None and not value > least:
+            raise ValueError(f"{label} {value!r}: seconds must be > {least:g}")
     name = name or (f"workbench-{backend}-{nprocs}" if nprocs else f"workbench-{backend}-remote")
     where = f"{nprocs} ranks" if nprocs else "remote ranks"
     env = {"WORKBENCH_KERNEL_NPROCS": str(nprocs), "WORKBENCH_KERNEL_BACKEND": backend,
@@ -69,6 +76,10 @@ def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = Non
         env["WORKBENCH_KERNEL_CLOSE_SOCKETS"] = "0"
     if hang_timeout is not None:
         env["WORKBENCH_KERNEL_HANG_TIMEOUT"] = f"{hang_timeout:g}"
+    if join_timeout is not None:
+        env["WORKBENCH_KERNEL_JOIN_TIMEOUT"] = f"{join_timeout:g}"
+    if dead_after is not None:
+        env["WORKBENCH_KERNEL_DEAD_AFTER"] = f"{dead_after:g}"
     spec = {
         "argv": [sys.executable, "-m", "workbench.run.kernel.app", "-f", "{connection_file}"],
         "display_name": display_name or f"workbench SPMD ({where}, {backend})",

@@ -131,4 +131,7 @@ def summarize(entries: list[str]) -> dict[str, object]:
 
     stack = [entry for entry in entries if not any(m in entry for m in _MACHINERY)]
     in_collective = bool(stack) and "/torch/distributed/" in stack[-1]
-    return {"stack": stack, "in_collective": in_collective, "where": _innermost_user_frame(stack) if stack else ""}
+    where = _innermost_user_frame(stack) if stack else ""
+    code = next((entry.strip().splitlines()[1].strip() for entry in reversed(stack)
+                 if entry.strip().startswith(where) and len(entry.strip().splitlines()) > 1), "") if where else ""
+    return {"stack": stack, "in_collective": in_collective, "where": where, "code": code}

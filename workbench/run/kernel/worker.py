@@ -31,6 +31,7 @@ from typing import Any
 
 from workbench.run.kernel.protocol import (
     ENV_CONNECT,
+    ENV_HOST,
     ENV_KERNEL_PID,
     ENV_RUN_DIR,
     ENV_TOKEN,
@@ -87,6 +88,7 @@ class _Worker:
         self._streams: dict[str, _RankStream] = {}
         self.ledger: Any = None  # the collective it is in, readable without it (ledger.Ledger)
         self._aborting: threading.Thread | None = None  # NCCL: the thread aborting the communicators
+        self.exit_code = 0  # what the kernel's exit asked for (nonzero: the job lost ranks; see main)
         self.stack_file = ""  # where SIGUSR2 makes faulthandler write its stacks (stackdump.register)
 
     def start_forensics(self) -> None:
@@ -205,11 +207,26 @@ class _Worker:
             self._release_now(message)
             self.tasks.put(message)
         elif op == "exit":
+            self.exit_code = int(message.get("code", 0))
             self.tasks.put(message)
+            threading.Thread(target=self._exit_later, daemon=True).start()  # a main thread stuck in a collective
             return True
         else:
             self.tasks.put(message)
         return False
+
+    def _exit_later(self, grace: float = 10.0) -> None:
+        """After ``exit``: a main thread that has not ended within ``grace`` seconds (stuck in a collective whose
+        peers are gone) does not keep the process, nor torch's agent, waiting."""
+        time.sleep(grace)
+        print(f"workbench rank {self.rank}: still busy {grace:g} s after the kernel said exit; exiting with code "
+              f"{self.exit_code}", file=sys.__stderr__, flush=True)
+        self.cleanup()
+        os._exit(self.exit_code)
+
+    def cleanup(self) -> None:
+        """Remove the rank's stack dump and ledger files."""
+        _remove(self.stack_file, self.ledger.path if self.ledger is not None else "")
 
     def _ledger_now(self) -> dict[str, Any]:
         """The collective this rank is in (or was in last) and, on NCCL, those the GPU has not finished."""
@@ -278,7 +295,8 @@ class _Worker:
         import torch
 
         self.send({"op": "hello", "rank": self.rank, "world_size": self.world_size,
-                   "local_rank": self.local_rank, "host": socket.gethostname(), "pid": os.getpid(),
+                   "local_rank": self.local_rank, "host": os.environ.get(ENV_HOST) or socket.gethostname(),
+                   "pid": os.getpid(),
                    "backend": self.backend, "torch": torch.__version__, "generation": self.generation,
                    "stack_file": self.stack_file, "ledger_file": self.ledger.path if self.ledger else "",
                    "thread": self.main_ident})
@@ -610,6 +628,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     worker.start_forensics()
     worker.init_process_group()
     worker.serve()
+    if worker.exit_code:  # the job lost ranks: no clean-up that could wait for them; torch's agent stops at once
+        print(f"workbench rank {worker.rank}: the kernel ended this job (ranks of it were lost); exiting with code "
+              f"{worker.exit_code} so that torch's agent does not wait for the lost ones", file=sys.__stderr__,
+              flush=True)
+        worker.cleanup()
+        os._exit(worker.exit_code)
     worker.destroy_process_groups()
     return 0
 
