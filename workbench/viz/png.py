@@ -24,7 +24,7 @@ class BandEncoder:
     def __init__(self, band_rows: int = 16, level: int = 1) -> None:
         self.band_rows = band_rows
         self.level = level
-        self._bands: dict[int, tuple[np.ndarray, bytes]] = {}
+        self._bands: dict[int, tuple[np.ndarray, bytes, int]] = {}  # top row -> (rows, deflated, adler32)
         self._shape: tuple[int, int] | None = None
 
     def encode(self, rgba: np.ndarray) -> bytes:
@@ -40,21 +40,35 @@ class BandEncoder:
         rows[:, 0] = 0  # filter type None on every row
         rows[:, 1:] = np.ascontiguousarray(rgba).reshape(height, channels * width)
         parts = [b"\x78\x01"]  # zlib header: deflate, 32 KiB window
+        checksum = 1
         for top in range(0, height, self.band_rows):
             band = rows[top : top + self.band_rows]
             cached = self._bands.get(top)
-            if cached is not None and np.array_equal(cached[0], band):
-                parts.append(cached[1])
-                continue
-            compressor = zlib.compressobj(self.level, zlib.DEFLATED, -15)
-            packed = compressor.compress(band) + compressor.flush(zlib.Z_SYNC_FLUSH)
-            self._bands[top] = (band.copy(), packed)
-            parts.append(packed)
-        checksum = zlib.adler32(rows)
+            if cached is None or not np.array_equal(cached[0], band):
+                compressor = zlib.compressobj(self.level, zlib.DEFLATED, -15)
+                packed = compressor.compress(band) + compressor.flush(zlib.Z_SYNC_FLUSH)
+                cached = self._bands[top] = (band.copy(), packed, zlib.adler32(band))
+            parts.append(cached[1])
+            checksum = _adler32_combine(checksum, cached[2], band.size)
         parts.append(b"\x03\x00")  # an empty final block
         parts.append(struct.pack(">I", checksum))
         header = struct.pack(">IIBBBBB", width, height, 8, 6 if channels == 4 else 2, 0, 0, 0)
         return _SIGNATURE + _chunk(b"IHDR", header) + _chunk(b"IDAT", b"".join(parts)) + _chunk(b"IEND", b"")
+
+
+_BASE = 65521
+
+
+def _adler32_combine(first: int, second: int, second_length: int) -> int:
+    """The Adler-32 of two byte strings joined, from each one's (zlib's adler32_combine)."""
+    rem = second_length % _BASE
+    sum1 = first & 0xFFFF
+    sum2 = (rem * sum1) % _BASE
+    sum1 += (second & 0xFFFF) + _BASE - 1
+    sum2 += ((first >> 16) & 0xFFFF) + ((second >> 16) & 0xFFFF) + _BASE - rem
+    sum1 %= _BASE
+    sum2 %= _BASE
+    return sum1 | (sum2 << 16)
 
 
 def _chunk(kind: bytes, data: bytes) -> bytes:

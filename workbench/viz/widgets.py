@@ -11,9 +11,12 @@ the background for policies whose plans depend on each rank's keys; a rank chang
 
 from __future__ import annotations
 
+import atexit
+import gc
 import math
 import threading
 import time
+import weakref
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -65,7 +68,8 @@ class Explorer:
         self._busy = False
         self._param_value = param
         self._key_value: str | None = None
-        self._worker = _Worker() if background else None
+        self._worker = _Worker(self._quiet_for) if background else None
+        self._last_refresh = 0.0
 
         wide = w.Layout(width="560px")
         self.param = w.Combobox(options=names, value=param, description="parameter", ensure_option=True,
@@ -93,6 +97,7 @@ class Explorer:
         self.message = w.HTML()
         self.schedule_note = w.HTML()
         self.status = w.HTML()
+        self.progress = w.HTML()
 
         self.param.observe(self._on_param, names="value")
         self.key.observe(self._on_key, names="value")
@@ -114,13 +119,24 @@ class Explorer:
                         w.HTML("<b>bytes per rank</b>, whole layout"), self.heat])
         self.widget = w.VBox([controls, w.HBox([left, right], layout=w.Layout(flex_flow="row wrap")),
                               w.HTML("<b>unshard schedule</b> of the rank"), self.schedule_note,
-                              self.schedule_image, self.status])
+                              self.schedule_image, w.HBox([self.status, self.progress])])
         self.widget.explorer = self
         self.widget.add_class("workbench-explorer")
         self._set_image(self.heat, self._heat_png())
+        if self._worker is not None:
+            # plan every rank's schedule of the default policy now (ranks of one shape class share one); their
+            # pictures, one per class, are drawn in the background while nobody moves a control
+            classes = self._classes("full", "unbounded")
         self.refresh()
-        if self._worker is not None:  # draw every shape class's schedule of the default policy ahead
-            self._worker.submit(("precompute",), self._precompute, None)
+        # a full garbage collection now, not in the middle of a rank change: building made many objects, and
+        # the collector's next full pass over them (~150 ms on DeepSeek-V3) would land on an update
+        gc.collect()
+        if self._worker is not None:
+            self.progress.value = f"<small>drawing the schedules of {len(classes)} shape class(es) ahead ...</small>"
+            for n, schedule in enumerate(classes, 1):
+                self._worker.submit(("precompute", _class_key(schedule)),
+                                    lambda schedule=schedule: self._schedule_picture(schedule),
+                                    lambda _, n=n: self._drawn_ahead(n, len(classes)))
 
     # -- events ------------------------------------------------------------------------------------------
     def _on_param(self, change: Any) -> None:
@@ -202,7 +218,8 @@ class Explorer:
             f"<code>rank {rank} ({coord}): local {spec.local_shape(rank)} of {spec.global_shape}, "
             f"{_escape(spec.describe_shards())}<br>{shown or 'holds no HF key region here'}</code>"
         )
-        self.update_seconds = time.perf_counter() - start
+        self._last_refresh = time.perf_counter()
+        self.update_seconds = self._last_refresh - start
         self.status.value = f"<small>updated in {self.update_seconds * 1000:.0f} ms</small>"
 
     def _set_image(self, image: Any, png: bytes) -> None:
@@ -304,7 +321,8 @@ class Explorer:
             found = self._schedule(rank, *request[:2])
             return found, self._schedule_picture(found)
 
-        self._worker.submit(request, work, lambda result: self._put_schedule(request, result[1], result[0]))
+        self._worker.submit(("schedule", *request), work,
+                            lambda result: self._put_schedule(request, result[1], result[0]))
 
     def _put_schedule(self, request: tuple, png: bytes, schedule: Any) -> None:
         if request != self._wanted:
@@ -323,20 +341,30 @@ class Explorer:
 
             title = (f"{len(schedule.waves)} wave(s), {len(schedule.rounds)} round(s), {schedule.num_calls} call(s) "
                      f"gathering {_style.format_bytes(sum(c.bytes_out for c in schedule.calls))}")
-            png = _style.png_bytes(plot_schedule(schedule, figsize=(10.0, 4.6), title=title), _SCALE)
+            png = _style.png_bytes(plot_schedule(schedule, figsize=(9.2, 4.6), title=title), _SCALE)
             if len(self._schedule_png) > 64:
                 self._schedule_png.clear()
             self._schedule_png[cache] = png
         return png
 
-    def _precompute(self) -> None:
-        """Plan the default policy's schedules of every rank and draw each shape class once."""
-        schedules = {}
+    def _classes(self, policy: str, budget: str) -> list[Any]:
+        """One schedule per shape class of a policy planned for every rank at once, in rank order."""
+        schedules: dict[tuple, Any] = {}
         for rank in self.layout.mesh.all_ranks():
-            schedule = self._schedule(rank, "full", "unbounded")
+            schedule = self._schedule(rank, policy, budget)
             schedules.setdefault(_class_key(schedule), schedule)
-        for schedule in schedules.values():
-            self._schedule_picture(schedule)
+        return list(schedules.values())
+
+    def _drawn_ahead(self, done: int, total: int) -> None:
+        if done < total:
+            self.progress.value = f"<small>drawing the schedules of {total} shape class(es) ahead: {done} done</small>"
+            return
+        gc.collect()  # drawing made garbage: collect it now, while nobody moves a control
+        self.progress.value = f"<small>schedules of all {total} shape class(es) drawn ahead</small>"
+
+    def _quiet_for(self) -> float:
+        """Seconds since the last refresh (the background thread waits for a quiet moment)."""
+        return time.perf_counter() - self._last_refresh
 
 
 # -- pictures -----------------------------------------------------------------------------------------------
@@ -414,17 +442,27 @@ class _MeshPicture(_Frozen):
 
 
 class _Worker:
-    """One background thread running the latest request of each kind (older queued ones are dropped)."""
+    """One background thread: the latest request of each kind (older queued ones are dropped), each started
+    only after ``quiet()`` seconds without a refresh (drawing while a control moves would slow the refresh:
+    both need the GIL). Stopped at interpreter exit, between requests."""
 
-    def __init__(self) -> None:
+    QUIET = 0.25
+
+    def __init__(self, quiet: Callable[[], float]) -> None:
+        self._quiet = quiet
         self._lock = threading.Condition()
         self._queue: list[tuple[tuple, Callable[[], Any], Callable[[Any], None] | None]] = []
         self._running = False
         self._thread: threading.Thread | None = None
+        _WORKERS.add(self)
 
     def submit(self, key: tuple, work: Callable[[], Any], done: Callable[[Any], None] | None) -> None:
         with self._lock:
-            self._queue = [q for q in self._queue if q[0][:1] == ("precompute",)] + [(key, work, done)]
+            if key[0] == "precompute":
+                self._queue.append((key, work, done))
+            else:  # a newer request replaces a queued one of the same kind and goes first
+                self._queue = [q for q in self._queue if q[0][0] != key[0]]
+                self._queue.insert(0 if key[0] != "collect" else len(self._queue), (key, work, done))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="workbench-explorer", daemon=True)
                 self._thread.start()
@@ -433,12 +471,17 @@ class _Worker:
     def _loop(self) -> None:
         while True:
             with self._lock:
-                if not self._queue:
+                if not self._queue or _STOPPING.is_set():
                     self._running = False
                     self._lock.notify_all()
                     return
-                _, work, done = self._queue.pop(0)
                 self._running = True
+            while self._quiet() < self.QUIET and not _STOPPING.is_set():
+                time.sleep(self.QUIET / 5)
+            with self._lock:
+                if not self._queue or _STOPPING.is_set():
+                    continue
+                _, work, done = self._queue.pop(0)
             try:
                 result = work()
                 if done is not None:
@@ -455,7 +498,25 @@ class _Worker:
                 left = deadline - time.monotonic()
                 if left <= 0:
                     raise TimeoutError(f"explorer: background drawing still running after {timeout} s")
-                self._lock.wait(left)
+                self._lock.wait(min(left, 0.1))
+
+    def stop(self, timeout: float) -> None:
+        thread = self._thread
+        if thread is not None and thread.is_alive():
+            thread.join(timeout)
+
+
+_WORKERS: weakref.WeakSet[_Worker] = weakref.WeakSet()
+_STOPPING = threading.Event()
+
+
+@atexit.register
+def _stop_workers() -> None:
+    """Let background threads finish their current drawing before the interpreter tears torch and matplotlib
+    down under them (a daemon thread inside a C call at exit aborts the process)."""
+    _STOPPING.set()
+    for worker in list(_WORKERS):
+        worker.stop(timeout=10.0)
 
 
 def _class_key(schedule: Any) -> tuple:
