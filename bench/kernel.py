@@ -2,6 +2,10 @@
 
     .venv/bin/python bench/kernel.py [--nprocs 4] [--cells 100] [--backend gloo|nccl] [--compare SRC]
 
+``--hangs`` measures instead, on the SPMD kernel, how long after the hang timeout a hang is reported, and how long
+after the interrupt the cell ends and the next collective has run (a rank in user code while the others wait in a
+barrier; rank 0 alone in an all_reduce; a rank holding the GIL in a C call, report only).
+
 ``--compare SRC`` also measures the SPMD kernel of another source tree (e.g. ``git archive`` of an older commit
 unpacked into SRC), in the same run, for before/after numbers on one machine.
 
@@ -52,11 +56,54 @@ def _measure(kernel_name: str, cells: int, source: str | None = None) -> tuple[f
         manager.shutdown_kernel(now=False)
 
 
+HANGS = {
+    "rank 1 in user code, rank 0 in a barrier": "import time\nif rank == 1:\n    time.sleep(600)\ndist.barrier()",
+    "rank 0 alone in an all_reduce": "if rank == 0:\n    dist.all_reduce(torch.ones(1))",
+    "rank 1 holds the GIL in a C call (report only)": (
+        "import ctypes, subprocess\nif rank == 1:\n    child = subprocess.Popen(['sh', '-c', 'sleep 6; echo'], "
+        "stdout=subprocess.PIPE)\n    ctypes.PyDLL(None).read(child.stdout.fileno(), ctypes.create_string_buffer(1), 1)"
+        "\ndist.barrier()"),
+}
+
+
+def _hangs(kernel_name: str, backend: str, hang_timeout: float = 2.0) -> None:
+    from jupyter_client.manager import start_new_kernel
+
+    device = "device" if backend == "nccl" else "'cpu'"
+    manager, client = start_new_kernel(kernel_name=kernel_name, startup_timeout=300)
+    try:
+        execute(client, "pass", timeout=300)
+        print(f"{'hang':<48} {'report after timeout s':>22} {'cell ends after interrupt s':>28} "
+              f"{'next collective done s':>23}")
+        for label, code in HANGS.items():
+            interrupt = "report only" not in label
+            execute(client, f"%hang_timeout {hang_timeout:g} {'interrupt' if interrupt else 'report'}")
+            seen: dict[str, float] = {}
+
+            def watch(msg: dict, seen: dict[str, float] = seen) -> None:
+                if msg["msg_type"] == "stream" and "still running after" in msg["content"]["text"]:
+                    seen.setdefault("report", time.perf_counter())
+
+            start = time.perf_counter()
+            execute(client, code, timeout=120, on_output=watch)
+            ended = time.perf_counter()
+            execute(client, "%hang_timeout off")
+            execute(client, f"t = torch.ones(1, device={device})\ndist.all_reduce(t)\nt.item()", timeout=120)
+            usable = time.perf_counter()
+            hung = start + hang_timeout
+            print(f"{label:<48} {seen.get('report', float('nan')) - hung:>22.2f} "
+                  f"{ended - hung if interrupt else float('nan'):>28.2f} {usable - hung:>23.2f}")
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=False)
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter)
     parser.add_argument("--nprocs", type=int, default=4)
     parser.add_argument("--cells", type=int, default=100)
     parser.add_argument("--backend", choices=("gloo", "nccl"), default="gloo")
+    parser.add_argument("--hangs", action="store_true", help="measure hang reports and interrupts instead")
     parser.add_argument("--compare", metavar="SRC", default=None,
                         help="also measure the SPMD kernel of the workbench source tree SRC (same run)")
     args = parser.parse_args()
@@ -64,6 +111,9 @@ def main() -> None:
     name = f"workbench-bench-{args.nprocs}"
     install_kernel(nprocs=args.nprocs, backend=args.backend, name=name, prefix=prefix)
     os.environ["JUPYTER_PATH"] = str(Path(prefix) / "share" / "jupyter")
+    if args.hangs:
+        _hangs(name, args.backend)
+        return
     rows = [("ipykernel (python3)", *_measure("python3", args.cells))]
     if args.compare:
         rows.append((f"SPMD {args.nprocs} {args.backend}, {Path(args.compare).name}",
