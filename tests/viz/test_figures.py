@@ -160,3 +160,40 @@ def test_every_figure_of_every_sample_renders(path) -> None:
     for fig in figs:
         fig.canvas.draw()
         assert fig.get_axes()  # drawn; render times are measured by bench/viz.py, not asserted here
+
+
+def test_schedule_over_budget_is_said_and_drawn_red_above_the_budget() -> None:
+    schedule = _toy_schedule(64)
+    assert schedule.peak_bytes > 64  # the toy's tensors do not fit 64 B: oversized, gathered alone
+    fig = plot_schedule(schedule)
+    assert "OVER BUDGET" in fig.axes[0].get_title() and "> budget 64 B" in fig.axes[0].get_title()
+    mem = fig.axes[1]
+    over = next(line for line in mem.lines if line.get_gid() == "waterline-over")
+    clip = over.get_clip_box()  # matplotlib keeps a rectangular clip path as a box: the axes above y=64
+    assert clip.y0 == pytest.approx(mem.transData.transform((0, 64))[1])
+    assert over.get_color() == "#d62728"
+    # under budget: nothing said
+    assert "OVER" not in plot_schedule(_toy_schedule(None)).axes[0].get_title()
+
+
+def test_schedule_tells_the_three_peaks_apart() -> None:
+    from workbench.layout.layout_file import load_layout as load
+
+    layout = load(SAMPLES_BY_NAME["toy_expert_tp"])
+    queued = plan_save(layout, budget_bytes=400, queued_bytes=256).schedules[5]
+    assert queued.peak_bytes > max(queued.wave_peaks)  # the writer queue adds to the gathers' peak
+    fig = plot_schedule(queued, measured={"predicted_peak_bytes": 4096, "peak_bytes": 2048})
+    lines = {line.get_gid(): line.get_ydata()[0] for line in fig.axes[1].lines if line.get_gid()}
+    assert lines["gather-peak"] == max(queued.wave_peaks) == max(fig.view.water_y)
+    assert lines["predicted-peak"] == queued.peak_bytes
+    assert lines["save-predicted-peak"] == 4096 and lines["measured-peak"] == 2048
+    labels = [t.get_text() for t in fig.axes[1].get_legend().get_texts()]
+    assert any("what the budget bounds" in t for t in labels) and any("writer queue" in t for t in labels)
+
+
+def test_gloo_scratch_is_in_the_waterline() -> None:
+    # notebook 04's case: with gather_scratch the scheduler counts the receive copy; the drawn waterline must too
+    layout = load_layout(SAMPLES_BY_NAME["toy_expert_tp"])
+    schedule = plan_save(layout, budget_bytes=300, gather_scratch=True).schedules[5]
+    view = plot_schedule(schedule).view
+    assert view.scratch and max(view.water_y) == max(schedule.wave_peaks) == schedule.peak_bytes

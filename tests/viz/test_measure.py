@@ -36,3 +36,13 @@ def test_records_each_gather_and_forwards_the_rest() -> None:
 
     measured = comm.measured(Result())
     assert measured == {"call_seconds": comm.call_seconds, "call_bytes": [12, 40], "seconds": 2.5}
+
+
+def test_a_save_result_brings_its_own_predicted_peak() -> None:
+    comm = TimedCommunicator(_TwoRanks())
+
+    class Result:
+        seconds = 1.0
+        predicted_peak_bytes = 16 << 20  # the save's schedule, planned with its writer queue
+
+    assert comm.measured(Result())["predicted_peak_bytes"] == 16 << 20
