@@ -98,6 +98,7 @@ def test_the_tolerance_catches_a_changed_figure(tmp_path) -> None:
     have other metrics (FreeType's hinting off: labels of other widths, so another layout), and the rank
     outline moved by one rank fails."""
     import matplotlib
+    import matplotlib.style
     from matplotlib.testing.compare import compare_images
 
     def save(name: str, rank: int, **rc) -> str:
