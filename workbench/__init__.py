@@ -28,8 +28,7 @@ from workbench.plan import (
 from workbench.run.guard import LoadFailed, SaveFailed
 from workbench.run.launcher import LaunchError, launch
 from workbench.run.simulated import SimulatedWorld
-
-__version__ = "0.1.0"
+from workbench.version import __version__
 
 __all__ = [
     "AsyncSave",

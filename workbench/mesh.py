@@ -17,6 +17,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
+from workbench.display import html_of
 from workbench.errors import LayoutError
 
 _T = TypeVar("_T")
@@ -218,11 +219,9 @@ class MeshSpec:
                 found.append(group)
         return tuple(sorted(found, key=lambda g: g[0]))
 
-    def _repr_html_(self) -> str:
-        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
-        from workbench.viz.html import render_html
-
-        return render_html(self)
+    def _repr_html_(self) -> str | None:
+        """HTML for notebooks, from the renderer ``workbench.viz`` registers (``workbench.display``)."""
+        return html_of(self)
 
     def __repr__(self) -> str:
         dims = ", ".join(f"{n}={s}" for n, s in zip(self.dim_names, self.shape))

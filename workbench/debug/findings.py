@@ -111,7 +111,7 @@ class FindingGroup:
     @property
     def patterns(self) -> tuple[tuple[str, int], ...]:
         """``(layer pattern, count)`` of the keys, e.g. ``("model.layers.{0..3}.mlp.w1.weight", 4)``."""
-        from workbench.report.patterns import group_by_pattern
+        from workbench.name_patterns import group_by_pattern
 
         return tuple((g.pattern, len(g)) for g in group_by_pattern(k for k in self.keys if k))
 

@@ -18,8 +18,8 @@ from typing import Any
 from workbench.debug._text import _SPLIT, format_count
 from workbench.debug.findings import Finding
 from workbench.debug.integrity import scan_for_findings
-from workbench.report.patterns import compress_indices
-from workbench.report.units import format_bytes
+from workbench.name_patterns import compress_indices
+from workbench.units import format_bytes
 
 __all__ = ["FileSummary", "Inspection", "KeyGroup", "inspect_checkpoint"]
 

@@ -13,8 +13,8 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.debug.findings import Finding
+from workbench.io.complete import OLD_SUFFIX
 from workbench.io.index import INDEX_NAME, CheckpointIndex, KeyInfo, read_header, read_index, scan_checkpoint
-from workbench.io.publish import OLD_SUFFIX
 from workbench.io.publish_types import is_temporary_path, temporary_path
 
 __all__ = ["ScanResult", "scan_for_findings"]

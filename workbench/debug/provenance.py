@@ -16,7 +16,7 @@ from typing import Any
 from workbench.debug.views import TensorView, bits
 from workbench.layout.model_layout import Layout
 from workbench.memo import LRU, remember_by_identity
-from workbench.report.units import format_ranks
+from workbench.units import format_ranks
 
 __all__ = ["KeyShard", "differing_shards", "held_by", "key_shards", "ranks_text", "region_text", "same_shape",
            "written_from"]

@@ -36,6 +36,7 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
+from workbench.io.complete import OLD_SUFFIX, is_complete
 from workbench.io.limits import parse_json, read_capped
 from workbench.io.publish_types import INCOMPLETE_SUFFIX, is_temporary_path
 
@@ -368,8 +369,6 @@ def latest_checkpoint(root: str | Path, *, stale_after: float | None = None) -> 
     then by modification time), and the incomplete saves beside it, each judged live or stale by the module's rule
     (``stale_after``: seconds, instead of ``STALE_PERIODS`` times each marker's period). A directory counts as
     complete only when ``validate_final`` finds nothing wrong (index, files, headers, sizes)."""
-    from workbench.io.publish import OLD_SUFFIX, is_complete
-
     root = Path(root)
     if not root.is_dir():
         raise FileNotFoundError(f"{root} is not a directory")

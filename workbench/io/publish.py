@@ -31,7 +31,7 @@ from typing import Any
 
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
-from workbench.io.index import INDEX_NAME, scan_checkpoint
+from workbench.io.complete import OLD_SUFFIX, content_problems, is_complete, validate_final
 from workbench.io.ownership import (
     HEARTBEAT_PERIOD,
     MARKER_NAME,
@@ -42,12 +42,11 @@ from workbench.io.ownership import (
     remove_if_stale,
     write_owner,
 )
-from workbench.io.publish_types import INCOMPLETE_SUFFIX, is_temporary_path, temporary_path
+from workbench.io.publish_types import INCOMPLETE_SUFFIX, temporary_path
 from workbench.io.write import fsync_dir, fsync_file
 
 __all__ = ["OLD_SUFFIX", "AtomicRenamePublisher", "exchange_paths", "is_complete", "validate_final"]
 
-OLD_SUFFIX = ".old"
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 1 << 1
 _UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
@@ -296,7 +295,7 @@ class AtomicRenamePublisher:
                 f"nothing to publish at {final}: {temporary} does not exist; call prepare() first (or it was aborted)"
             )
         if verify:
-            problems = _content_problems(temporary)
+            problems = content_problems(temporary)
             if problems:
                 listed = "\n  - ".join(problems)
                 raise CheckpointError(
@@ -364,50 +363,3 @@ def _let_go(claim: LiveClaim | None, heartbeat: Heartbeat | None) -> None:
         heartbeat.stop()
     if claim is not None:
         claim.release()
-
-
-def _content_problems(path: Path) -> list[str]:
-    if not (path / INDEX_NAME).is_file():
-        return [f"{path}: no {INDEX_NAME}: every workbench checkpoint has one, so this save never completed"]
-    index, problems = scan_checkpoint(path)
-    found = list(problems)
-    if index is None:
-        return found
-    if index.total_size is None:
-        found.append(f"{index.index_file}: no metadata.total_size (not written by workbench, or edited)")
-    elif not found and index.data_bytes != index.total_size:
-        found.append(
-            f"{index.index_file}: size mismatch: metadata.total_size is {index.total_size} bytes but the "
-            f"{len(index.keys)} keys of the weight_map hold {index.data_bytes} bytes"
-        )
-    return found
-
-
-def validate_final(path: Path | str) -> list[str]:
-    """Every problem that keeps ``path`` from being a complete, published checkpoint ([] when complete).
-
-    Checks: the path is not a temporary (``.NAME.incomplete``) and exists; it has an index; every file of
-    the weight map exists and has a readable, untruncated header listing its keys; the tensor bytes
-    match ``metadata.total_size``.
-    """
-    path = Path(path)
-    if is_temporary_path(path):
-        return [f"{path}: an unpublished save (a '{INCOMPLETE_SUFFIX}' directory): finalize() never ran on it"]
-    if not path.exists():
-        hints = [
-            f"an unfinished save is at {temporary_path(path)}" if temporary_path(path).exists() else "",
-            f"a previous checkpoint was moved aside to {path.with_name(f'.{path.name}{OLD_SUFFIX}')} by an "
-            "interrupted publish"
-            if path.with_name(f".{path.name}{OLD_SUFFIX}").exists()
-            else "",
-        ]
-        hint = "; ".join(h for h in hints if h)
-        return [f"{path}: does not exist" + (f" ({hint})" if hint else "")]
-    if not path.is_dir():
-        return [f"{path}: not a directory; a published checkpoint is a directory with {INDEX_NAME}"]
-    return _content_problems(path)
-
-
-def is_complete(path: Path | str) -> bool:
-    """True when ``path`` is a published checkpoint with nothing wrong (``validate_final`` finds nothing)."""
-    return not validate_final(path)

@@ -25,6 +25,7 @@ from typing import Any
 
 import torch
 
+from workbench.display import html_of
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
 from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES, CheckpointFiles, direct_names, direct_program
@@ -56,6 +57,7 @@ from workbench.run.guard import (
     problem_from,
 )
 from workbench.run.unshard_ops import split_keys
+from workbench.version import __version__
 
 __all__ = ["SaveResult", "SaveSession"]
 
@@ -92,11 +94,9 @@ class SaveResult:
             f"{self.calls} gather calls, {self.seconds:.2f} s)"
         )
 
-    def _repr_html_(self) -> str:
-        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
-        from workbench.viz.html import render_html
-
-        return render_html(self)
+    def _repr_html_(self) -> str | None:
+        """HTML for notebooks, from the renderer ``workbench.viz`` registers (``workbench.display``)."""
+        return html_of(self)
 
 
 _META_CACHE = LRU(16)
@@ -717,6 +717,4 @@ def _write_piece(files: CheckpointFiles, region: KeyRegion, copy: HostCopy) -> i
 
 
 def _version() -> str:
-    from workbench import __version__
-
     return __version__

@@ -3,9 +3,9 @@
 from workbench.layout.coverage import Box, CoverageReport, check_coverage
 from workbench.layout.descriptors import ShardDescriptor
 from workbench.layout.interleaved import InterleavedShard
-from workbench.layout.load_spec import KeyRegion, LoadSpec
+from workbench.layout.load_spec import KeyRegion, LoadSpec, compute_runs
 from workbench.layout.normalize import normalize_placements
-from workbench.layout.runs import Run, compute_runs
+from workbench.layout.runs import Run
 
 __all__ = [
     "Box",

@@ -14,6 +14,7 @@ from dataclasses import dataclass, field
 from typing import Any, TypeVar
 
 from workbench import _compat
+from workbench.display import html_of
 from workbench.errors import LayoutError
 from workbench.layout.chunking import local_sizes
 from workbench.layout.coverage import CoverageReport, check_coverage
@@ -24,7 +25,7 @@ from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 
 _T = TypeVar("_T")
 
-__all__ = ["KeyRegion", "LoadSpec"]
+__all__ = ["KeyRegion", "LoadSpec", "compute_runs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -388,11 +389,9 @@ class LoadSpec:
         }
         return check_coverage(self.name, self.global_shape, boxes, groups)
 
-    def _repr_html_(self) -> str:
-        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
-        from workbench.viz.html import render_html
-
-        return render_html(self)
+    def _repr_html_(self) -> str | None:
+        """HTML for notebooks, from the renderer ``workbench.viz`` registers (``workbench.display``)."""
+        return html_of(self)
 
     def __repr__(self) -> str:
         keys = repr(self.hf_keys[0]) if len(self.hf_keys) == 1 else f"{len(self.hf_keys)} keys"
@@ -416,3 +415,21 @@ def _shape(value: Any, where: str, what: str) -> tuple[int, ...]:
 
 def _preview(keys: Sequence[str]) -> str:
     return repr(list(keys)) if len(keys) <= 3 else f"[{keys[0]!r}, ..., {keys[-1]!r}]"
+
+
+def compute_runs(
+    global_shape: Sequence[int],
+    mesh: MeshSpec,
+    placements: Sequence[Any],
+    rank: int,
+    *,
+    mesh_dims: Sequence[str] | None = None,
+) -> tuple[Run, ...]:
+    """Runs that ``rank`` holds of a tensor of ``global_shape`` placed with ``placements`` on ``mesh``.
+
+    A convenience over ``LoadSpec.from_placements(...).runs(rank)`` for one-off questions.
+    """
+    spec = LoadSpec.from_placements(
+        "<tensor>", ("<tensor>",), global_shape, mesh, placements, mesh_dims=mesh_dims
+    )
+    return spec.runs(rank)

@@ -10,9 +10,11 @@ from typing import Any
 
 import torch
 
+from workbench.display import html_of
 from workbench.errors import LayoutError
 from workbench.layout.coverage import CoverageReport
 from workbench.layout.key_map import KeyMap, clean_name, resolve_key_map
+from workbench.layout.layout_toml import layout_to_toml
 from workbench.layout.load_spec import LoadSpec
 from workbench.memo import LRU
 from workbench.mesh import MeshDimRef, MeshSpec, per_device_mesh
@@ -145,9 +147,7 @@ class Layout:
 
     def to_toml(self) -> str:
         """This layout as a layout file's TOML text, which ``wb.load_layout`` (``parse_layout``) reads back into an
-        equal layout; ``wb.save_layout(layout, path)`` writes it to a file (see ``layout_file.layout_to_toml``)."""
-        from workbench.layout.layout_file import layout_to_toml
-
+        equal layout; ``wb.save_layout(layout, path)`` writes it to a file (see ``layout_toml.layout_to_toml``)."""
         return layout_to_toml(self)
 
     def fingerprint(self) -> str:
@@ -178,16 +178,14 @@ class Layout:
             out[name] = report if report.name == name else _renamed(report, name)
         return out
 
-    def _repr_html_(self) -> str:
-        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
-        from workbench.viz.html import render_html
-
-        return render_html(self)
+    def _repr_html_(self) -> str | None:
+        """HTML for notebooks, from the renderer ``workbench.viz`` registers (``workbench.display``)."""
+        return html_of(self)
 
     def __repr__(self) -> str:
         import math
 
-        from workbench.report.units import format_bytes
+        from workbench.units import format_bytes
 
         keys = sum(len(s.hf_keys) for s in self.specs.values())
         total = sum(math.prod(s.visible_shape) * self.dtype(n).itemsize for n, s in self.specs.items())

@@ -16,13 +16,11 @@ import functools
 import itertools
 from collections.abc import Sequence
 from dataclasses import dataclass
-from typing import Any
 
 from workbench.layout.descriptors import ShardDescriptor
-from workbench.mesh import MeshSpec
 
 __all__ = [
-    "Run", "Segment", "cached_dim_segments", "compute_runs", "cut_segments", "dim_segments", "runs_from_segments"
+    "Run", "Segment", "cached_dim_segments", "cut_segments", "dim_segments", "runs_from_segments"
 ]
 
 Segment = tuple[int, int]  # (global_start, length), in local order
@@ -115,23 +113,3 @@ def runs_from_segments(segments: tuple[tuple[Segment, ...], ...]) -> tuple[Run, 
         Run(tuple(c[0] for c in combo), tuple(c[1] for c in combo), tuple(c[2] for c in combo))
         for combo in itertools.product(*per_dim)
     )
-
-
-def compute_runs(
-    global_shape: Sequence[int],
-    mesh: MeshSpec,
-    placements: Sequence[Any],
-    rank: int,
-    *,
-    mesh_dims: Sequence[str] | None = None,
-) -> tuple[Run, ...]:
-    """Runs that ``rank`` holds of a tensor of ``global_shape`` placed with ``placements`` on ``mesh``.
-
-    A convenience over ``LoadSpec.from_placements(...).runs(rank)`` for one-off questions.
-    """
-    from workbench.layout.load_spec import LoadSpec
-
-    spec = LoadSpec.from_placements(
-        "<tensor>", ("<tensor>",), global_shape, mesh, placements, mesh_dims=mesh_dims
-    )
-    return spec.runs(rank)

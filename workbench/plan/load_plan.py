@@ -8,6 +8,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.display import html_of
 from workbench.errors import PlanError
 from workbench.layout.load_spec import KeyRegion, LoadSpec
 
@@ -68,14 +69,12 @@ class HFLoadPlan:
         """Elements read from the checkpoint."""
         return sum(r.numel for r in self.reads)
 
-    def _repr_html_(self) -> str:
-        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
-        from workbench.viz.html import render_html
-
-        return render_html(self)
+    def _repr_html_(self) -> str | None:
+        """HTML for notebooks, from the renderer ``workbench.viz`` registers (``workbench.display``)."""
+        return html_of(self)
 
     def __str__(self) -> str:
-        from workbench.report.units import format_count
+        from workbench.units import format_count
 
         padding = ", zero padding" if self.zero_fill else ""
         lines = [

@@ -11,6 +11,7 @@ from dataclasses import dataclass
 
 import torch
 
+from workbench.display import html_of
 from workbench.errors import PlanError
 from workbench.layout.chunking import gather_chunk
 from workbench.layout.descriptors import ShardDescriptor
@@ -121,14 +122,12 @@ class HFSavePlan:
         """Bytes of the runtime output at the gather dtype."""
         return math.prod(self.runtime_output_shape) * self.gather_dtype.itemsize
 
-    def _repr_html_(self) -> str:
-        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
-        from workbench.viz.html import render_html
-
-        return render_html(self)
+    def _repr_html_(self) -> str | None:
+        """HTML for notebooks, from the renderer ``workbench.viz`` registers (``workbench.display``)."""
+        return html_of(self)
 
     def __str__(self) -> str:
-        from workbench.report.units import format_bytes
+        from workbench.units import format_bytes
 
         keys = self.hf_keys[0] if len(self.hf_keys) == 1 else f"{len(self.hf_keys)} keys"
         dtype = str(self.gather_dtype).removeprefix("torch.")

@@ -38,6 +38,7 @@ from dataclasses import dataclass, field
 
 import torch
 
+from workbench.display import html_of
 from workbench.errors import PlanError
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 from workbench.plan.save_plan import HFSavePlan
@@ -85,8 +86,8 @@ class GatherCall:
         return (self.wave, self.round, self.mesh_dim, str(self.dtype), tuple((i.name, i.step) for i in self.items))
 
     def __str__(self) -> str:
-        from workbench.report.patterns import group_by_pattern
-        from workbench.report.units import format_bytes
+        from workbench.name_patterns import group_by_pattern
+        from workbench.units import format_bytes
 
         patterns = [g.pattern for g in group_by_pattern(i.name for i in self.items)]
         names = ", ".join(patterns[:3]) + (f", +{len(patterns) - 3}" if len(patterns) > 3 else "")
@@ -143,15 +144,13 @@ class UnshardSchedule:
         """The rank-independent shape of the program (equal on every rank, or collectives hang)."""
         return tuple(c.structure() for c in self.calls)
 
-    def _repr_html_(self) -> str:
-        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
-        from workbench.viz.html import render_html
-
-        return render_html(self)
+    def _repr_html_(self) -> str | None:
+        """HTML for notebooks, from the renderer ``workbench.viz`` registers (``workbench.display``)."""
+        return html_of(self)
 
     def __str__(self) -> str:
-        from workbench.report.patterns import group_by_pattern
-        from workbench.report.units import format_bytes
+        from workbench.name_patterns import group_by_pattern
+        from workbench.units import format_bytes
 
         budget = "unbounded" if self.budget_bytes is None else format_bytes(self.budget_bytes)
         lines = [
@@ -173,7 +172,7 @@ class UnshardSchedule:
         return "\n".join(lines)
 
     def __repr__(self) -> str:
-        from workbench.report.units import format_bytes
+        from workbench.units import format_bytes
 
         budget = "None" if self.budget_bytes is None else format_bytes(self.budget_bytes)
         over = ", OVER BUDGET" if self.budget_bytes is not None and self.peak_bytes > self.budget_bytes else ""

@@ -3,12 +3,12 @@ says things the same way, in human units, problems first.
 
 Stable API (other packages build on these names; they are not renamed):
 
-Units (``workbench.report.units``, imports nothing from workbench; any layer may use it)
+Units (``workbench.units``, imports nothing from workbench; any layer may use it)
     ``format_bytes(n, *, exact=False)`` -> ``'14.2 GiB'`` (``exact=True``: ``'14.2 GiB (15,267,266,560 B)'``),
     ``format_count(46183)`` -> ``'46,183'``, ``format_seconds(0.0125)`` -> ``'12.5 ms'``,
     ``format_ranks([0, 1, 2, 7])`` -> ``'0-2, 7'``, ``parse_bytes('4GiB')``, ``parse_ranks('0,5,8-11', world=None)``.
 
-Patterns (``workbench.report.patterns``)
+Patterns (``workbench.name_patterns``)
     ``group_by_pattern(names, key=None) -> tuple[PatternGroup, ...]``: one group per template
     (``model.layers.{0..60}.input_layernorm.weight``), members with another ``key`` value listed as the group's
     ``exceptions``. ``PatternGroup``: ``template``, ``names``, ``value``, ``exceptions``, ``pattern``,
@@ -36,9 +36,7 @@ data for JSON with exact bytes, ``report.findings`` what needs attention)
 Python reports never print CLI flags; the CLI passes its own ``hint`` (``--full``) to the report.
 """
 
-from workbench.report.findings import SEVERITIES, Finding, format_findings, sort_findings
-from workbench.report.layout_report import LayoutReport, describe_mesh, layout_findings, summarize_layout
-from workbench.report.patterns import (
+from workbench.name_patterns import (
     IndexSpan,
     PatternGroup,
     compress_indices,
@@ -47,6 +45,8 @@ from workbench.report.patterns import (
     render_pattern,
     split_template,
 )
+from workbench.report.findings import SEVERITIES, Finding, format_findings, sort_findings
+from workbench.report.layout_report import LayoutReport, describe_mesh, layout_findings, summarize_layout
 from workbench.report.save_report import SaveReport, save_findings, summarize_save
 from workbench.report.table import format_table
 from workbench.report.totals import (
@@ -58,7 +58,7 @@ from workbench.report.totals import (
     rank_totals,
     uneven_shards,
 )
-from workbench.report.units import (
+from workbench.units import (
     format_bytes,
     format_count,
     format_ranks,

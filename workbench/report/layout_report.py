@@ -22,8 +22,8 @@ from typing import Any
 
 from workbench.layout.coverage import CoverageReport
 from workbench.layout.model_layout import Layout
+from workbench.name_patterns import PatternGroup, compress_indices, group_by_pattern, index_spans
 from workbench.report.findings import Finding, format_findings
-from workbench.report.patterns import PatternGroup, compress_indices, group_by_pattern, index_spans
 from workbench.report.table import format_table
 from workbench.report.totals import (
     RankOutliers,
@@ -33,7 +33,7 @@ from workbench.report.totals import (
     rank_totals,
     uneven_shards,
 )
-from workbench.report.units import format_bytes, format_count, format_ranks, rank_phrase
+from workbench.units import format_bytes, format_count, format_ranks, rank_phrase
 
 __all__ = ["LayoutReport", "describe_mesh", "layout_findings", "select_layout", "summarize_layout"]
 

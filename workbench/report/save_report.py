@@ -22,13 +22,13 @@ from typing import Any
 
 from workbench.layout.model_layout import Layout
 from workbench.mesh import format_mesh_dim
+from workbench.name_patterns import group_by_pattern
 from workbench.report import totals as _totals
 from workbench.report.findings import Finding, format_findings
 from workbench.report.layout_report import describe_mesh
-from workbench.report.patterns import group_by_pattern
 from workbench.report.table import format_table
 from workbench.report.totals import RankOutliers, RankTotals, outlier_ranks, rank_totals
-from workbench.report.units import format_bytes, format_count, format_ranks, rank_phrase
+from workbench.units import format_bytes, format_count, format_ranks, rank_phrase
 
 __all__ = ["SaveReport", "oversized_tensors", "save_findings", "summarize_save"]
 

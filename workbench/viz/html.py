@@ -1,9 +1,10 @@
 """Notebook HTML reprs: a compact table and a small inline SVG picture for every workbench object.
 
-``render_html(obj)`` is what each class's ``_repr_html_`` calls. Output is self-contained (inline styles, no
-scripts, no CDN), bounded in size (pictures are rasterized to at most a few thousand rectangles, tables elide
-past a few dozen rows, repeated layers are grouped) and never raises: on an error it warns and shows the
-escaped ``repr``.
+``render_html(obj)`` is what each class's ``_repr_html_`` calls: this module registers it with
+``workbench.display`` for every class it draws when it is imported (``import workbench`` does). Output is
+self-contained (inline styles, no scripts, no CDN), bounded in size (pictures are rasterized to at most a few
+thousand rectangles, tables elide past a few dozen rows, repeated layers are grouped) and never raises: on an
+error it warns and shows the escaped ``repr``.
 """
 
 from __future__ import annotations
@@ -15,6 +16,16 @@ from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
 import numpy as np
+
+from workbench.display import register_html
+from workbench.io.hf_load import LoadReport
+from workbench.io.save_session import SaveResult
+from workbench.layout.load_spec import LoadSpec
+from workbench.layout.model_layout import Layout
+from workbench.mesh import MeshSpec
+from workbench.plan.load_plan import HFLoadPlan
+from workbench.plan.save_plan import HFSavePlan
+from workbench.plan.schedule import UnshardSchedule
 
 __all__ = ["render_html"]
 
@@ -41,19 +52,9 @@ def render_html(obj: Any) -> str:
 
 
 def _renderer(obj: Any) -> Callable[[Any], str]:
-    table = {
-        "MeshSpec": _mesh,
-        "LoadSpec": _spec,
-        "Layout": _layout,
-        "HFLoadPlan": _load_plan,
-        "HFSavePlan": _save_plan,
-        "UnshardSchedule": _schedule,
-        "SaveResult": _save_result,
-        "LoadReport": _load_report,
-    }
     for cls in type(obj).__mro__:
-        if cls.__name__ in table:
-            return table[cls.__name__]
+        if cls in _RENDERERS:
+            return _RENDERERS[cls]
     raise TypeError(f"no HTML renderer for {type(obj).__name__}")
 
 
@@ -278,7 +279,7 @@ def _layout_bytes_per_rank(layout: Any) -> np.ndarray:
 def _layout(layout: Any) -> str:
     import torch
 
-    from workbench.report.patterns import group_by_pattern
+    from workbench.name_patterns import group_by_pattern
 
     def geometry(name: str) -> tuple:
         spec = layout.specs[name]
@@ -462,3 +463,17 @@ def _load_report(report: Any) -> str:
                         f'fill="{"#2ca02c" if report.read_ratio <= 1.0001 else "#ff7f0e"}"/>'
                         '<line x1="100" x2="100" y1="0" y2="16" stroke="black"/>', "bytes read / owned (line: 1.0)")
     return _side(_title(f"LoadReport rank {report.rank}: {verdict}") + _kv(rows), bar)
+
+
+_RENDERERS: dict[type, Callable[[Any], str]] = {
+    MeshSpec: _mesh,
+    LoadSpec: _spec,
+    Layout: _layout,
+    HFLoadPlan: _load_plan,
+    HFSavePlan: _save_plan,
+    UnshardSchedule: _schedule,
+    SaveResult: _save_result,
+    LoadReport: _load_report,
+}
+for _cls in _RENDERERS:
+    register_html(_cls, render_html)  # every _repr_html_ of these classes comes here (workbench.display)

@@ -1,0 +1,3 @@
+"""The version of workbench (written into every checkpoint it saves)."""
+
+__version__ = "0.1.0"
