@@ -13,16 +13,25 @@ is ``raise`` (default: an ``InjectedFault``, an OSError), ``efbig``/``enospc`` (
 MemoryError), ``bug`` (a plain RuntimeError) or ``kill`` (SIGKILL of this process, no cleanup at all).
 ``DETAIL`` narrows a point that repeats: ``gather:1`` fires at the second wave that gathers only (waves whose
 tensors are written directly, or need no gather, do not count).
+
+In-process tests that need more than a rule (hold a writer thread at a point, raise a ``KeyboardInterrupt``) wrap
+the work in ``with fault_hook(fn):``; ``fn(point, rank, detail)`` then runs at every point first.
 """
 
 from __future__ import annotations
 
+import contextlib
 import errno
 import os
 import signal
+import threading
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 
-__all__ = ["FAULT_ENV", "LOAD_POINTS", "SAVE_POINTS", "FaultRule", "InjectedFault", "fault_point", "parse_faults"]
+__all__ = [
+    "FAULT_ENV", "LOAD_POINTS", "SAVE_POINTS", "FaultRule", "InjectedFault", "fault_hook", "fault_point",
+    "parse_faults",
+]
 
 FAULT_ENV = "WORKBENCH_FAULTS"
 
@@ -85,10 +94,32 @@ def parse_faults(text: str) -> tuple[FaultRule, ...]:
 
 
 _cache: dict[str, tuple[FaultRule, ...]] = {}
+FaultHook = Callable[[str, int, object], None]
+_hooks: tuple[FaultHook, ...] = ()  # replaced, never mutated: threads at a point read a consistent tuple
+_hooks_lock = threading.Lock()
+
+
+@contextlib.contextmanager
+def fault_hook(hook: FaultHook) -> Iterator[None]:
+    """While the block runs, call ``hook(point, rank, detail)`` at every fault point of this process (in any
+    thread), before the ``WORKBENCH_FAULTS`` rules; what it raises is raised at the point."""
+    global _hooks
+    with _hooks_lock:
+        _hooks = (*_hooks, hook)
+    try:
+        yield
+    finally:
+        with _hooks_lock:
+            kept = list(_hooks)
+            kept.remove(hook)
+            _hooks = tuple(kept)
 
 
 def fault_point(point: str, rank: int, detail: object = None) -> None:
-    """Fire the fault a ``WORKBENCH_FAULTS`` rule sets for ``point`` on ``rank``; otherwise do nothing."""
+    """Fire the fault a ``WORKBENCH_FAULTS`` rule sets for ``point`` on ``rank`` (after any ``fault_hook``);
+    otherwise do nothing."""
+    for hook in _hooks:
+        hook(point, rank, detail)
     text = os.environ.get(FAULT_ENV)
     if not text:
         return

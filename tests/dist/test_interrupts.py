@@ -24,15 +24,11 @@ BUDGET = 256  # bytes: several gather waves
 
 
 def _arm(point: str | None, rank: int, action: str = "interrupt", seconds: float = 0.0):
-    """Replace the fault points seen by the save (session and guard) and the load on ``FAILING``; returns the undo."""
-    import workbench.io.hf_load as hf_load
-    import workbench.io.save_session as save_session
-    import workbench.run.guard as guard
+    """Hook the fault points seen by the save and the load on ``FAILING`` (``fault_hook``); returns the undo."""
+    from workbench.faults import fault_hook
 
     if point is None or rank != FAILING:
         return lambda: None
-    modules = (save_session, guard, hf_load)
-    originals = [m.fault_point for m in modules]
     name, _, detail = point.partition(":")
 
     def fault(at: str, rank: int, where: object = None) -> None:
@@ -43,14 +39,9 @@ def _arm(point: str | None, rank: int, action: str = "interrupt", seconds: float
             return
         raise KeyboardInterrupt(f"injected: interrupted at {point} on rank {rank}")
 
-    for m in modules:
-        m.fault_point = fault
-
-    def undo() -> None:
-        for m, original in zip(modules, originals):
-            m.fault_point = original
-
-    return undo
+    hook = fault_hook(fault)
+    hook.__enter__()
+    return lambda: hook.__exit__(None, None, None)
 
 
 def _state(layout, rank: int, root: Path) -> tuple[dict[str, torch.Tensor], dict[str, torch.Tensor]]:

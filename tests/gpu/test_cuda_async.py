@@ -181,29 +181,26 @@ def test_a_failure_after_the_early_copies_are_claimed_gives_every_pinned_buffer_
 ) -> None:
     """A repeat async save claims its early copies, then fails at its third tensor: the copies of the tensors it
     had not reached, and those of the batch not yet handed to a writer, go back to the pinned pool."""
+    from workbench.faults import fault_hook
     from workbench.io import host_pool as pools
-    from workbench.io import save_session
     from workbench.io.early_snapshot import EarlySnapshot
 
     monkeypatch.setattr(pools, "_POOLS", {})
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).cuda()
     wb.save_hf(model, tmp_path / "first", async_save=True).wait()  # remembers its plan: the next copies early
     calls: list[str] = []
-    real = save_session.fault_point
 
     def third_snapshot_fails(point: str, rank: int, *args) -> None:
         if point == "snapshot":
             calls.append(point)
             if len(calls) == 3:
                 raise OSError("injected at the third tensor")
-        real(point, rank, *args)
 
     claimed: list[bool] = []
     real_claim = EarlySnapshot.claim
     monkeypatch.setattr(EarlySnapshot, "claim", lambda self, *a: claimed.append(
         (got := real_claim(self, *a)) is not None) or got)
-    monkeypatch.setattr(save_session, "fault_point", third_snapshot_fails)
-    with pytest.raises(wb.SaveFailed, match="injected at the third tensor"):
+    with fault_hook(third_snapshot_fails), pytest.raises(wb.SaveFailed, match="injected at the third tensor"):
         wb.save_hf(model, tmp_path / "second", async_save=True).wait()
     assert claimed == [True] and len(calls) == 3 and pools._POOLS[True].bytes_out == 0
     assert not (tmp_path / "second").exists()

@@ -23,8 +23,8 @@ from safetensors import safe_open
 
 import workbench as wb
 from workbench.errors import CheckpointError
+from workbench.faults import fault_hook
 from workbench.io import publish as publish_module
-from workbench.io import save_session
 from workbench.io.index import INDEX_NAME
 from workbench.io.ownership import MARKER_NAME, Heartbeat, read_owner, write_owner
 from workbench.io.publish import AtomicRenamePublisher, is_complete
@@ -83,18 +83,18 @@ def _plant(directory: Path, *, host: str, pid: int, age: float, period: float | 
     (directory / "model-00001-of-00001.safetensors").write_bytes(b"partial")
 
 
-def test_an_async_save_in_flight_survives_clean_incomplete(tmp_path: Path, monkeypatch) -> None:
+def test_an_async_save_in_flight_survives_clean_incomplete(tmp_path: Path, request) -> None:
     entered, release = threading.Event(), threading.Event()
-    real_fault_point = save_session.fault_point
 
     def slow_writer(point: str, rank: int, detail: object = None) -> None:
         if point == "write":  # a background writer thread: held here until the test has cleaned
             entered.set()
             if not release.wait(60):
                 raise TimeoutError("the test never released the writer")
-        real_fault_point(point, rank, detail)
 
-    monkeypatch.setattr(save_session, "fault_point", slow_writer)
+    hook = fault_hook(slow_writer)
+    hook.__enter__()
+    request.addfinalizer(lambda: hook.__exit__(None, None, None))
     state = {"a": torch.arange(12, dtype=torch.float32).reshape(3, 4), "b": torch.full((5,), 7.0)}
     handle = wb.save_hf(state, tmp_path / "step-1", async_save=True)
     temporary = tmp_path / ".step-1.incomplete"

@@ -84,10 +84,10 @@ def test_a_failure_halfway_through_the_snapshot_gives_every_buffer_back(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """An async direct save whose third tensor's copy fails: the copies already taken (in a batch not yet handed
     to a writer) go back to the pool, and a later bounded save on the same pool does not wait for them."""
-    from workbench.io import save_session
+    from workbench.io import direct_queue
 
     state = {f"w{i}": torch.ones(256, 1024) for i in range(4)}  # 1 MiB each
-    real, calls = save_session.take_step, []
+    real, calls = direct_queue.take_step, []
 
     def failing(*args, **kwargs):
         calls.append(1)
@@ -95,11 +95,11 @@ def test_a_failure_halfway_through_the_snapshot_gives_every_buffer_back(tmp_path
             raise MemoryError("no pinned memory left (injected)")
         return real(*args, **kwargs)
 
-    monkeypatch.setattr(save_session, "take_step", failing)
+    monkeypatch.setattr(direct_queue, "take_step", failing)
     with pytest.raises(wb.SaveFailed, match="no pinned memory left"):
         wb.save_hf(state, tmp_path / "a", async_save=True, write_mode="direct").wait()
     assert fresh_pools[False].bytes_out == 0
-    monkeypatch.setattr(save_session, "take_step", real)
+    monkeypatch.setattr(direct_queue, "take_step", real)
     _in_thread(lambda: wb.save_hf(state, tmp_path / "b", async_save=True, write_mode="direct",
                                   host_buffer_bytes=2 * MiB).wait())
     assert (tmp_path / "b" / INDEX_NAME).is_file()

@@ -88,9 +88,7 @@ def _local_state(stage: int, local: int) -> dict[str, torch.Tensor]:
 
 def _arm(fault: str | None, rank: int):
     """Arm ``fault`` on this rank if it is the failing one; returns the undo."""
-    import workbench.io.save_session as save_session
-    import workbench.run.guard as guard
-    from workbench.faults import FAULT_ENV
+    from workbench.faults import FAULT_ENV, fault_hook
 
     if fault in (None, "missing-config") or rank != FAILING:
         return lambda: None
@@ -98,18 +96,14 @@ def _arm(fault: str | None, rank: int):
     if action == "raise":  # fault points see stage-local ranks; only this process has the rule
         os.environ[FAULT_ENV] = f"{point}@1"
         return lambda: os.environ.pop(FAULT_ENV, None)
-    originals = (save_session.fault_point, guard.fault_point)
 
     def interrupt(at: str, *args: object) -> None:
         if at == point:
             raise KeyboardInterrupt(f"injected: interrupted at {point} on global rank {rank}")
 
-    save_session.fault_point = guard.fault_point = interrupt
-
-    def undo() -> None:
-        save_session.fault_point, guard.fault_point = originals
-
-    return undo
+    hook = fault_hook(interrupt)
+    hook.__enter__()
+    return lambda: hook.__exit__(None, None, None)
 
 
 def _ranks(root: str, names: list[str]) -> dict:

@@ -73,7 +73,7 @@ class AsyncSave:
 
     def done(self) -> bool:
         """True when this rank's files are written (publishing still needs ``wait()``)."""
-        return all(f.done() for f, _, _ in self._session.pending)
+        return self._session.writers.done()
 
     def wait(self) -> SaveResult:
         """Finish writing, check every rank, publish atomically; returns this rank's result (or raises SaveFailed

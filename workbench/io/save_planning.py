@@ -1,0 +1,164 @@
+"""The plan stage of one rank's save: what it writes, how, into which files (pure, cached per layout).
+
+``plan_rank_save`` checks the call (policy, config files, local shapes), settles which tensors are written in
+place by their holders (direct mode) and which are gathered, and plans the gathers (``plan_save_within_writers``)
+and the files (``plan_files``). Nothing here touches a file or a process group; ``SaveSession.plan`` runs it,
+then prepares the directory and agrees with the other ranks.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from workbench.errors import CheckpointError
+from workbench.io.direct import direct_names
+from workbench.io.file_plan import FilePlan, plan_files
+from workbench.io.index import INDEX_NAME
+from workbench.io.ownership import MARKER_NAME
+from workbench.layout.layout_file import LAYOUT_FILE_NAME
+from workbench.layout.model_layout import Layout
+from workbench.memo import LRU, remember_by_identity
+from workbench.plan.policy import SavePolicy
+from workbench.plan.save_set import SavePlanSet, key_meta, layout_fingerprint, plan_save_within_writers
+from workbench.plan.writers import writer_pool
+
+__all__ = ["RankSavePlan", "plan_rank_save", "same_model_problem"]
+
+RESERVED_NAMES = frozenset({INDEX_NAME, MARKER_NAME, LAYOUT_FILE_NAME})  # files of the save that configs may not be
+KeyMeta = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+
+
+@dataclass(frozen=True, slots=True)
+class RankSavePlan:
+    """One rank's plan of a save: every key's (save dtype, shape), the tensors written in place, the gathers
+    (``plan_set``: this rank's plans and schedule, and every gathered key's writer) and the files."""
+
+    key_meta: KeyMeta
+    direct: tuple[str, ...]
+    plan_set: SavePlanSet
+    file_plan: FilePlan
+
+
+def plan_rank_save(
+    layout: Layout,
+    rank: int,
+    tensors: Mapping[str, torch.Tensor],
+    *,
+    policy: SavePolicy | None,
+    budget: int | None,
+    dtype: torch.dtype | None,
+    fp32_keys_pattern: Sequence[str] | str | None,
+    max_writers: int | None,
+    write_mode: str,
+    min_segment_bytes: int,
+    queued_bytes: int,
+    gather_scratch: bool,
+    max_shard_bytes: int,
+    config_files: Sequence[Path],
+) -> RankSavePlan:
+    """Plan ``rank``'s part of a save of ``tensors`` (its local shards) laid out as ``layout``.
+
+    Raises:
+        CheckpointError: a policy a HF save cannot follow, a config file that is missing or would overwrite a file
+            of the save, or a local tensor whose shape is not the layout's (naming the parameter and both shapes).
+    """
+    policy = policy or SavePolicy.minimal()
+    if policy.mode == "gather_only":
+        raise CheckpointError("save_hf writes HF checkpoints; SavePolicy.gather_only keeps runtime layout")
+    missing = [c for c in config_files if not c.is_file()]
+    if missing:
+        raise CheckpointError(f"config file(s) to copy do not exist: {[str(m) for m in missing]}")
+    # a cap on the writers: the capped ranks write nothing, so their pieces are gathered to allowed writers, who
+    # write whole keys into the files rank 0 made (rank 0 is always allowed: writer_pool starts at the lowest)
+    mesh = layout.mesh
+    capped = max_writers is not None and len(writer_pool(mesh.all_ranks(), max_writers)) < mesh.size
+    direct_mode = write_mode == "direct" and policy.mode in ("full", "minimal") and not capped
+    meta, direct = _key_meta_and_direct(layout, dtype, fp32_keys_pattern, min_segment_bytes if direct_mode else None)
+    for name, spec in layout.specs.items():
+        local, want = tensors[name], spec.local_shape(rank)
+        if tuple(local.shape) != tuple(want):
+            raise CheckpointError(
+                f"parameter {name!r}: local tensor has shape {tuple(local.shape)}, the layout says {tuple(want)}"
+            )
+    gathered = layout
+    if direct:
+        skip = set(direct)
+        gathered = Layout(layout.mesh, {n: s for n, s in layout.specs.items() if n not in skip},
+                          {n: d for n, d in layout.dtypes.items() if n not in skip})
+    plan_set = plan_save_within_writers(
+        gathered, ranks=[rank], policy=policy, budget_bytes=budget, dtype=dtype, fp32_keys_pattern=fp32_keys_pattern,
+        max_writers=max_writers, queued_bytes=queued_bytes, gather_scratch=gather_scratch,
+    )
+    file_plan = _file_plan(plan_set, meta, layout, max_shard_bytes)
+    ours = RESERVED_NAMES | {f.name for f in file_plan.files}
+    clash = [str(c) for c in config_files if c.name in ours or c.name.endswith(".safetensors")]
+    if clash:
+        raise CheckpointError(
+            f"config file(s) {clash} would overwrite the index or weight files this save writes; rename them or "
+            "leave them out of config_files"
+        )
+    return RankSavePlan(meta, direct, plan_set, file_plan)
+
+
+def same_model_problem(models: Sequence[tuple[str, int, str | None]]) -> str | None:
+    """Why the ranks cannot save together when they hold different layouts (``(fingerprint, parameters, first
+    name)`` per rank), else None. Ranks that hold different parameters (pipeline stages called as one model) would
+    each leave the others' tensors to a writer that does not have them, and publish a checkpoint without them."""
+    by_layout: dict[str, list[int]] = {}
+    for rank, (fingerprint, _, _) in enumerate(models):
+        by_layout.setdefault(fingerprint, []).append(rank)
+    if len(by_layout) == 1:
+        return None
+    groups = "; ".join(
+        f"rank(s) {_ranks(ranks)}: {models[ranks[0]][1]} parameters, the first {models[ranks[0]][2]!r}"
+        for ranks in by_layout.values()
+    )
+    return (f"the ranks hold different layouts ({groups}); every rank must save the same model (pipeline "
+            "stages save with save_hf_pipeline)")
+
+
+_META_CACHE = LRU(16)
+
+
+def _key_meta_and_direct(
+    layout: Layout, dtype: torch.dtype | None, patterns: Sequence[str] | str | None, min_segment: int | None
+) -> tuple[KeyMeta, tuple[str, ...]]:
+    """Every key's (save dtype, shape) and the tensors written directly (none when ``min_segment`` is None);
+    cached per layout and options, like the plans, so a repeat save does not redo them."""
+    key = (layout_fingerprint(layout), layout.mesh, dtype, patterns if isinstance(patterns, str | None)
+           else tuple(patterns), min_segment)
+    hit = _META_CACHE.get(key)
+    if hit is None:
+        runtime = {name: layout.dtype(name) for name in layout}
+        meta = key_meta(layout, runtime, dtype, patterns)
+        hit = (meta, direct_names(layout, meta, min_segment) if min_segment is not None else ())
+        _META_CACHE.put(key, hit)
+    return hit
+
+
+_FILE_PLANS = LRU(16)
+
+
+def _file_plan(plan_set: SavePlanSet, meta: KeyMeta, layout: Layout, max_shard_bytes: int) -> FilePlan:
+    """Which keys go to which file: gathered keys with their writers' files, direct keys spread over the ranks'
+    files; remembered for the same (cached) plan set and key metadata, which fix the layout too."""
+
+    def plan() -> FilePlan:
+        sizes = {k: math.prod(shape) * d.itemsize for k, (d, shape) in meta.items()}
+        writers = dict(plan_set.writers)
+        world = layout.mesh.size
+        for index, key in enumerate(layout.hf_keys):  # direct keys: any rank-independent spread of files
+            writers.setdefault(key, index % world)
+        return plan_files(writers, sizes, list(layout.hf_keys), max_shard_bytes=max_shard_bytes)
+
+    return remember_by_identity(_FILE_PLANS, (plan_set, meta), max_shard_bytes, plan)
+
+
+def _ranks(ranks: Sequence[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > 8 else "")
