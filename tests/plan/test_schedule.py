@@ -437,3 +437,22 @@ def test_schedule_rejects_repeated_names_and_handles_nothing() -> None:
         schedule_unshard([plan, plan])
     empty = schedule_unshard([])
     assert (empty.num_calls, empty.waves, empty.peak_bytes, empty.bytes_moved) == (0, (), 0, 0)
+
+
+@pytest.mark.parametrize("scratch", [False, True])
+def test_the_schedule_records_whether_its_peaks_count_a_scratch_buffer(scratch: bool) -> None:
+    """gloo receives each call into a scratch buffer; the schedule says whether its peaks count one, so a reader
+    (the schedule figure, a report) need not guess it back from the numbers. Each call's scratch is its output's
+    size, so the peak with it is the peak without it plus at most the largest call's output, and more than it."""
+    mesh = MeshSpec((4,), ("fsdp",))
+    plans = [plan_hf_save(spec(k, k, (8, 16), mesh, [Shard(0)]), 0) for k in "abc"]
+    runtime = {p.name: torch.float32 for p in plans}
+    with_flag = schedule_unshard(plans, runtime, 4096, gather_scratch=scratch)
+    plain = schedule_unshard(plans, runtime, 4096, gather_scratch=False)
+    assert with_flag.gather_scratch is scratch
+    largest = max(c.bytes_out for c in plain.calls)
+    if scratch:
+        assert plain.peak_bytes < with_flag.peak_bytes <= plain.peak_bytes + largest
+    else:
+        assert with_flag.peak_bytes == plain.peak_bytes
+    assert schedule_unshard([], runtime, 4096, gather_scratch=scratch).gather_scratch is scratch

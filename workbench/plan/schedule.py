@@ -114,6 +114,7 @@ class UnshardSchedule:
             (look-ahead); their intermediate output is kept until their own wave.
         queued_bytes: the writer-queue bound the peak counts (see ``schedule_unshard``).
         wave_peaks: modeled peak of the gathers of each wave (without the writer queue).
+        gather_scratch: the peaks count a receive scratch buffer per call (the backend needs one: gloo).
     """
 
     rank: int
@@ -125,6 +126,7 @@ class UnshardSchedule:
     early: Mapping[str, int] = field(default_factory=dict, repr=False, compare=False)
     queued_bytes: int = 0
     wave_peaks: tuple[int, ...] = field(default=(), repr=False, compare=False)
+    gather_scratch: bool = False
     signatures: Mapping[str, tuple] = field(default_factory=dict, repr=False, compare=False)
 
     @property
@@ -219,7 +221,7 @@ def schedule_unshard(
         raise PlanError(f"schedule_unshard: queued_bytes must be >= 0, got {queued_bytes}")
     if not save_plans:
         return UnshardSchedule(rank=-1, calls=(), waves=(), budget_bytes=budget_bytes, peak_bytes=0, bytes_moved=0,
-                               queued_bytes=queued_bytes)
+                               queued_bytes=queued_bytes, gather_scratch=gather_scratch)
     rank = save_plans[0].rank
     if len({p.name for p in save_plans}) != len(save_plans):
         raise PlanError("schedule_unshard: save plans repeat a parameter name")
@@ -253,7 +255,7 @@ def schedule_unshard(
     return UnshardSchedule(
         rank=rank, calls=tuple(calls), waves=tuple(tuple(t.name for t in wave) for wave in waves),
         budget_bytes=budget_bytes, peak_bytes=peak, bytes_moved=moved, early=early, queued_bytes=queued_bytes,
-        wave_peaks=tuple(peaks), signatures=signatures,
+        wave_peaks=tuple(peaks), gather_scratch=gather_scratch, signatures=signatures,
     )
 
 
