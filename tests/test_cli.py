@@ -182,3 +182,57 @@ def test_plan_shows_which_tensors_are_written_in_place(capsys) -> None:
     for minimum in ("1B", "0"):  # an explicit minimum wins over --across-hosts
         assert main(["plan", str(TOY), "--rank", "5", "--min-segment", minimum, "--across-hosts"]) == 0
         assert capsys.readouterr().out.splitlines()[0].startswith("write mode direct: all 5 tensors written in place")
+
+
+def _bad_inputs(root: Path) -> dict[str, Path]:
+    """A path that does not exist, an empty folder, a text file and a binary '.toml': none is a checkpoint."""
+    (root / "empty").mkdir()
+    (root / "notes.txt").write_text("not a checkpoint\n")
+    (root / "binary.toml").write_bytes(b"\x00\xb8\xff\xfe binary")
+    return {"missing": root / "missing", "empty": root / "empty", "text": root / "notes.txt",
+            "binary": root / "binary.toml"}
+
+
+# (argv with {name} for a path of _bad_inputs, the path the message must name); every one exits 2
+_UNREADABLE = [
+    (["inspect", "{missing}"], "missing"),
+    (["inspect", "{empty}"], "empty"),
+    (["inspect", "{text}"], "text"),
+    (["diff", "{missing}", "{empty}"], "missing"),
+    (["diff", "{empty}", "{missing}"], "missing"),
+    (["diagnose", "{missing}", "--expected", str(TOY)], "missing"),
+    (["diagnose", "{text}", "--expected", "{empty}"], "text"),
+    (["diagnose", "{empty}", "--expected", "{binary}"], "binary"),
+    (["diff", "{empty}", "{empty}", "--layout", "{binary}"], "binary"),
+    (["layout", "{missing}"], "missing"),
+    (["layout", "{binary}"], "binary"),
+    (["plan", "{binary}"], "binary"),
+    (["simulate", "{empty}"], "empty"),
+]
+
+
+@pytest.mark.parametrize(("argv", "named"), _UNREADABLE, ids=[" ".join(a[:2]) + f"-{n}" for a, n in _UNREADABLE])
+def test_an_unreadable_path_exits_2_naming_it_on_stderr(tmp_path: Path, capsys: pytest.CaptureFixture[str],
+                                                        argv: list[str], named: str) -> None:
+    paths = _bad_inputs(tmp_path)
+    args = [a.format(**paths) for a in argv]
+    assert main(args) == 2
+    out, err = capsys.readouterr()
+    assert out == "", out  # nothing on stdout: a pipe reading a report must not take an error for one
+    assert str(paths[named]) in err and err.startswith("workbench"), err
+
+
+def test_json_of_an_unreadable_checkpoint_still_goes_to_stdout(tmp_path: Path, capsys) -> None:
+    missing = tmp_path / "missing"
+    assert main(["inspect", str(missing), "--json"]) == 2
+    out, err = capsys.readouterr()
+    assert json.loads(out)["error"] == f"{missing}: checkpoint does not exist"
+    assert err.startswith(f"workbench inspect: {missing}: could not be read"), err
+
+
+def test_console_script_exit_status_of_a_missing_checkpoint(tmp_path: Path) -> None:
+    exe = Path(sys.executable).with_name("workbench")
+    missing = tmp_path / "missing"
+    done = subprocess.run([str(exe), "inspect", str(missing)], capture_output=True, text=True, check=False)
+    assert done.returncode == 2, (done.stdout, done.stderr)
+    assert done.stdout == "" and f"{missing}: checkpoint does not exist" in done.stderr, (done.stdout, done.stderr)

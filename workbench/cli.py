@@ -327,8 +327,12 @@ def main(argv: Sequence[str] | None = None) -> int:
     except BrokenPipeError:  # `workbench layout ... | head`: the reader left; say nothing more
         sys.stderr.close()
         return 0
-    except ValueError as exc:  # WorkbenchError and bad ranks/globs: a message, not a traceback
-        print(f"workbench: error: {exc}", file=sys.stderr)
+    except (OSError, ValueError) as exc:  # WorkbenchError, unreadable files, bad ranks/globs: a message, no traceback
+        message = str(exc)
+        path = getattr(args, "path", None)
+        if isinstance(path, str) and path not in message:  # e.g. a decoding error: say which file it was
+            message = f"{path}: {message}"
+        print(f"workbench: error: {message}", file=sys.stderr)
         return 2
 
 

@@ -1,4 +1,8 @@
-"""``workbench inspect | diff | diagnose``: the debug subcommands; exit status 0 healthy, 1 findings, 2 unreadable."""
+"""``workbench inspect | diff | diagnose``: the debug subcommands; exit status 0 healthy, 1 findings, 2 unreadable.
+
+Unreadable input (a path that does not exist or is not a checkpoint, a layout file that cannot be read) exits 2
+with a message naming the path on stderr; with ``--json`` the report still goes to stdout.
+"""
 
 from __future__ import annotations
 
@@ -10,6 +14,8 @@ from typing import Any
 
 __all__ = ["main", "register"]
 
+_EXIT = """exit status: 0 healthy, 1 findings, 2 could not read (a path that does not exist or is not a
+checkpoint, an unreadable layout file: the message, naming the path, goes to stderr)"""
 _INSPECT = """Summarize a checkpoint from its headers only (no tensor data is read): keys grouped by layer
 pattern, shapes, dtypes, bytes per file, parameter count, index consistency, unfinished saves beside it
 and workbench's layout fingerprint.
@@ -54,7 +60,7 @@ def register(subparsers: Any) -> None:
     """Add ``inspect``, ``diff`` and ``diagnose`` to a parser's subparsers (each sets ``func``)."""
     fmt = argparse.RawDescriptionHelpFormatter
     p = subparsers.add_parser("inspect", help="summarize a checkpoint's headers (no tensor data read)",
-                              description=_INSPECT, formatter_class=fmt)
+                              description=_INSPECT, epilog=_EXIT, formatter_class=fmt)
     p.add_argument("path", help="HF folder, .safetensors file, or DCP folder")
     p.add_argument("--allow-pickle", action="store_true",
                    help="read a DCP folder's .metadata (a pickle: only for checkpoints you trust)")
@@ -62,7 +68,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_inspect)
 
     p = subparsers.add_parser("diff", help="compare checkpoint B with reference A and explain each difference",
-                              description=_DIFF, formatter_class=fmt)
+                              description=_DIFF, epilog=_EXIT, formatter_class=fmt)
     p.add_argument("a", help="the reference checkpoint")
     p.add_argument("b", help="the checkpoint to judge")
     p.add_argument("--layout", default=None, help=_LAYOUT_HELP)
@@ -71,7 +77,7 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_diff)
 
     p = subparsers.add_parser("diagnose", help="what is wrong with a checkpoint, against a reference or layout",
-                              description=_DIAGNOSE, formatter_class=fmt)
+                              description=_DIAGNOSE, epilog=_EXIT, formatter_class=fmt)
     p.add_argument("path", help="the checkpoint to judge")
     p.add_argument("--expected", required=True, help="reference checkpoint, or layout file (.toml)")
     p.add_argument("--layout", default=None, help="with a reference checkpoint: " + _LAYOUT_HELP)
@@ -80,9 +86,17 @@ def register(subparsers: Any) -> None:
     p.set_defaults(func=_diagnose)
 
 
-def _emit(result: Any, as_json: bool) -> int:
-    print(json.dumps(result.to_dict(), indent=2) if as_json else result.to_text())
-    return result.exit_status
+def _emit(command: str, result: Any, as_json: bool) -> int:
+    """Print a report and return its exit status. An unreadable subject or reference (status 2) is an error: its
+    text, which names the path, goes to stderr; ``--json`` still prints the report to stdout."""
+    status = result.exit_status
+    if as_json:
+        print(json.dumps(result.to_dict(), indent=2))
+    if status == 2:
+        print(f"workbench {command}: {result.to_text()}", file=sys.stderr)
+    elif not as_json:
+        print(result.to_text())
+    return status
 
 
 def _load_layout(path: str | None) -> Any:
@@ -93,22 +107,36 @@ def _load_layout(path: str | None) -> Any:
     from workbench.errors import LayoutFileError
     from workbench.layout.layout_file import LAYOUT_FILE_NAME, load_layout, read_checkpoint_layout
 
-    if Path(path).is_dir():
-        layout = read_checkpoint_layout(path)
-        if layout is None:
-            raise LayoutFileError(f"--layout {path}: a folder without {LAYOUT_FILE_NAME}; give a layout file (TOML)")
-        return layout
-    return load_layout(path)
+    try:
+        if Path(path).is_dir():
+            layout = read_checkpoint_layout(path)
+            if layout is None:
+                raise LayoutFileError(f"--layout {path}: a folder without {LAYOUT_FILE_NAME}; give a layout file "
+                                      "(TOML)")
+            return layout
+        return load_layout(path)
+    except UnicodeDecodeError as exc:  # a binary file: the decoder's message does not say which
+        raise LayoutFileError(f"cannot read layout file {path!r}: not UTF-8 text ({exc.reason} at byte "
+                              f"{exc.start})") from None
 
 
 def _inspect(args: argparse.Namespace) -> int:
     from workbench.debug.inspect import inspect_checkpoint
 
-    return _emit(inspect_checkpoint(args.path, allow_pickle=args.allow_pickle), args.json)
+    try:
+        inspection = inspect_checkpoint(args.path, allow_pickle=args.allow_pickle)
+    except (OSError, ValueError) as exc:  # inspect_checkpoint reports damage as findings; this is anything else
+        return _unreadable("inspect", exc, args.path, [args.path])
+    return _emit("inspect", inspection, args.json)
 
 
-def _unreadable(command: str, exc: Exception) -> int:
-    print(f"workbench {command}: {type(exc).__name__}: {exc}", file=sys.stderr)
+def _unreadable(command: str, exc: Exception, subject: str, paths: Sequence[str | None]) -> int:
+    """Exit status 2 with one line on stderr. An error that names none of ``paths`` (what the command was given)
+    is said of ``subject`` (e.g. ``'B against A'``), so the line always says what could not be read."""
+    message = str(exc)
+    if not any(p and p in message for p in paths):
+        message = f"{subject}: {message}"
+    print(f"workbench {command}: {type(exc).__name__}: {message}", file=sys.stderr)
     return 2
 
 
@@ -118,18 +146,21 @@ def _diff(args: argparse.Namespace) -> int:
     try:
         report = diff_checkpoints(args.a, args.b, layout=_load_layout(args.layout), block_bytes=args.block_size)
     except (OSError, ValueError) as exc:  # an unreadable layout file, a read that failed: could not judge (2)
-        return _unreadable("diff", exc)
-    return _emit(report, args.json)
+        return _unreadable("diff", exc, f"{args.b} against {args.a}", [args.a, args.b, args.layout])
+    return _emit("diff", report, args.json)
 
 
 def _diagnose(args: argparse.Namespace) -> int:
     from workbench.debug.diagnose import diagnose
 
     try:
-        report = diagnose(args.path, args.expected, layout=_load_layout(args.layout), block_bytes=args.block_size)
+        # a layout file as the expected side is read here, so that an unreadable one is named like --layout's
+        expected = _load_layout(args.expected) if args.expected.endswith(".toml") else args.expected
+        report = diagnose(args.path, expected, layout=_load_layout(args.layout), block_bytes=args.block_size)
     except (OSError, ValueError) as exc:
-        return _unreadable("diagnose", exc)
-    return _emit(report, args.json)
+        return _unreadable("diagnose", exc, f"{args.path} against {args.expected}",
+                           [args.path, args.expected, args.layout])
+    return _emit("diagnose", report, args.json)
 
 
 def main(argv: Sequence[str] | None = None) -> int:
