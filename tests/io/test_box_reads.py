@@ -1,8 +1,15 @@
-"""BoxReader against safetensors' own slicing: every box of every dtype, bit for bit, in and out of order."""
+"""BoxReader against safetensors' own slicing: every box of every dtype, bit for bit, in and out of order, through
+the page cache and with O_DIRECT (on a disk directory: tmpfs may not do direct I/O), and its fallbacks."""
 
 from __future__ import annotations
 
+import errno
+import json
+import mmap
 import os
+import shutil
+import tempfile
+from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
@@ -13,7 +20,8 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from workbench.errors import CheckpointError
-from workbench.io.box_reads import BoxReader, box_runs
+from workbench.io import box_reads
+from workbench.io.box_reads import BoxReader, box_runs, cached_share
 from workbench.io.index import read_checkpoint
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.float8_e4m3fn)
@@ -46,11 +54,63 @@ def _boxes(draw: st.DrawFn) -> tuple[tuple[int, ...], list[tuple[slice, ...] | N
     return shape, boxes
 
 
-@settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
-@given(case=_boxes(), dtypes=st.lists(st.sampled_from(DTYPES), min_size=3, max_size=3), order=st.randoms())
-def test_boxes_match_safetensors_bit_for_bit(tmp_path: Path, case, dtypes, order) -> None:
+@pytest.fixture(scope="module")
+def disk() -> Iterator[Path]:
+    """A directory on a disk that does O_DIRECT reads (``/var/tmp``: ``/tmp`` may be a tmpfs), removed after."""
+    root = Path(tempfile.mkdtemp(prefix="wb-box-reads-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    probe = root / "probe.bin"
+    probe.write_bytes(os.urandom(3 * 4096))
+    try:
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        try:
+            buf = mmap.mmap(-1, 4096)  # page-aligned
+            os.preadv(fd, [buf], 4096)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError) as exc:
+        shutil.rmtree(root)
+        pytest.skip(f"{root.parent} does not do O_DIRECT reads here: {exc}")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def _evict(path: Path) -> None:
+    """Write back, then drop the file's pages; skip the test where the kernel keeps them (a tmpfs)."""
+    os.sync()
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_DONTNEED)
+        if cached_share(fd, 0, os.path.getsize(path)) != 0.0:
+            pytest.skip(f"{path.parent}: the page cache keeps a file's pages after POSIX_FADV_DONTNEED")
+    finally:
+        os.close(fd)
+
+
+def _cached(fd: int, offset: int) -> bool:
+    """Whether the page at ``offset`` is in the page cache, asked with a non-blocking read (not with mincore). The
+    kernel starts reading a missing page when asked, so a page asked about is cached soon after."""
+    try:
+        os.preadv(fd, [bytearray(1)], offset, os.RWF_NOWAIT)
+        return True
+    except BlockingIOError:
+        return False
+    except (OSError, AttributeError) as exc:
+        pytest.skip(f"preadv(RWF_NOWAIT) does not work here: {exc}")
+
+
+def _data_start(path: Path) -> tuple[int, dict]:
+    """The data section's file offset and the header, parsed here (not by the code under test)."""
+    with open(path, "rb") as f:
+        n = int.from_bytes(f.read(8), "little")
+        return 8 + n, json.loads(f.read(n))
+
+
+@settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
+@given(case=_boxes(), dtypes=st.lists(st.sampled_from(DTYPES), min_size=3, max_size=3), order=st.randoms(),
+       direct=st.sampled_from([False, True]))
+def test_boxes_match_safetensors_bit_for_bit(disk: Path, case, dtypes, order, direct) -> None:
     shape, boxes = case
-    folder = tmp_path / f"ck{abs(hash((shape, tuple(dtypes)))) % 10**9}"
+    folder = disk / f"ck{abs(hash((shape, tuple(dtypes)))) % 10**9}"
     folder.mkdir(exist_ok=True)
     tensors = {f"k{i}": _tensor(shape, d, i) for i, d in enumerate(dtypes)}
     save_file(tensors, str(folder / "model.safetensors"))
@@ -58,13 +118,133 @@ def test_boxes_match_safetensors_bit_for_bit(tmp_path: Path, case, dtypes, order
     asked = list(expected)
     if order.random() < 0.5:  # out of the expected order: still served, by reads of their own
         order.shuffle(asked)
-    with BoxReader(read_checkpoint(folder), expected, threads=3, budget_bytes=order.choice([1, 64, 1 << 20])) as r, \
-            safe_open(str(folder / "model.safetensors"), "pt") as ref:
+    with BoxReader(read_checkpoint(folder), expected, threads=3, budget_bytes=order.choice([1, 64, 1 << 20]),
+                   direct=direct) as r, safe_open(str(folder / "model.safetensors"), "pt") as ref:
         for key, box in asked:
             got = r.read(key, box)
             want = ref.get_tensor(key) if box is None else ref.get_slice(key)[box] if box else ref.get_tensor(key)
             assert got.dtype == want.dtype and got.shape == want.shape, (key, box)
             assert torch.equal(_bytes(got), _bytes(want)), (key, box)
+        read_any = any(t.numel() for t in tensors.values()) and r.bytes_read > 0
+        # these tensors are a few pages at most: every box is one span, read with O_DIRECT when asked
+        assert (r.bytes_direct > 0) == (direct and read_any), (r.bytes_direct, direct)
+        assert not r.direct_refused
+
+
+def test_direct_reads_the_aligned_cover_of_a_box_and_hands_on_only_the_box(disk: Path) -> None:
+    folder = disk / "cover"
+    folder.mkdir()
+    full = _tensor((300, 1000), torch.bfloat16, 1)  # 2000-byte rows: the box starts and ends inside pages
+    save_file({"pad": torch.ones(3, dtype=torch.int8), "w": full}, str(folder / "model.safetensors"))
+    data, header = _data_start(folder / "model.safetensors")
+    begin = data + header["w"]["data_offsets"][0] + 7 * 2000
+    end = data + header["w"]["data_offsets"][0] + 290 * 2000
+    assert begin % 4096 and end % 4096  # the case this test is about
+    cover = (end + 4095) // 4096 * 4096 - begin // 4096 * 4096
+    box = (slice(7, 290),)
+    with BoxReader(read_checkpoint(folder), [("w", box)], direct=True) as r:
+        got = r.read("w", box)
+        assert torch.equal(_bytes(got), _bytes(full[box]))
+        assert r.bytes_fetched == r.bytes_direct == cover  # the box and at most a page on either side
+        assert cover - (end - begin) < 2 * 4096
+
+
+def test_a_filesystem_that_refuses_o_direct_at_open_is_read_through_the_page_cache(
+        disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = disk / "refuse-open"
+    folder.mkdir()
+    full = _tensor((64, 4096), torch.float32, 2)
+    save_file({"w": full}, str(folder / "model.safetensors"))
+    real_open = os.open
+
+    def refusing_open(path, flags, *args):
+        if flags & os.O_DIRECT:
+            raise OSError(errno.EINVAL, "Invalid argument", str(path))
+        return real_open(path, flags, *args)
+
+    monkeypatch.setattr(box_reads.os, "open", refusing_open)
+    with BoxReader(read_checkpoint(folder), [("w", None), ("w", (slice(3, 40),))], direct=True) as r:
+        assert torch.equal(_bytes(r.read("w")), _bytes(full))
+        assert torch.equal(_bytes(r.read("w", (slice(3, 40),))), _bytes(full[3:40]))
+        assert r.bytes_direct == 0 and r.bytes_fetched == (64 + 37) * 4096 * 4
+        assert "opening with O_DIRECT" in r.direct_refused["model.safetensors"]
+        assert "Invalid argument" in r.direct_refused["model.safetensors"]
+
+
+def test_a_file_that_refuses_o_direct_reads_falls_back_mid_request(disk: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = disk / "refuse-read"
+    folder.mkdir()
+    full = _tensor((1024, 24576), torch.uint8, 3)  # 24 MiB: a piece of CHUNK_BYTES (16 MiB), then the rest
+    save_file({"w": full}, str(folder / "model.safetensors"))
+    real_open, real_preadv = os.open, os.preadv
+    direct_fds: set[int] = set()
+    calls = {"direct": 0}
+
+    def tracking_open(path, flags, *args):
+        fd = real_open(path, flags, *args)
+        if flags & os.O_DIRECT:
+            direct_fds.add(fd)
+        return fd
+
+    def refusing_preadv(fd, buffers, offset, *args):
+        if fd in direct_fds:
+            calls["direct"] += 1
+            if calls["direct"] > 1:  # the first direct read succeeds, the next ones are refused
+                raise OSError(errno.EINVAL, "Invalid argument")
+        return real_preadv(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(box_reads.os, "open", tracking_open)
+    monkeypatch.setattr(box_reads.os, "preadv", refusing_preadv)
+    with BoxReader(read_checkpoint(folder), [("w", None)], threads=1, direct=True) as r:
+        assert torch.equal(r.read("w"), full)
+        assert 0 < r.bytes_direct < full.numel()
+        assert "reading with O_DIRECT" in r.direct_refused["model.safetensors"]
+
+
+def test_auto_reads_cold_large_requests_direct_and_warm_or_small_ones_through_the_page_cache(disk: Path) -> None:
+    folder = disk / "auto"
+    folder.mkdir()
+    big, small = _tensor((512, 4096), torch.uint8, 4), _tensor((16, 4096), torch.uint8, 5)  # 2 MiB and 64 KiB
+    path = folder / "model.safetensors"
+    save_file({"big": big, "gap": torch.zeros(4096, dtype=torch.uint8), "small": small}, str(path))
+    data, header = _data_start(path)
+    index = read_checkpoint(folder)
+    _evict(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        at = data + header["big"]["data_offsets"][0]
+        assert cached_share(fd, at, big.numel()) == 0.0
+        with BoxReader(index, [("big", None), ("small", None)], direct="auto") as r:
+            assert torch.equal(r.read("big"), big) and torch.equal(r.read("small"), small)
+            assert r.bytes_direct >= big.numel()  # cold and large: O_DIRECT
+            assert r.bytes_direct < big.numel() + 2 * 4096  # the small key went through the page cache
+        assert not _cached(fd, at + 4096 * 100)  # O_DIRECT left the big key's pages out of the cache
+        assert _cached(fd, data + header["small"]["data_offsets"][0])
+        with open(path, "rb") as f:  # warm the cache
+            f.read()
+        assert cached_share(fd, at, big.numel()) == 1.0
+        with BoxReader(index, [("big", None)], direct="auto") as r:
+            assert torch.equal(r.read("big"), big)
+            assert r.bytes_direct == 0  # warm: the page cache
+    finally:
+        os.close(fd)
+
+
+def test_direct_mode_comes_from_the_argument_or_the_environment(monkeypatch: pytest.MonkeyPatch,
+                                                                tmp_path: Path) -> None:
+    save_file({"w": torch.ones(4)}, str(tmp_path / "model.safetensors"))
+    index = read_checkpoint(tmp_path)
+    monkeypatch.delenv("WORKBENCH_READ_DIRECT", raising=False)
+    assert BoxReader(index, []).direct == "auto"
+    for text, mode in (("1", True), ("0", False), ("auto", "auto"), ("OFF", False)):
+        monkeypatch.setenv("WORKBENCH_READ_DIRECT", text)
+        assert BoxReader(index, []).direct == mode
+        assert BoxReader(index, [], direct=True).direct is True  # the argument wins
+    monkeypatch.setenv("WORKBENCH_READ_DIRECT", "sometimes")
+    with pytest.raises(ValueError, match="WORKBENCH_READ_DIRECT='sometimes': expected auto, 1 or 0"):
+        BoxReader(index, [])
+    with pytest.raises(ValueError, match=r"direct='yes': expected True, False or 'auto'"):
+        BoxReader(index, [], direct="yes")  # type: ignore[arg-type]
 
 
 def test_runs_of_a_column_cut_are_one_per_row() -> None:
@@ -84,10 +264,27 @@ def test_wide_rows_cut_by_columns_read_only_the_owned_bytes(tmp_path: Path) -> N
         assert r.bytes_fetched == 8 * 32768 * 4  # not the 2 MiB span
 
 
-def test_a_truncated_file_is_a_checkpoint_error(tmp_path: Path) -> None:
-    save_file({"w": torch.ones(1024, 1024)}, str(tmp_path / "model.safetensors"))
-    index = read_checkpoint(tmp_path)
-    with open(tmp_path / "model.safetensors", "r+b") as f:
-        f.truncate(os.path.getsize(tmp_path / "model.safetensors") - 1000)
-    with BoxReader(index, [("w", None)]) as r, pytest.raises(CheckpointError, match="short read"):
+def test_runs_that_touch_every_page_are_read_as_one_span(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    full = _tensor((1024, 512), torch.bfloat16, 6)  # 1 KiB rows: the half-column box touches every page anyway
+    save_file({"w": full}, str(tmp_path / "model.safetensors"))
+    box = (slice(0, 1024), slice(0, 256))
+    real_preadv = os.preadv
+    calls = []
+    monkeypatch.setattr(box_reads.os, "preadv", lambda fd, bufs, off, *a: calls.append(off) or real_preadv(
+        fd, bufs, off, *a))
+    with BoxReader(read_checkpoint(tmp_path), [("w", box)], direct=False) as r:
+        assert torch.equal(_bytes(r.read("w", box)), _bytes(full[box]))
+        assert len(calls) == 1  # not 1024 reads of 512 bytes
+        assert r.bytes_fetched == 1023 * 1024 + 512  # the span from the first owned byte to the last
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_a_truncated_file_is_a_checkpoint_error(disk: Path, direct: bool) -> None:
+    folder = disk / f"truncated-{direct}"
+    folder.mkdir()
+    save_file({"w": torch.ones(1024, 1024)}, str(folder / "model.safetensors"))
+    index = read_checkpoint(folder)
+    with open(folder / "model.safetensors", "r+b") as f:
+        f.truncate(os.path.getsize(folder / "model.safetensors") - 1000)
+    with BoxReader(index, [("w", None)], direct=direct) as r, pytest.raises(CheckpointError, match="short read"):
         r.read("w")

@@ -14,29 +14,55 @@ Files are opened with ``POSIX_FADV_RANDOM``: the kernel's readahead (8 MiB on th
 past a box into bytes another rank owns, and the reads here are large and parallel already. Reading through
 ``safe_open`` maps the file instead, and the readahead of a mapping read a whole 24 MiB file for the 16 MiB two
 ranks owned of it. What the OS reads is counted in ``tests/dist/test_os_read_bytes.py`` from ``/proc/self/io``.
+
+A box whose runs touch nearly every page of its span is read as the span too: the disk reads whole pages, so reading
+a 512-byte half of each 1 KiB row run by run fetched the same pages in a thousand small reads.
+
+**O_DIRECT.** A request of one contiguous byte range (a span, or neighbouring spans) can be read with ``O_DIRECT``:
+the disk's blocks land straight in the (pinned) buffer, with no copy out of the page cache and no page cache
+filled. The read covers the range rounded out to ``ALIGN`` (4 KiB: offset, length and buffer address), and the
+buffer handed on starts at the range's first byte, so a request reads at most ``2 * ALIGN`` bytes it does not own.
+``direct`` picks the path: ``False`` never; ``True`` every contiguous request; ``"auto"`` (the default, or the
+``WORKBENCH_READ_DIRECT`` environment variable: ``auto``, ``1``, ``0``) a contiguous request of at least
+``DIRECT_MIN_BYTES`` of which at most ``DIRECT_COLD_SHARE`` of the pages are in the page cache (``mincore`` on
+sampled pages): cold and large. A warm page cache is faster than any disk, and a cold read with ``O_DIRECT`` leaves
+the cache as cold as it found it: a second load of the same files reads the disk again. Requests of runs far apart
+(a column cut of wide rows) go through the page cache. A file or filesystem that refuses ``O_DIRECT`` (``EINVAL``
+when opened or read) is read through the page cache from then on, and ``direct_refused`` says why.
 """
 
 from __future__ import annotations
 
+import ctypes
+import ctypes.util
+import errno
 import math
+import mmap
 import os
 import threading
 from collections import deque
 from collections.abc import Sequence
 from concurrent.futures import Future, ThreadPoolExecutor
 from dataclasses import dataclass
+from typing import Literal
 
 import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.index import CheckpointIndex, KeyInfo, torch_dtype
 
-__all__ = ["BoxReader", "box_runs"]
+__all__ = ["BoxReader", "box_runs", "cached_share"]
 
 Box = tuple[slice, ...] | None
+Direct = bool | Literal["auto"]
 
-DENSE_FILL = 0.9  # a box is read as one span when its bytes fill at least this share of the span
+DENSE_FILL = 0.9  # a box is read as one span when its bytes (or the pages they touch) fill this share of the span
 CHUNK_BYTES = 16 << 20  # requests are split into pieces of this size, read by the threads in parallel
+ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses are multiples of this (a page, >= a block)
+DIRECT_MIN_BYTES = 1 << 20  # auto: smaller requests go through the page cache (alignment costs up to 8 KiB each)
+DIRECT_COLD_SHARE = 0.1  # auto: O_DIRECT when at most this share of a request's sampled pages are cached
+DIRECT_ENV = "WORKBENCH_READ_DIRECT"  # the default of ``direct``: auto, 1 (True) or 0 (False)
+_SAMPLES = 32  # pages of a request that auto asks mincore about
 
 
 def box_runs(shape: Sequence[int], itemsize: int, box: Box) -> list[tuple[int, int]]:
@@ -88,6 +114,11 @@ class _Request:
         self.buffer: torch.Tensor | None = None
         self.futures: list[Future] = []
 
+    @property
+    def contiguous(self) -> bool:
+        """Whether its bytes are one range of the file (spans one after the other), which O_DIRECT can read."""
+        return self.nbytes > 0 and all(len(b.runs) == 1 for b in self.boxes)
+
 
 class BoxReader:
     """Serve ``read(key, box)`` from reads issued ahead, in the order ``expected`` lists them.
@@ -99,9 +130,12 @@ class BoxReader:
         threads: reader threads.
         budget_bytes: bytes of buffers read ahead and not yet handed out, at most (at least one request).
         pin_memory: allocate buffers in pinned memory (for host-to-device copies that overlap).
+        direct: read contiguous requests with ``O_DIRECT``: ``True``, ``False``, or ``"auto"`` (cold and at least
+            ``DIRECT_MIN_BYTES``); None takes ``WORKBENCH_READ_DIRECT`` from the environment, else ``"auto"``.
 
     ``bytes_read`` counts the bytes of every box handed out; ``bytes_fetched`` the bytes ``pread`` asked the files
-    for (the same unless a dense span held bytes outside its box).
+    for (more when a dense span held bytes outside its box, or an O_DIRECT read its aligned cover), of which
+    ``bytes_direct`` with O_DIRECT. ``direct_refused`` maps a file that refused O_DIRECT to the reason.
     """
 
     def __init__(
@@ -112,14 +146,20 @@ class BoxReader:
         threads: int = 8,
         budget_bytes: int = 1 << 30,
         pin_memory: bool = False,
+        direct: Direct | None = None,
     ) -> None:
         self.index = index
         self.budget_bytes = budget_bytes
         self.pin_memory = pin_memory
+        self.direct = _direct_mode(direct)
         self.bytes_read = 0
         self.bytes_fetched = 0
+        self.bytes_direct = 0
         self.reads = 0
+        self.direct_refused: dict[str, str] = {}
         self._fds: dict[str, tuple[int, int]] = {}
+        self._direct_fds: dict[str, int] = {}
+        self._closing: list[int] = []  # direct fds a refusal retired: closed with the rest, no thread may hold one
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="wb-read")
         requests = _merge([self._describe(key, box) for key, box in expected])
@@ -157,7 +197,9 @@ class BoxReader:
         """Wait for reads in flight, then close every file."""
         self._pool.shutdown(wait=True, cancel_futures=True)
         fds, self._fds = self._fds, {}
-        for fd, _ in fds.values():
+        direct, self._direct_fds = self._direct_fds, {}
+        closing, self._closing = self._closing, []
+        for fd in [fd for fd, _ in fds.values()] + list(direct.values()) + closing:
             os.close(fd)
 
     def __enter__(self) -> BoxReader:
@@ -179,9 +221,14 @@ class BoxReader:
             self._in_flight += request.nbytes
 
     def _start(self, request: _Request) -> None:
+        fd, data_start = self._fd(request.file)
+        if request.contiguous and self._wants_direct(request, fd, data_start):
+            dfd = self._direct_fd(request.file)
+            if dfd is not None:
+                self._start_direct(request, fd, dfd, data_start)
+                return
         buffer = torch.empty(request.nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
         request.buffer = buffer
-        fd, data_start = self._fd(request.file)
         view = memoryview(buffer.numpy())
         pos = 0
         pieces: list[tuple[int, memoryview]] = []
@@ -203,21 +250,66 @@ class BoxReader:
         if group:
             request.futures.append(self._pool.submit(self._pread, fd, request.file, group))
 
+    def _start_direct(self, request: _Request, fd: int, dfd: int, data_start: int) -> None:
+        """Read the request's range rounded out to ``ALIGN`` into an aligned buffer; hand on the range itself."""
+        begin = data_start + request.boxes[0].start
+        end = begin + request.nbytes
+        low, high = begin // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN
+        raw = torch.empty(high - low + ALIGN, dtype=torch.uint8, pin_memory=self.pin_memory)
+        skip = -raw.data_ptr() % ALIGN
+        cover = raw[skip:skip + high - low]
+        request.buffer = cover[begin - low:end - low]
+        view = memoryview(cover.numpy())
+        for at in range(0, high - low, CHUNK_BYTES):  # CHUNK_BYTES is a multiple of ALIGN: every piece aligned
+            piece = view[at:at + CHUNK_BYTES]
+            needed = min(len(piece), end - (low + at))  # the cover's tail may lie past the end of the file
+            request.futures.append(self._pool.submit(self._pread_direct, fd, dfd, request.file, low + at, piece,
+                                                     needed))
+
     def _pread(self, fd: int, file: str, pieces: list[tuple[int, memoryview]]) -> None:
         for offset, view in pieces:
-            done = 0
-            while done < len(view):
-                try:
-                    n = os.preadv(fd, [view[done:]], offset + done)
-                except OSError as exc:
-                    raise CheckpointError(f"{self.index.path_of(file)}: reading byte {offset + done} failed: "
-                                          f"{exc}") from exc
-                if n <= 0:
-                    path = self.index.path_of(file)
-                    raise CheckpointError(f"{path}: short read at byte {offset + done} (file truncated?)")
-                done += n
+            self._read_into(fd, file, offset, view)
         with self._lock:
             self.bytes_fetched += sum(len(v) for _, v in pieces)
+
+    def _pread_direct(self, fd: int, dfd: int, file: str, offset: int, view: memoryview, needed: int) -> None:
+        """One aligned piece with O_DIRECT; on ``EINVAL`` the rest of it, and the file from then on, buffered."""
+        done = direct = 0
+        try:
+            while done < needed:
+                try:
+                    n = os.preadv(dfd, [view[done:]], offset + done)
+                except OSError as exc:
+                    if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                        raise CheckpointError(f"{self.index.path_of(file)}: reading byte {offset + done} with "
+                                              f"O_DIRECT failed: {exc}") from exc
+                    self._refuse(file, f"reading with O_DIRECT: {exc}")
+                    self._read_into(fd, file, offset + done, view[done:needed])
+                    done = needed
+                    break
+                if n <= 0 or (n % ALIGN and done + n < needed):  # an unaligned short read: the end of the file
+                    path = self.index.path_of(file)
+                    raise CheckpointError(f"{path}: short read at byte {offset + done + max(n, 0)} (file truncated?)")
+                done += n
+                direct += n
+        finally:
+            with self._lock:
+                self.bytes_fetched += done
+                self.bytes_direct += direct
+
+    def _read_into(self, fd: int, file: str, offset: int, view: memoryview) -> None:
+        """``pread`` into all of ``view``; a read that ends early is a truncated file."""
+        done = 0
+        while done < len(view):
+            try:
+                n = os.preadv(fd, [view[done:]], offset + done)
+            except OSError as exc:
+                raise CheckpointError(f"{self.index.path_of(file)}: reading byte {offset + done} failed: "
+                                      f"{exc}") from exc
+            if n <= 0:
+                path = self.index.path_of(file)
+                raise CheckpointError(f"{path}: short read at byte {offset + done} (file truncated?)")
+            done += n
 
     def _take(self, item: _Box, request: _Request) -> torch.Tensor:
         for future in request.futures:
@@ -229,9 +321,51 @@ class BoxReader:
                 break
             at += b.length
         raw = request.buffer[at:at + item.length]
-        if at % item.dtype.itemsize:  # a key of another dtype before it left it unaligned for a view
+        if raw.storage_offset() % item.dtype.itemsize:  # a key of another dtype before it left it unaligned
             raw = raw.clone()
         return raw.view(item.dtype).as_strided(item.sizes, item.strides)
+
+    # -- O_DIRECT ----------------------------------------------------------------------------------------------------
+
+    def _wants_direct(self, request: _Request, fd: int, data_start: int) -> bool:
+        if self.direct is False or request.file in self.direct_refused:
+            return False
+        if self.direct is True:
+            return True
+        if request.nbytes < DIRECT_MIN_BYTES:
+            return False
+        share = cached_share(fd, data_start + request.boxes[0].start, request.nbytes)
+        return share is not None and share <= DIRECT_COLD_SHARE  # unknown: the page cache is the safe side
+
+    def _direct_fd(self, file: str) -> int | None:
+        """The file opened with O_DIRECT (once), or None where it was refused."""
+        with self._lock:
+            if file in self.direct_refused:
+                return None
+            fd = self._direct_fds.get(file)
+            if fd is not None:
+                return fd
+            path = self.index.path_of(file)
+            flag = getattr(os, "O_DIRECT", 0)
+            if not flag:
+                self.direct_refused[file] = "this platform has no O_DIRECT"
+                return None
+            try:
+                fd = os.open(path, os.O_RDONLY | flag | getattr(os, "O_CLOEXEC", 0))
+            except OSError as exc:
+                if exc.errno not in (errno.EINVAL, errno.EOPNOTSUPP):
+                    raise CheckpointError(f"{path}: cannot open with O_DIRECT: {exc}") from exc
+                self.direct_refused[file] = f"opening with O_DIRECT: {exc}"
+                return None
+            self._direct_fds[file] = fd
+            return fd
+
+    def _refuse(self, file: str, why: str) -> None:
+        with self._lock:
+            self.direct_refused.setdefault(file, why)
+            fd = self._direct_fds.pop(file, None)
+            if fd is not None:  # other threads may still be reading with it: closed at close()
+                self._closing.append(fd)
 
     # -- describing boxes ------------------------------------------------------------------------------------------
 
@@ -249,7 +383,8 @@ class BoxReader:
         if not runs:
             return _Box(key, box, info.file, base, 0, (), sizes, tuple(shape_strides), dtype)
         span = runs[-1][0] + runs[-1][1] - runs[0][0]
-        if needed >= DENSE_FILL * span:  # one span, viewed with the tensor's own strides
+        if needed >= DENSE_FILL * span or _pages(runs, base) >= DENSE_FILL * _pages([(runs[0][0], span)], base):
+            # one span, viewed with the tensor's own strides
             return _Box(key, box, info.file, base + runs[0][0], span, ((base + runs[0][0], span),), sizes,
                         tuple(shape_strides), dtype)
         # runs packed one after the other: the box's own contiguous strides
@@ -282,6 +417,73 @@ class BoxReader:
                 got = (fd, 8 + int.from_bytes(head, "little"))
                 self._fds[file] = got
             return got
+
+
+def cached_share(fd: int, offset: int, length: int, samples: int = _SAMPLES) -> float | None:
+    """The share of up to ``samples`` pages, spread evenly over ``[offset, offset + length)`` of the open file
+    ``fd``, that are in the page cache (``mincore`` of a mapping that touches no page); None where it cannot tell."""
+    libc = _libc()
+    if libc is None or length <= 0:
+        return None
+    page = mmap.PAGESIZE
+    low = offset // page * page
+    size = offset + length - low
+    npages = -(-size // page)
+    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, low)
+    if addr is None or addr == ctypes.c_void_p(-1).value:
+        return None
+    try:
+        picks = sorted({i * (npages - 1) // max(1, samples - 1) for i in range(min(samples, npages))})
+        vec = ctypes.c_ubyte()
+        hits = 0
+        for i in picks:
+            if libc.mincore(ctypes.c_void_p(addr + i * page), page, ctypes.byref(vec)):
+                return None
+            hits += vec.value & 1
+        return hits / len(picks)
+    finally:
+        libc.munmap(ctypes.c_void_p(addr), size)
+
+
+_LIBC: list[ctypes.CDLL | None] = []  # loaded once, on first use
+
+
+def _libc() -> ctypes.CDLL | None:
+    if not _LIBC:
+        try:
+            lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            lib.mmap.restype = ctypes.c_void_p
+            lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
+                                 ctypes.c_long]
+            lib.mincore.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_void_p]
+            lib.munmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t]
+            _LIBC.append(lib)
+        except (OSError, AttributeError):
+            _LIBC.append(None)
+    return _LIBC[0]
+
+
+def _direct_mode(direct: Direct | None) -> Direct:
+    if direct is None:
+        text = os.environ.get(DIRECT_ENV, "auto").strip().lower()
+        modes: dict[str, Direct] = {"auto": "auto", "1": True, "true": True, "on": True, "0": False, "false": False,
+                                    "off": False}
+        if text not in modes:
+            raise ValueError(f"{DIRECT_ENV}={os.environ[DIRECT_ENV]!r}: expected auto, 1 or 0")
+        return modes[text]
+    if direct not in (True, False, "auto") or (direct != "auto" and not isinstance(direct, bool)):
+        raise ValueError(f"direct={direct!r}: expected True, False or 'auto'")
+    return direct
+
+
+def _pages(runs: Sequence[tuple[int, int]], base: int) -> int:
+    """Distinct ``ALIGN`` pages of the file that ``runs`` (offsets from ``base``, in order) touch."""
+    count, last = 0, -1
+    for offset, length in runs:
+        first, stop = (base + offset) // ALIGN, (base + offset + length - 1) // ALIGN
+        count += stop - max(first, last + 1) + 1 if stop > last else 0
+        last = max(last, stop)
+    return count
 
 
 def _normal(box: Box) -> Box:
