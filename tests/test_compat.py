@@ -307,3 +307,49 @@ def test_abort_nccl_communicators_aborts_each_nccl_backend_inside_one_group_call
         patch.setattr(dist.distributed_c10d, "_world", world)
         assert _compat.abort_nccl_communicators() == 2
     assert calls == ["start", "abort a", "abort b", "end"]
+
+
+# -- flight recorder -----------------------------------------------------------------------------
+
+
+def test_dump_nccl_trace_unpickles_torch_s_dump_without_stack_traces_or_says_none() -> None:
+    from torch._C import _distributed_c10d as c10d
+
+    calls: list[dict] = []
+    dump = {"entries": [{"process_group": ("0", "default_pg"), "collective_seq_id": 4, "state": "started",
+                         "profiling_name": "nccl:all_reduce"}], "pg_config": {}}
+
+    def new_api(**kwargs: bool) -> bytes:  # torch >= 2.3: keyword flags
+        calls.append(kwargs)
+        return pickle.dumps(dump)
+
+    def old_api() -> bytes:  # torch 2.2: no arguments
+        calls.append({})
+        return pickle.dumps(dump)
+
+    with pytest.MonkeyPatch.context() as patch:
+        patch.delattr(c10d, "_dump_nccl_trace", raising=False)
+        assert _compat.dump_nccl_trace() is None  # a CPU build, or a torch without the recorder
+        patch.setattr(c10d, "_dump_nccl_trace", new_api, raising=False)
+        assert _compat.dump_nccl_trace(only_active=True) == dump
+        assert calls == [{"includeCollectives": True, "includeStackTraces": False, "onlyActive": True}]
+        patch.setattr(c10d, "_dump_nccl_trace", old_api, raising=False)
+        assert _compat.dump_nccl_trace() == dump and calls[-1] == {}
+
+
+def test_dump_fr_trace_shows_the_collective_a_gloo_rank_reached(monkeypatch: pytest.MonkeyPatch) -> None:
+    monkeypatch.setenv("TORCH_FR_BUFFER_SIZE", "64")  # in case this process's recorder is not made yet
+    dist.init_process_group("gloo", store=dist.HashStore(), rank=0, world_size=1)
+    try:
+        before = _compat.dump_fr_trace()
+        if before is None:
+            pytest.skip(f"torch {torch.__version__} has no flight recorder for gloo")
+        t = torch.ones(2)
+        dist.all_reduce(t)
+        dist.all_reduce(t)
+        entries = _compat.dump_fr_trace()["entries"]
+    finally:
+        dist.destroy_process_group()
+    newest = entries[-1]
+    assert newest["profiling_name"] == "gloo:all_reduce" and newest["process_group"][1] == "default_pg"
+    assert newest["collective_seq_id"] == entries[-2]["collective_seq_id"] + 1  # numbered per group, in order

@@ -23,6 +23,8 @@ __all__ = [
     "all_gather_flat",
     "chunk_size_and_offset",
     "dtensor_local",
+    "dump_fr_trace",
+    "dump_nccl_trace",
     "fake_process_group",
     "fsdp_shard_mesh_dims",
     "fully_shard",
@@ -322,3 +324,39 @@ def abort_nccl_communicators() -> int:
         if grouped:
             backends[0]._group_end()
     return len(backends)
+
+
+# -- flight recorder -----------------------------------------------------------------------------
+def dump_nccl_trace(*, only_active: bool = False) -> dict[str, Any] | None:
+    """torch's NCCL flight recorder of this process, as a dict (``entries``: the last collectives of every NCCL
+    group, each with ``process_group`` (name, desc), ``profiling_name``, ``collective_seq_id`` and ``state``;
+    ``pg_config``; ``pg_status``), or ``None`` where this torch has no NCCL recorder (CPU builds, releases
+    without ``_dump_nccl_trace``).
+
+    Stack traces are left out: symbolizing them needs the GIL, which a rank's stuck main thread may hold. The
+    recorder holds entries only while ``TORCH_FR_BUFFER_SIZE`` / ``TORCH_NCCL_TRACE_BUFFER_SIZE`` (read when the
+    first group is made) is above 0; torch 2.10+ keeps 2000 by default, older releases none.
+    """
+    return _flight_recorder("_dump_nccl_trace", only_active)
+
+
+def dump_fr_trace(*, only_active: bool = False) -> dict[str, Any] | None:
+    """``dump_nccl_trace`` for the other backends' recorder (gloo; torch 2.8+), ``None`` where torch has none."""
+    return _flight_recorder("_dump_fr_trace", only_active)
+
+
+def _flight_recorder(name: str, only_active: bool) -> dict[str, Any] | None:
+    import pickle
+
+    try:
+        from torch._C import _distributed_c10d as c10d
+    except ImportError:
+        return None
+    dump = getattr(c10d, name, None)
+    if dump is None:
+        return None
+    try:
+        raw = dump(includeCollectives=True, includeStackTraces=False, onlyActive=only_active)
+    except TypeError:  # torch <= 2.2 took no arguments
+        raw = dump()
+    return pickle.loads(raw)  # torch's own pickle of plain dicts and lists, made in this process

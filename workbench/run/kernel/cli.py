@@ -54,6 +54,13 @@ def register(subparsers: argparse._SubParsersAction) -> None:
                          help="to free ranks stuck in a gloo collective, only destroy the process groups, without "
                          "closing the ranks' TCP connections (ranks whose groups a device mesh holds then need a "
                          "restart)")
+    install.add_argument("--live", choices=("on", "off"), default="on",
+                         help="while a cell runs longer than a second, show what each rank is doing, updated in "
+                         "place (default on; %%live)")
+    install.add_argument("--flight-recorder", choices=("on", "off"), default=None,
+                         help="hang reports add every rank's last collectives from torch's flight recorder (on also "
+                         "sizes it for local ranks; default: on when TORCH_FR_BUFFER_SIZE or "
+                         "TORCH_NCCL_TRACE_BUFFER_SIZE is set; %%flight_recorder)")
     install.add_argument("--display-name", default=None, help="name shown in JupyterLab's launcher")
     install.set_defaults(func=_install)
     listing = sub.add_parser(
@@ -82,7 +89,8 @@ def _install(args: argparse.Namespace) -> int:
                               prefix=args.prefix, listen=args.listen, hang_timeout=args.hang_timeout,
                               hang_action=args.hang_action, display_name=args.display_name,
                               close_sockets=not args.keep_sockets, join_timeout=args.join_timeout,
-                              dead_after=args.dead_after)
+                              dead_after=args.dead_after, live=args.live == "on",
+                              flight_recorder=None if args.flight_recorder is None else args.flight_recorder == "on")
     except ValueError as exc:
         print(f"workbench: error: {exc}", file=sys.stderr)
         return 2

@@ -8,8 +8,12 @@ cell to its ranks (``RankSet``) and turns what they send back into one cell's ou
 * rank 0's rich output (figures, HTML, widgets) and its ``execute_result`` are shown (the lowest rank of a
   ``%%ranks`` subset when rank 0 is not in it);
 * an exception on any rank fails the cell with that rank's own traceback first, labelled with its rank;
+* a cell running longer than a second shows a live view (``live``), updated in place twice a second: which ranks
+  are done, which run user code (at which line) and which wait in which collective of which group, for how long;
+  when the cell ends it becomes one line (how long it ran, which rank finished last); ``%live off`` turns it off;
 * a cell running longer than the hang timeout is reported with every rank's Python stack, ranks outside any
-  collective first (they are the ones the others wait for);
+  collective first (they are the ones the others wait for), and, with ``%flight_recorder on``, every rank's last
+  collectives from torch's flight recorder (group, op, sequence number, state);
 * an interrupt reaches every rank; ranks left waiting in a collective that the other ranks left (they failed,
   were interrupted or finished the cell) are released: every rank closes its process groups' gloo connections
   (``sever``: live device meshes, FSDP modules and DTensors hold the groups, so destroying them is not enough)
@@ -40,6 +44,11 @@ from workbench.run.kernel.ranks import RankSet
 __all__ = ["SPMDKernel"]
 
 _GRACE = 2.0  # seconds a rank may take to return after an interrupt or a peer's error before we look at stacks
+_LIVE_AFTER = 1.0  # seconds a cell runs before its live view appears
+_LIVE_PERIOD = 0.5  # seconds between live view updates (and between asking ranks outside a collective where they are)
+_POLL_PERIOD = 2.0  # seconds between asking running ranks where they are, with the live view off
+_SILENT_AFTER = 1.0  # seconds without an answer to those questions before the live view calls a rank silent
+_RECORDER_ENTRIES = 3  # each rank's newest flight recorder entries in a hang report
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -55,6 +64,8 @@ class _Config:
     dead_after: float
     close_sockets: bool
     token_file: str | None
+    live: bool
+    flight_recorder: bool
 
     @classmethod
     def from_env(cls) -> _Config:
@@ -69,7 +80,21 @@ class _Config:
                                       or env.get("WORKBENCH_KERNEL_STARTUP_TIMEOUT") or "300"),
                    dead_after=float(env.get("WORKBENCH_KERNEL_DEAD_AFTER") or "30"),
                    close_sockets=env.get("WORKBENCH_KERNEL_CLOSE_SOCKETS", "1") not in ("0", "off", "false"),
-                   token_file=env.get(ENV_TOKEN_FILE) or None)
+                   token_file=env.get(ENV_TOKEN_FILE) or None,
+                   live=env.get("WORKBENCH_KERNEL_LIVE", "on") not in ("0", "off", "false"),
+                   flight_recorder=_flight_recorder_default(env))
+
+
+def _flight_recorder_default(env: Any) -> bool:
+    """Hang reports read the flight recorder when the kernelspec says so, else when the environment sizes it."""
+    chosen = env.get("WORKBENCH_KERNEL_FLIGHT_RECORDER", "")
+    if chosen:
+        return chosen not in ("0", "off", "false")
+    for name in ("TORCH_FR_BUFFER_SIZE", "TORCH_NCCL_TRACE_BUFFER_SIZE"):
+        value = env.get(name, "").strip()
+        if value:
+            return value.isdigit() and int(value) > 0
+    return False
 
 
 @dataclass
@@ -97,6 +122,12 @@ class _Cell:
     lost: str = ""  # why the cell ended early: ranks of the job were lost (see SPMDKernel._lose)
     polled_at: float = 0.0  # when the running ranks were last asked where they are
     poll_id: str = ""
+    reports: dict[int, dict[str, Any]] = field(default_factory=dict)  # rank -> its last answer to those questions
+    unanswered: dict[int, float] = field(default_factory=dict)  # rank -> since when it has not answered them
+    where_since: dict[int, tuple[str, float]] = field(default_factory=dict)  # rank -> (its line, seen there since)
+    finished: dict[int, float] = field(default_factory=dict)  # rank -> seconds from the start to its "done"
+    live_id: str = ""  # the live view's display_id once shown
+    live_at: float = 0.0  # when it was last drawn
 
 
 class SPMDKernel(Kernel):
@@ -121,6 +152,8 @@ class SPMDKernel(Kernel):
         self.hang_action = self.config_.hang_action
         self.join_timeout = self.config_.join_timeout
         self.dead_after = self.config_.dead_after
+        self.live = self.config_.live
+        self.flight_recorder = self.config_.flight_recorder
         self._last_where: dict[int, str] = {}  # rank -> the last line it was seen on (stack polls while cells run)
         self._lost_note: str | None = None  # ranks lost between cells: the next cell says so
         self.generation = 0
@@ -191,6 +224,14 @@ class SPMDKernel(Kernel):
             self.dead_after = directives.dead_after
             self._stream("stdout", f"a rank silent for {self.dead_after:g} s whose connection is gone is lost\n",
                          silent)
+        if directives.live is not None:
+            self.live = directives.live
+            self._stream("stdout", f"live view of running cells: {'on' if self.live else 'off'}\n", silent)
+        if directives.flight_recorder is not None:
+            self.flight_recorder = directives.flight_recorder
+            self._stream("stdout", "hang reports " + ("add each rank's last collectives from torch's flight recorder"
+                                                      if self.flight_recorder else "leave torch's flight recorder out")
+                         + "\n", silent)
         body = directives.code
         if body.strip() == "%ranks_connect":
             self._stream("stdout", self._connect_help(), silent)
@@ -396,12 +437,15 @@ class SPMDKernel(Kernel):
             cell.lost = self._lose(cell, lost)
             cell.pending.clear()
             return
-        if now - cell.start > 1.0 and now - cell.polled_at > 2.0 and cell.pending:
-            cell.polled_at, cell.poll_id = now, uuid.uuid4().hex  # where each rank is: the last known line
-            self.rankset.broadcast({"op": "stacks", "id": cell.poll_id}, sorted(cell.pending))
+        live = self.live and not cell.silent
+        period, begin = (_LIVE_PERIOD, _LIVE_AFTER - _LIVE_PERIOD) if live else (_POLL_PERIOD, 1.0)
+        if now - cell.start > begin and now - cell.polled_at > period and cell.pending:
+            self._poll_where(cell, now)
         got = self.rankset.recv(0.1)
         if got:
             self._route(cell, *got)
+        if live:
+            self._live_tick(cell)
         for name, folder in cell.folders.items():
             self._stream(name, folder.flush_stale(), cell.silent)
         elapsed = time.monotonic() - cell.start
@@ -431,7 +475,12 @@ class SPMDKernel(Kernel):
         elif op == "released":
             self._released.add(rank)
         elif op == "stacks" and cell is not None and message.get("id") == cell.poll_id:
-            self._last_where[rank] = _where_text(message)
+            where = _where_text(message)
+            self._last_where[rank] = where
+            cell.reports[rank] = message
+            cell.unanswered.pop(rank, None)
+            if cell.where_since.get(rank, ("",))[0] != where:
+                cell.where_since[rank] = (where, time.time())
         elif op == "done" and self._abandoned is not None and message.get("id") == self._abandoned[0]:
             self._abandoned[1].discard(rank)
         elif not current or cell is None:
@@ -448,6 +497,7 @@ class SPMDKernel(Kernel):
             self.send_response(self.iopub_socket, "clear_output", {"wait": message.get("wait", False)})
         elif op == "done":
             cell.done[rank] = message
+            cell.finished[rank] = time.monotonic() - cell.start
             cell.pending.discard(rank)
             if message["status"] == "error" and cell.first_error_at is None:
                 cell.first_error_at = time.monotonic()
@@ -497,6 +547,101 @@ class SPMDKernel(Kernel):
             if not got:
                 return
             self._route(None, *got)
+
+    # -- the live view --------------------------------------------------------------------------------------------
+    def _poll_where(self, cell: _Cell, now: float) -> None:
+        """Ask running ranks where they are (their I/O thread answers from ``sys._current_frames``, never the main
+        thread). With the live view on, ranks of this host that their ledger shows inside a collective are not asked:
+        the ledger, read here, says all the view needs."""
+        cell.polled_at = now
+        cell.poll_id = cell.poll_id or uuid.uuid4().hex  # one id per cell: a late answer still counts
+        ask = [r for r in sorted(cell.pending)
+               if not (self.live and (self._local_ledger(r) or {}).get("state") == "in")]
+        for rank in cell.pending:
+            if rank in ask:
+                cell.unanswered.setdefault(rank, now)
+            else:
+                cell.unanswered.pop(rank, None)
+        self.rankset.broadcast({"op": "stacks", "id": cell.poll_id}, ask)
+
+    def _local_ledger(self, rank: int) -> dict[str, Any] | None:
+        """The collective a rank of this host is in, read from its ledger file (no message, nothing asked of it)."""
+        from workbench.run.kernel.ledger import read_ledger
+
+        info = self.rankset.ranks.get(rank)
+        if info is None or not info.ledger_file or not self.rankset.on_this_host(rank):
+            return None
+        return read_ledger(info.ledger_file, tries=5)
+
+    def _live_states(self, cell: _Cell) -> dict[int, Any]:
+        """What each rank of the cell is doing, from its "done", its ledger and its last answer about its stack."""
+        from workbench.run.kernel.live import RankState, where_label
+
+        states: dict[int, RankState] = {}
+        now = time.monotonic()
+        for rank in cell.ranks:
+            done = cell.done.get(rank)
+            if done is not None:
+                error = (done.get("error") or {}).get("ename", "an error")
+                states[rank] = RankState("failed", error) if done["status"] == "error" else RankState("done")
+                continue
+            report = cell.reports.get(rank)
+            record = self._local_ledger(rank) or (report or {}).get("collective") or {}
+            if record.get("state") == "in":
+                states[rank] = RankState("collective", _call_text(record), float(record.get("since") or 0) or None)
+                continue
+            asked = cell.unanswered.get(rank)
+            silent = asked is not None and now - asked > _SILENT_AFTER  # its I/O thread cannot get the GIL
+            if report is None:
+                states[rank] = (RankState("silent", "(its main thread may hold the GIL in native code)",
+                                          time.time() - (now - asked)) if silent and asked is not None
+                                else RankState("starting"))
+                continue
+            where, since = cell.where_since.get(rank, (_where_text(report), None))
+            label = where_label(where)
+            if silent and asked is not None:
+                states[rank] = RankState("silent", f"last seen at {label}", time.time() - (now - asked))
+            elif report.get("pending"):
+                waits = "; ".join(_call_text(p) for p in report["pending"])
+                states[rank] = RankState("gpu", f"{label} (the GPU has not finished its {waits})", since)
+            elif report.get("in_collective"):
+                states[rank] = RankState("collective", f"torch.distributed at {label}", since)
+            else:
+                states[rank] = RankState("code", label, since)
+        return states
+
+    def _live_tick(self, cell: _Cell) -> None:
+        """Draw or redraw the live view: once the cell ran ``_LIVE_AFTER`` s, then every ``_LIVE_PERIOD`` s."""
+        from workbench.run.kernel import live
+
+        now = time.monotonic()
+        if not cell.pending or now - cell.start < _LIVE_AFTER or now - cell.live_at < _LIVE_PERIOD:
+            return
+        cell.live_at = now
+        data = live.bundle(self._live_states(cell), now - cell.start, time.time())
+        self._show_live(cell, data)
+
+    def _show_live(self, cell: _Cell, data: dict[str, str]) -> None:
+        first = not cell.live_id
+        cell.live_id = cell.live_id or f"workbench-live-{cell.id}"
+        self.send_response(self.iopub_socket, "display_data" if first else "update_display_data",
+                           {"data": data, "metadata": {}, "transient": {"display_id": cell.live_id}})
+
+    def _end_live(self, cell: _Cell) -> None:
+        """The cell ended: its live view becomes one line (how long, which rank finished last, which failed)."""
+        from workbench.run.kernel import live
+
+        if not cell.live_id:
+            return
+        failed = {r: (d.get("error") or {}).get("ename", "an error") for r, d in cell.done.items()
+                  if d["status"] == "error"}
+        unfinished = [r for r in cell.ranks if r not in cell.finished]
+        data = live.summary(cell.finished, failed, time.monotonic() - cell.start)
+        if unfinished:
+            tail = f"; rank(s) {format_ranks(unfinished)} did not finish"
+            data = {"text/plain": data["text/plain"] + tail,
+                    "text/html": data["text/html"].replace("</div>", f"{tail}</div>")}
+        self._show_live(cell, data)
 
     # -- forensics ------------------------------------------------------------------------------------------------
     def _stacks(self, cell: _Cell | None, ranks: list[int], timeout: float = 1.5) -> dict[int, dict[str, Any]]:
@@ -626,10 +771,32 @@ class SPMDKernel(Kernel):
                 how = " (faulthandler)" if stacks[rank].get("native") else ""
                 lines.append(f"--- rank {rank} Python stack{how} (innermost last):")
                 lines.extend(entry.rstrip() for entry in stacks[rank]["stack"])
+        if self.flight_recorder:
+            lines += self._recorder(cell)
         action = ("interrupt (Kernel > Interrupt) to stop every rank" if self.hang_action == "report"
                   else "interrupting now")
         lines.append(f"(hang timeout {self.hang_timeout:g} s; {action})")
         self._stream("stderr", lines, cell.silent)
+
+    def _recorder(self, cell: _Cell, timeout: float = 3.0) -> list[str]:
+        """Every rank's newest flight recorder entries (each reads its own, on a helper thread), as report lines."""
+        from workbench.run.kernel.recorder import recorder_lines
+
+        request = uuid.uuid4().hex
+        ranks = sorted(cell.ranks)
+        self.rankset.broadcast({"op": "recorder", "id": request, "last": _RECORDER_ENTRIES}, ranks)
+        answers: dict[int, dict[str, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(answers) < len(ranks) and (left := deadline - time.monotonic()) > 0:
+            got = self.rankset.recv(left)
+            if not got:
+                break
+            rank, message = got
+            if message["op"] == "recorder" and message.get("id") == request:
+                answers[rank] = message
+            else:
+                self._route(cell, rank, message)
+        return recorder_lines(answers, ranks)
 
     def _release_if_stuck(self, cell: _Cell) -> None:
         """After an interrupt or a rank's error: free ranks left waiting in a collective for a rank that left it."""
@@ -731,6 +898,7 @@ class SPMDKernel(Kernel):
 
     # -- after the cell ------------------------------------------------------------------------------------------
     def _finish(self, cell: _Cell) -> dict:
+        self._end_live(cell)
         for name, folder in cell.folders.items():
             self._stream(name, folder.drain(), cell.silent)
         for rank in cell.done:

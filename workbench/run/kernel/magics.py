@@ -1,14 +1,16 @@
 """The kernel's own magics, read off the top of a cell before the rest runs on the ranks.
 
-=========================  ==================================================================================
-``%%ranks 0,2``            run this cell on ranks 0 and 2 only (``0-3``, ``1,4-7``; other ranks are untouched)
-``%rank_output MODE``      from now on show ``folded`` text (default), rank ``0``'s output only, or ``all``
-                           ranks' lines, each prefixed with its rank
-``%hang_timeout S [MODE]`` report every rank's stack when a cell runs longer than S seconds (``off``: never);
-                           MODE ``report`` (default) keeps waiting, ``interrupt`` then interrupts every rank
-``%join_timeout S``        a cell waits up to S seconds for every rank of the job to join (cluster kernels)
-``%dead_after S``          a rank silent for S seconds whose connection is gone is lost: the cell ends naming it
-=========================  ==================================================================================
+============================  ==================================================================================
+``%%ranks 0,2``               run this cell on ranks 0 and 2 only (``0-3``, ``1,4-7``; other ranks are untouched)
+``%rank_output MODE``         from now on show ``folded`` text (default), rank ``0``'s output only, or ``all``
+                              ranks' lines, each prefixed with its rank
+``%hang_timeout S [MODE]``    report every rank's stack when a cell runs longer than S seconds (``off``: never);
+                              MODE ``report`` (default) keeps waiting, ``interrupt`` then interrupts every rank
+``%join_timeout S``           a cell waits up to S seconds for every rank of the job to join (cluster kernels)
+``%dead_after S``             a rank silent for S seconds whose connection is gone is lost: the cell ends naming it
+``%live on|off``              show (default) or not, while a cell runs longer than a second, what each rank is doing
+``%flight_recorder on|off``   hang reports add each rank's last collectives from torch's flight recorder (or not)
+============================  ==================================================================================
 
 They are handled by the kernel, not by IPython on the ranks, so they may stand on lines of their own at the top
 of any cell; the lines after them run as usual.
@@ -39,6 +41,8 @@ class CellDirectives:
     timeout_given: bool = False
     join_timeout: float | None = None
     dead_after: float | None = None
+    live: bool | None = None
+    flight_recorder: bool | None = None
 
 
 def parse_ranks(text: str, world_size: int) -> tuple[int, ...]:
@@ -70,6 +74,7 @@ def parse_cell(code: str, world_size: int) -> CellDirectives:
     ranks = output = action = None
     timeout: float | None = None
     seconds: dict[str, float] = {}
+    switches: dict[str, bool] = {}
     timeout_given = False
     i = 0
     while i < len(lines):
@@ -106,12 +111,17 @@ def parse_cell(code: str, world_size: int) -> CellDirectives:
                 action = args[1]
         elif word in ("%join_timeout", "%dead_after"):
             seconds[word] = _seconds(word, rest, minimum=1.0 if word == "%dead_after" else 0.0)
+        elif word in ("%live", "%flight_recorder"):
+            if rest not in ("on", "off"):
+                raise MagicError(f"{word} {rest!r}: use {word} on or {word} off")
+            switches[word] = rest == "on"
         else:
             break
         i += 1
     return CellDirectives(code="\n".join(lines[i:]), ranks=ranks, output=output, hang_timeout=timeout,
                           hang_action=action, timeout_given=timeout_given,
-                          join_timeout=seconds.get("%join_timeout"), dead_after=seconds.get("%dead_after"))
+                          join_timeout=seconds.get("%join_timeout"), dead_after=seconds.get("%dead_after"),
+                          live=switches.get("%live"), flight_recorder=switches.get("%flight_recorder"))
 
 
 def _seconds(magic: str, text: str, minimum: float) -> float:

@@ -34,7 +34,8 @@ class KernelSpecInfo:
 def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = None, user: bool = False,
                    prefix: str | None = None, listen: str | None = None, hang_timeout: float | None = None,
                    hang_action: str = "report", display_name: str | None = None, close_sockets: bool = True,
-                   join_timeout: float | None = None, dead_after: float | None = None) -> str:
+                   join_timeout: float | None = None, dead_after: float | None = None, live: bool = True,
+                   flight_recorder: bool | None = None) -> str:
     """Write a kernelspec that starts ``nprocs`` local ranks (or waits for ranks at ``listen``); return its path.
 
     ``listen`` is ``HOST:PORT``, ``:PORT`` or ``PORT`` (host 127.0.0.1 then; ``0.0.0.0`` binds every interface,
@@ -46,6 +47,11 @@ def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = Non
 
     ``join_timeout``: seconds the first cell waits for every rank to join (default 300); ``dead_after``: seconds a
     rank may be silent, its connection gone, before it is lost and the cell ends naming it (default 30).
+
+    ``live=False``: no live view of running cells (``%live on`` still turns it on). ``flight_recorder=True``: hang
+    reports add every rank's last collectives from torch's flight recorder, and the local ranks keep 2000 entries
+    (``TORCH_FR_BUFFER_SIZE`` / ``TORCH_NCCL_TRACE_BUFFER_SIZE``); ``False``: never; ``None`` (default): only when
+    the kernel's environment sets one of those above 0 (``%flight_recorder on|off`` changes it per session).
 
     Installs into ``prefix`` (``PREFIX/share/jupyter/kernels/NAME``), the user's Jupyter directory (``user``), or
     by default this Python environment (``sys.prefix``), where a JupyterLab of the same environment finds it.
@@ -80,6 +86,12 @@ def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = Non
         env["WORKBENCH_KERNEL_JOIN_TIMEOUT"] = f"{join_timeout:g}"
     if dead_after is not None:
         env["WORKBENCH_KERNEL_DEAD_AFTER"] = f"{dead_after:g}"
+    if not live:
+        env["WORKBENCH_KERNEL_LIVE"] = "off"
+    if flight_recorder is not None:
+        env["WORKBENCH_KERNEL_FLIGHT_RECORDER"] = "on" if flight_recorder else "off"
+    if flight_recorder:  # the recorder's size is read once, when a rank makes its first process group
+        env.update(TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_TRACE_BUFFER_SIZE="2000")
     spec = {
         "argv": [sys.executable, "-m", "workbench.run.kernel.app", "-f", "{connection_file}"],
         "display_name": display_name or f"workbench SPMD ({where}, {backend})",

@@ -198,6 +198,8 @@ class _Worker:
                             "cell": self.cell, **report, **ledger})
         elif op == "dump_peer":  # a rank of this host that cannot answer: read its stack for the kernel
             threading.Thread(target=self._dump_peer, args=(message,), daemon=True).start()
+        elif op == "recorder":  # torch's flight recorder, read on a helper thread: the I/O thread never waits on it
+            threading.Thread(target=self._send_recorder, args=(message,), daemon=True).start()
         elif op == "ping":
             self._send_now({"op": "pong"})
         elif op == "interrupt":
@@ -247,6 +249,20 @@ class _Worker:
                    "frames": None if frames is None else [[f.file, f.line, f.function, file_source(f.file, f.line)]
                                                           for f in frames],
                    "collective": read_ledger(str(message.get("ledger_file", "")))})
+
+    def _send_recorder(self, message: dict[str, Any]) -> None:
+        """Helper thread: the last collectives torch's flight recorder holds for this rank (all its groups)."""
+        from workbench._compat import dump_fr_trace, dump_nccl_trace
+        from workbench.run.kernel.recorder import last_entries
+
+        try:
+            trace = dump_nccl_trace() if self.backend == "nccl" else dump_fr_trace()
+            entries, error = last_entries(trace, int(message.get("last", 3))), None
+            if trace is None:
+                error = f"this torch ({_torch_version()}) has no flight recorder for {self.backend}"
+        except Exception as exc:
+            entries, error = [], f"{type(exc).__name__}: {exc}"
+        self.send({"op": "recorder", "id": message.get("id"), "rank": self.rank, "entries": entries, "error": error})
 
     def _send_now(self, message: dict[str, Any]) -> None:
         """I/O thread: sign and send one message at once."""
@@ -578,6 +594,12 @@ def _comm_info(shell: Any, args: dict[str, Any]) -> dict[str, Any]:
 
 
 _QUERIES = {"complete": _complete, "inspect": _inspect, "history": _history, "comm_info": _comm_info}
+
+
+def _torch_version() -> str:
+    import torch
+
+    return torch.__version__
 
 
 def _remove(*paths: str) -> None:
