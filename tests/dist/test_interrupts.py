@@ -37,6 +37,8 @@ def _arm(point: str | None, rank: int, action: str = "interrupt", seconds: float
         if action == "stall":
             time.sleep(seconds)
             return
+        if action == "bug":
+            raise RuntimeError(f"injected: a bug at {point} on rank {rank}")
         raise KeyboardInterrupt(f"injected: interrupted at {point} on rank {rank}")
 
     hook = fault_hook(fault)
@@ -165,4 +167,62 @@ def test_an_interrupt_during_a_load_fails_every_rank_at_once(tmp_path: Path) -> 
     assert "KeyboardInterrupt: injected: interrupted at" in peer["message"], peer
     for rank in (0, 1):
         assert results[rank]["interrupted"]["seconds"] < BOUND, (rank, results[rank]["interrupted"])
+        assert results[rank]["after"]["error"] is None and results[rank]["after"]["loaded"], results[rank]["after"]
+
+
+def _loads(root: str, world: int, steps: list[tuple[str, str | None, str]]) -> dict:
+    """Every rank loads the old checkpoint once per step ``(name, fault point, action)``, the fault armed on
+    ``FAILING`` only (``interrupt``: a KeyboardInterrupt, ``bug``: a RuntimeError); what each load raised."""
+    import torch.distributed as dist
+
+    from tests.faults.harness import _local_state
+
+    rank = dist.get_rank()
+    layout = layout_of(world)
+    clean = _local_state(layout, rank)
+    wb.load_hf(clean, Path(root) / "source", layout=layout, timeout=TIMEOUT)
+    out = {}
+    for name, point, action in steps:
+        fresh = _local_state(layout, rank)
+        undo = _arm(point, rank, action)
+        start = time.perf_counter()
+        got: dict = {"error": None}
+        try:
+            wb.load_hf(fresh, Path(root) / "source", layout=layout, timeout=TIMEOUT)
+            got["loaded"] = all(torch.equal(fresh[n], clean[n]) for n in clean)
+        except BaseException as exc:  # the interrupt too: the old code let it out of the interrupted rank alone
+            got = {"error": type(exc).__name__, "message": str(exc), "cause": type(exc.__cause__).__name__,
+                   "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+        finally:
+            undo()
+        got["seconds"] = time.perf_counter() - start
+        out[name] = got
+    return out
+
+
+def test_a_failure_while_sharing_replicas_fails_every_rank_at_once(tmp_path: Path) -> None:
+    # 4 ranks (ep=2 x fsdp=2): the replicated norm, embed and proj are read once per replica group and broadcast in
+    # three batches (over ep, and over ep+fsdp). Rank 1 is interrupted before the first batch and before the second
+    # (after one broadcast ran), raises a plain error before the second, and is interrupted reporting its status.
+    # Every rank ends well under the timeout (30 s): rank 1 with its interrupt (chained to the LoadFailed), the
+    # others with a LoadFailed naming rank 1 and the cause. The old code let the interrupt out of rank 1 alone and
+    # its peers waited in the next flag exchange for the whole timeout. A load after them all succeeds.
+    steps = [("share-0", "load.share:0", "interrupt"), ("share-1", "load.share:1", "interrupt"),
+             ("share-bug", "load.share:1", "bug"), ("status", "load.status", "interrupt"), ("after", None, "")]
+    write_old_checkpoint(tmp_path / "source")
+    results = wb.launch(_loads, nprocs=4, args=(str(tmp_path), 4, steps), timeout=150)
+
+    stages = {"share-0": "sharing replicated parameters", "share-1": "sharing replicated parameters",
+              "share-bug": "sharing replicated parameters", "status": "reporting its status"}
+    for name, stage in stages.items():
+        cause = "RuntimeError: injected: a bug" if name == "share-bug" else "KeyboardInterrupt: injected: interrupted"
+        for rank in range(4):
+            got = results[rank][name]
+            assert got["seconds"] < BOUND, (name, rank, got)
+            if rank == FAILING and name != "share-bug":
+                assert got["error"] == "KeyboardInterrupt" and got["cause"] == "LoadFailed", (name, got)
+                continue
+            assert got["error"] == "LoadFailed" and got["failed_ranks"] == [FAILING], (name, rank, got)
+            assert f"  rank {FAILING} failed while {stage}: {cause}" in got["message"], (name, rank, got["message"])
+    for rank in range(4):
         assert results[rank]["after"]["error"] is None and results[rank]["after"]["loaded"], results[rank]["after"]

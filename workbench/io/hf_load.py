@@ -120,7 +120,9 @@ def load_hf(
     Raises:
         CheckpointError: on the rank whose checkpoint check failed (one error listing every missing, unexpected,
             mis-shaped and differently typed key); LoadFailed on its peers, naming it. A failure while reading
-            (any exception, on any rank) is a LoadFailed on every rank: the model's values must not be used.
+            (any exception, on any rank) is a LoadFailed on every rank: the model's values must not be used. An
+            interrupt (``KeyboardInterrupt``) while reading, sharing replicated parameters or reporting the status
+            is raised again on its rank once every rank has agreed (chained to the LoadFailed its peers raise).
 
     .. note:: SPMD under torch.distributed: every rank calls it.
     """
@@ -181,11 +183,13 @@ def load_hf(
             problem = problem_from(exc, rank, "reading its slices")
             interrupt = interrupt or (None if isinstance(exc, Exception) else exc)
         if batches:
-            problem = _share_replicas(layout, batches, targets, rank, timeout, problem)
+            problem, stopped = _share_replicas(layout, batches, targets, rank, timeout, problem)
+            interrupt = interrupt or stopped
         try:
             fault_point("load.status", rank)
-        except Exception as exc:
+        except BaseException as exc:  # an interrupt too: the peers wait for this rank's status
             problem = problem or problem_from(exc, rank, "reporting its status")
+            interrupt = interrupt or (None if isinstance(exc, Exception) else exc)
         try:
             agree(channel, problem, what=what, error=LoadFailed, outcome="the model's values must not be used")
         except LoadFailed as failed:
@@ -319,34 +323,47 @@ def _share_replicas(
     rank: int,
     timeout: float,
     problem: RankProblem | None,
-) -> RankProblem | None:
+) -> tuple[RankProblem | None, BaseException | None]:
     """Broadcast every replicated parameter from its reader to its replica group, batch by batch
     (``replica_batches``). Before each batch the group exchanges a "failed" flag, with this rank's failure to read
-    or to make the batch's buffer in it, so no rank leaves its replicas waiting; returns this rank's problem (a
-    peer's failure is a secondary one)."""
+    or to make the batch's buffer in it, so no rank leaves its replicas waiting. Returns this rank's problem (a
+    peer's failure is a secondary one) and the first interrupt caught here (an exception that is not an
+    ``Exception``, e.g. ``KeyboardInterrupt``): like any failure it only raises this rank's flags on the batches
+    left, and the caller raises it again once the ranks have agreed."""
     from workbench.run.torch_comm import TorchCommunicator
 
     stage = "sharing replicated parameters"
+    interrupt: BaseException | None = None
+
+    def caught(exc: BaseException, where: int, *, broken: bool = False) -> RankProblem:
+        nonlocal interrupt
+        if interrupt is None and not isinstance(exc, Exception):
+            interrupt = exc
+        return problem_from(exc, where, stage, broken=broken)
+
     try:
         comm = TorchCommunicator(layout.mesh, {b.mesh_dim for b in batches.values()}, timeout=timeout)
-    except Exception as exc:
-        return problem or problem_from(exc, rank, stage, broken=True)
-    for batch in batches.values():
+    except BaseException as exc:  # making groups is a collective of the world: it may be out of step now
+        failed = caught(exc, rank, broken=True)
+        return problem or failed, interrupt
+    for index, batch in enumerate(batches.values()):
         mesh_dim, reader, names = batch.mesh_dim, batch.reader, batch.names
         reads = layout.mesh.group_rank(rank, mesh_dim) == reader
         tensors = [targets[n] for n in names]
         flat = None
         if problem is None:
             try:  # one buffer per batch, made before the flag: a rank that cannot make it says so there
+                fault_point("load.share", rank, index)
                 flat = torch.cat([t.reshape(-1) for t in tensors]) if reads else torch.empty(
                     sum(t.numel() for t in tensors), dtype=tensors[0].dtype, device=tensors[0].device
                 )
-            except Exception as exc:
-                problem = problem_from(exc, comm.rank, stage)
+            except BaseException as exc:  # KeyboardInterrupt too: the group still needs this rank's flag
+                problem = caught(exc, comm.rank)
         try:
             stop = comm.any_flag(mesh_dim, problem is not None)
-        except Exception as exc:
-            return problem or problem_from(exc, comm.rank, stage, broken=True)
+        except BaseException as exc:  # the group may be out of step: no more calls on it
+            failed = caught(exc, comm.rank, broken=True)
+            return problem or failed, interrupt
         if stop:
             problem = problem or RankProblem(
                 comm.rank, stage, f"a peer in its {format_mesh_dim(mesh_dim)} replica group failed", secondary=True,
@@ -355,18 +372,19 @@ def _share_replicas(
         assert flat is not None
         try:
             comm.broadcast(flat, mesh_dim, reader)
-        except Exception as exc:
-            return problem or problem_from(exc, comm.rank, stage, broken=True)
+        except BaseException as exc:
+            failed = caught(exc, comm.rank, broken=True)
+            return problem or failed, interrupt
         if not reads:
             try:
                 offset = 0
                 for t in tensors:
                     t.copy_(flat[offset : offset + t.numel()].view(t.shape))
                     offset += t.numel()
-            except Exception as exc:  # the group is fine: the next batch's flag tells the peers
-                problem = problem_from(exc, comm.rank, stage)
+            except BaseException as exc:  # the group is fine: the next batch's flag tells the peers
+                problem = caught(exc, comm.rank)
         del flat
-    return problem
+    return problem, interrupt
 
 
 def _check_replica_groups(shared: list[Any], mesh: MeshSpec, what: str) -> None:
