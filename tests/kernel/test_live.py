@@ -110,7 +110,7 @@ def test_a_hang_report_names_the_collective_each_rank_reached_in_the_flight_reco
                   timeout=60)
     execute(client, "%hang_timeout off")
     stderr = out.streams["stderr"]
-    assert "flight recorder (torch's; each rank's last 3 collective(s), newest first):" in stderr, stderr
+    assert "flight recorder (torch's; each rank's last collectives, newest first):" in stderr, stderr
     reached = {int(r): int(seq) for r, seq in
                re.findall(r"^  rank (\d): all_reduce #(\d+) on group 0 \(default_pg\) scheduled", stderr, re.M)}
     assert set(reached) == {0, 1} and reached[0] == reached[1] + 1, stderr  # rank 0 alone in one call more

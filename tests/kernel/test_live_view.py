@@ -94,7 +94,7 @@ def test_recorder_lines_put_ranks_that_reached_the_same_calls_together() -> None
                2: {"entries": last_entries(behind, 2)}, 3: {"entries": [], "error": "RuntimeError: boom"}}
     lines = recorder_lines(answers, [0, 1, 2, 3, 4], now=100.0)
     assert lines == [
-        "flight recorder (torch's; each rank's last 2 collective(s), newest first):",
+        "flight recorder (torch's; each rank's last collectives, newest first):",
         "  rank 0: send 0->1 #7 on group 1 (pp) started 2.0 s ago; before it all_reduce #3 on group 0 (default_pg, "
         "ranks 0,1) scheduled",
         "  ranks 1,2: all_reduce #2 on group 0 (default_pg, ranks 0,1) completed 5.0 s ago; before it broadcast #1 "
@@ -142,3 +142,8 @@ def test_install_options_reach_the_kernel_environment(tmp_path: Path) -> None:
 )
 def test_hang_reports_read_the_recorder_when_asked_or_sized(env: dict[str, str], on: bool) -> None:
     assert _flight_recorder_default(env) is on
+
+
+def test_entries_of_destroyed_groups_are_left_out() -> None:
+    assert [e["seq"] for e in last_entries(TRACE, 3, since=96.0)] == [7, 3]  # made at 98 s and 97 s
+    assert last_entries(TRACE, 3, since=99.0) == []

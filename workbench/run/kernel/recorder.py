@@ -4,12 +4,14 @@ A rank reads its own recorder (``_compat.dump_nccl_trace`` on NCCL, ``dump_fr_tr
 and sends ``last_entries``; the kernel groups ranks whose last collectives read the same (``recorder_lines``), so
 a hang report says which call each rank reached::
 
-    flight recorder (torch's; each rank's last 2 collective(s), newest first):
+    flight recorder (torch's; each rank's last collectives, newest first):
       rank 0: all_reduce #4 on group 0 (default_pg, ranks 0,1) scheduled 6.1 s ago; before it all_reduce #3 completed
       rank 1: all_reduce #3 on group 0 (default_pg, ranks 0,1) completed 6.2 s ago; before it broadcast #2 completed
 
 The recorder's states: ``scheduled`` (queued on the rank), ``started`` (the GPU began it; only with
-``TORCH_NCCL_ENABLE_TIMING``), ``completed``. Gloo entries stay ``scheduled``.
+``TORCH_NCCL_ENABLE_TIMING``), ``completed``. Gloo entries stay ``scheduled``. A call still setting up its group's
+communicator reads ``completed`` on torch 2.11 (its end event is not recorded yet); the ledger line above it in a
+hang report says where the rank really waits.
 """
 
 from __future__ import annotations
@@ -23,15 +25,18 @@ from workbench.run.kernel.fold import format_ranks
 __all__ = ["last_entries", "recorder_lines"]
 
 
-def last_entries(trace: Mapping[str, Any] | None, count: int) -> list[dict[str, Any]]:
+def last_entries(trace: Mapping[str, Any] | None, count: int, since: float | None = None) -> list[dict[str, Any]]:
     """The newest ``count`` collectives of a recorder dump, newest first, as plain dicts: ``group``, ``desc``,
     ``ranks`` (the group's global ranks, "" where the dump does not say), ``op``, ``seq``, ``state``, ``created``
-    (wall-clock seconds)."""
+    (wall-clock seconds). ``since``: leave out entries made before then (wall clock), e.g. those of process groups
+    the kernel has since destroyed and made again (their names and numbers start over)."""
     if not trace:
         return []
     config = trace.get("pg_config") or {}
+    entries = [e for e in trace.get("entries") or []
+               if since is None or not isinstance(e.get("time_created_ns"), int) or e["time_created_ns"] >= since * 1e9]
     out = []
-    for entry in list(trace.get("entries") or [])[-count:][::-1]:
+    for entry in entries[-count:][::-1]:
         name, desc = [*(entry.get("process_group") or ("?", "")), "", ""][:2]
         op = str(entry.get("profiling_name") or "?").split(":", 1)[-1]  # "nccl:all_reduce" -> "all_reduce"
         seq = entry.get("p2p_seq_id") if entry.get("is_p2p") else entry.get("collective_seq_id")
@@ -65,8 +70,7 @@ def recorder_lines(answers: Mapping[int, Mapping[str, Any]], ranks: list[int], n
     ranks without an answer are named as such.
     """
     now = time.time() if now is None else now
-    count = max((len(a.get("entries") or []) for a in answers.values()), default=0)
-    lines = [f"flight recorder (torch's; each rank's last {count} collective(s), newest first):"]
+    lines = ["flight recorder (torch's; each rank's last collectives, newest first):"]
     by_text: dict[str, list[int]] = {}
     for rank in ranks:
         answer = answers.get(rank)

@@ -90,6 +90,7 @@ class _Worker:
         self._aborting: threading.Thread | None = None  # NCCL: the thread aborting the communicators
         self.exit_code = 0  # what the kernel's exit asked for (nonzero: the job lost ranks; see main)
         self.stack_file = ""  # where SIGUSR2 makes faulthandler write its stacks (stackdump.register)
+        self.groups_since = 0.0  # when this generation's process groups were made (wall clock)
 
     def start_forensics(self) -> None:
         """Files through which the rank's stack and collective can be read while it cannot answer: its Python
@@ -133,6 +134,7 @@ class _Worker:
         if self._store is None:
             self._store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
         store = dist.PrefixStore(f"workbench-kernel/gen{self.generation}", self._store)
+        self.groups_since = time.time()  # the flight recorder's entries before this belong to destroyed groups
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
                                 device_id=device)
 
@@ -257,7 +259,7 @@ class _Worker:
 
         try:
             trace = dump_nccl_trace() if self.backend == "nccl" else dump_fr_trace()
-            entries, error = last_entries(trace, int(message.get("last", 3))), None
+            entries, error = last_entries(trace, int(message.get("last", 3)), since=self.groups_since), None
             if trace is None:
                 error = f"this torch ({_torch_version()}) has no flight recorder for {self.backend}"
         except Exception as exc:
