@@ -21,7 +21,7 @@ from safetensors.torch import save_file
 
 from workbench.errors import CheckpointError
 from workbench.io import box_reads
-from workbench.io.box_reads import BoxReader, box_runs, cached_share
+from workbench.io.box_reads import BoxReader, box_runs, cached_share, gap_pages
 from workbench.io.index import read_checkpoint
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.float8_e4m3fn)
@@ -273,9 +273,27 @@ def test_runs_that_touch_every_page_are_read_as_one_span(tmp_path: Path, monkeyp
     monkeypatch.setattr(box_reads.os, "preadv", lambda fd, bufs, off, *a: calls.append(off) or real_preadv(
         fd, bufs, off, *a))
     with BoxReader(read_checkpoint(tmp_path), [("w", box)], direct=False) as r:
-        assert torch.equal(_bytes(r.read("w", box)), _bytes(full[box]))
+        got = r.read("w", box)
+        assert torch.equal(_bytes(got), _bytes(full[box]))
+        assert got.is_contiguous()  # copied out of the span: a copy to a GPU needs no staging
         assert len(calls) == 1  # not 1024 reads of 512 bytes
         assert r.bytes_fetched == 1023 * 1024 + 512  # the span from the first owned byte to the last
+
+
+@settings(max_examples=200, deadline=None)
+@given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=4), itemsize=st.sampled_from([1, 2, 4, 512]),
+       data=st.data())
+def test_gap_pages_bounds_the_pages_a_span_read_fetches_for_nothing(shape, itemsize, data) -> None:
+    box = []
+    for n in shape:
+        a = data.draw(st.integers(0, n - 1))
+        box.append(slice(a, data.draw(st.integers(a + 1, n))))
+    runs = box_runs(shape, itemsize, tuple(box))
+    touched = {page for offset, length in runs for page in range(offset // 4096, (offset + length - 1) // 4096 + 1)}
+    first, last = runs[0][0] // 4096, (runs[-1][0] + runs[-1][1] - 1) // 4096
+    untouched = (last - first + 1) - len(touched)  # pages of the span (file at offset 0) that hold none of the box
+    got = gap_pages(shape, itemsize, tuple(box))
+    assert untouched <= got <= untouched + len(runs) - 1, (shape, box, untouched, got)
 
 
 @pytest.mark.parametrize("direct", [False, True])

@@ -15,8 +15,9 @@ past a box into bytes another rank owns, and the reads here are large and parall
 ``safe_open`` maps the file instead, and the readahead of a mapping read a whole 24 MiB file for the 16 MiB two
 ranks owned of it. What the OS reads is counted in ``tests/dist/test_os_read_bytes.py`` from ``/proc/self/io``.
 
-A box whose runs touch nearly every page of its span is read as the span too: the disk reads whole pages, so reading
-a 512-byte half of each 1 KiB row run by run fetched the same pages in a thousand small reads.
+A box whose runs leave no whole page between them (``gap_pages``) is read as its span too, and handed out as a
+contiguous copy: the disk reads whole pages, so reading a 512-byte half of each 1 KiB row run by run fetched the same
+pages in a thousand small reads.
 
 **O_DIRECT.** A request of one contiguous byte range (a span, or neighbouring spans) can be read with ``O_DIRECT``:
 the disk's blocks land straight in the (pinned) buffer, with no copy out of the page cache and no page cache
@@ -51,7 +52,7 @@ import torch
 from workbench.errors import CheckpointError
 from workbench.io.index import CheckpointIndex, KeyInfo, torch_dtype
 
-__all__ = ["BoxReader", "box_runs", "cached_share"]
+__all__ = ["BoxReader", "box_runs", "cached_share", "gap_pages"]
 
 Box = tuple[slice, ...] | None
 Direct = bool | Literal["auto"]
@@ -88,6 +89,28 @@ def box_runs(shape: Sequence[int], itemsize: int, box: Box) -> list[tuple[int, i
     return [(s, run) for s in starts]
 
 
+def gap_pages(shape: Sequence[int], itemsize: int, box: Box) -> int:
+    """Whole ``ALIGN``-byte blocks that fit in the gaps between the runs of ``box`` (``box_runs``), counted from the
+    box's shape alone: at most one block more per gap than the pages a read of its span fetches for none of its
+    bytes. 0 where every gap is shorter than a page (a half-column of 1 KiB rows)."""
+    shape = tuple(shape)
+    box = tuple(box or ()) + tuple(slice(0, n) for n in shape[len(box or ()):])
+    sizes = [s.stop - s.start for s in box]
+    if not shape or any(n == 0 for n in sizes):
+        return 0
+    strides = [itemsize * math.prod(shape[d + 1:]) for d in range(len(shape))]
+    k = len(shape) - 1
+    while k > 0 and sizes[k] == shape[k]:
+        k -= 1
+    run = sizes[k] * strides[k]
+    total = inner = 0  # inner: from the first to the last run of one block of the dims inside d
+    for d in range(k - 1, -1, -1):
+        gap = strides[d] - inner - run  # from the end of a block's last run to the next block's first
+        total += (sizes[d] - 1) * math.prod(sizes[:d]) * (gap // ALIGN)
+        inner += (sizes[d] - 1) * strides[d]
+    return total
+
+
 @dataclass(frozen=True, slots=True)
 class _Box:
     """One requested box: where its bytes are and how its tensor is made from the buffer they land in."""
@@ -101,6 +124,7 @@ class _Box:
     sizes: tuple[int, ...]
     strides: tuple[int, ...]  # element strides of the box within its buffer
     dtype: torch.dtype
+    compact: bool = False  # read as its span, handed out as a contiguous copy of the box
 
 
 class _Request:
@@ -159,6 +183,7 @@ class BoxReader:
         self.direct_refused: dict[str, str] = {}
         self._fds: dict[str, tuple[int, int]] = {}
         self._direct_fds: dict[str, int] = {}
+        self._maps: dict[str, _PageMap] = {}  # auto: which pages of a file are cached
         self._closing: list[int] = []  # direct fds a refusal retired: closed with the rest, no thread may hold one
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="wb-read")
@@ -199,6 +224,9 @@ class BoxReader:
         fds, self._fds = self._fds, {}
         direct, self._direct_fds = self._direct_fds, {}
         closing, self._closing = self._closing, []
+        maps, self._maps = self._maps, {}
+        for pages in maps.values():
+            pages.close()
         for fd in [fd for fd, _ in fds.values()] + list(direct.values()) + closing:
             os.close(fd)
 
@@ -323,7 +351,10 @@ class BoxReader:
         raw = request.buffer[at:at + item.length]
         if raw.storage_offset() % item.dtype.itemsize:  # a key of another dtype before it left it unaligned
             raw = raw.clone()
-        return raw.view(item.dtype).as_strided(item.sizes, item.strides)
+        tensor = raw.view(item.dtype).as_strided(item.sizes, item.strides)
+        if item.compact:  # contiguous (and pinned) again, so that a copy to a GPU needs no staging and can overlap
+            tensor = torch.empty(item.sizes, dtype=item.dtype, pin_memory=self.pin_memory).copy_(tensor)
+        return tensor
 
     # -- O_DIRECT ----------------------------------------------------------------------------------------------------
 
@@ -334,7 +365,10 @@ class BoxReader:
             return True
         if request.nbytes < DIRECT_MIN_BYTES:
             return False
-        share = cached_share(fd, data_start + request.boxes[0].start, request.nbytes)
+        pages = self._maps.get(request.file)
+        if pages is None:
+            pages = self._maps[request.file] = _PageMap(fd)
+        share = pages.share(data_start + request.boxes[0].start, request.nbytes)
         return share is not None and share <= DIRECT_COLD_SHARE  # unknown: the page cache is the safe side
 
     def _direct_fd(self, file: str) -> int | None:
@@ -378,15 +412,16 @@ class BoxReader:
         sizes = tuple(s.stop - s.start for s in index)
         runs = box_runs(info.shape, itemsize, index)
         base = info.data_offsets[0]
-        needed = sum(n for _, n in runs)
+        needed = len(runs) * runs[0][1] if runs else 0  # every run of a box has one length
         shape_strides = [math.prod(info.shape[d + 1:]) for d in range(len(info.shape))]
         if not runs:
             return _Box(key, box, info.file, base, 0, (), sizes, tuple(shape_strides), dtype)
         span = runs[-1][0] + runs[-1][1] - runs[0][0]
-        if needed >= DENSE_FILL * span or _pages(runs, base) >= DENSE_FILL * _pages([(runs[0][0], span)], base):
-            # one span, viewed with the tensor's own strides
+        dense = needed >= DENSE_FILL * span
+        if dense or gap_pages(info.shape, itemsize, index) <= (1 - DENSE_FILL) * span / ALIGN:
+            # one span, viewed with the tensor's own strides (copied out where the runs only touch every page)
             return _Box(key, box, info.file, base + runs[0][0], span, ((base + runs[0][0], span),), sizes,
-                        tuple(shape_strides), dtype)
+                        tuple(shape_strides), dtype, compact=not dense)
         # runs packed one after the other: the box's own contiguous strides
         packed = tuple(math.prod(sizes[d + 1:]) for d in range(len(sizes)))
         return _Box(key, box, info.file, base + runs[0][0], needed, tuple((base + o, n) for o, n in runs), sizes,
@@ -422,27 +457,45 @@ class BoxReader:
 def cached_share(fd: int, offset: int, length: int, samples: int = _SAMPLES) -> float | None:
     """The share of up to ``samples`` pages, spread evenly over ``[offset, offset + length)`` of the open file
     ``fd``, that are in the page cache (``mincore`` of a mapping that touches no page); None where it cannot tell."""
-    libc = _libc()
-    if libc is None or length <= 0:
-        return None
-    page = mmap.PAGESIZE
-    low = offset // page * page
-    size = offset + length - low
-    npages = -(-size // page)
-    addr = libc.mmap(None, size, mmap.PROT_READ, mmap.MAP_SHARED, fd, low)
-    if addr is None or addr == ctypes.c_void_p(-1).value:
-        return None
+    pages = _PageMap(fd)
     try:
-        picks = sorted({i * (npages - 1) // max(1, samples - 1) for i in range(min(samples, npages))})
+        return pages.share(offset, length, samples)
+    finally:
+        pages.close()
+
+
+class _PageMap:
+    """A read-only mapping of a whole file, never touched, to ask ``mincore`` which of its pages are cached. One per
+    file for a reader's life: mapping and unmapping per request cost a millisecond while 16 threads fault pages."""
+
+    def __init__(self, fd: int) -> None:
+        self.libc = _libc()
+        self.size = os.fstat(fd).st_size
+        self.addr: int | None = None
+        if self.libc is not None and self.size:
+            addr = self.libc.mmap(None, self.size, mmap.PROT_READ, mmap.MAP_SHARED, fd, 0)
+            if addr is not None and addr != ctypes.c_void_p(-1).value:
+                self.addr = addr
+
+    def share(self, offset: int, length: int, samples: int = _SAMPLES) -> float | None:
+        if self.addr is None or self.libc is None or length <= 0 or offset >= self.size:
+            return None
+        page = mmap.PAGESIZE
+        first, last = offset // page, (min(offset + length, self.size) - 1) // page
+        count = last - first + 1
+        picks = sorted({first + i * (count - 1) // max(1, samples - 1) for i in range(min(samples, count))})
         vec = ctypes.c_ubyte()
         hits = 0
         for i in picks:
-            if libc.mincore(ctypes.c_void_p(addr + i * page), page, ctypes.byref(vec)):
+            if self.libc.mincore(ctypes.c_void_p(self.addr + i * page), page, ctypes.byref(vec)):
                 return None
             hits += vec.value & 1
         return hits / len(picks)
-    finally:
-        libc.munmap(ctypes.c_void_p(addr), size)
+
+    def close(self) -> None:
+        if self.addr is not None and self.libc is not None:
+            self.libc.munmap(ctypes.c_void_p(self.addr), self.size)
+        self.addr = None
 
 
 _LIBC: list[ctypes.CDLL | None] = []  # loaded once, on first use
@@ -451,7 +504,9 @@ _LIBC: list[ctypes.CDLL | None] = []  # loaded once, on first use
 def _libc() -> ctypes.CDLL | None:
     if not _LIBC:
         try:
-            lib = ctypes.CDLL(ctypes.util.find_library("c") or None, use_errno=True)
+            # PyDLL keeps the GIL through the call: mincore takes microseconds, and giving the GIL to 16 reading
+            # threads and waiting to get it back made each of a request's 32 calls cost 30 us
+            lib = ctypes.PyDLL(ctypes.util.find_library("c") or None, use_errno=True)
             lib.mmap.restype = ctypes.c_void_p
             lib.mmap.argtypes = [ctypes.c_void_p, ctypes.c_size_t, ctypes.c_int, ctypes.c_int, ctypes.c_int,
                                  ctypes.c_long]
@@ -474,16 +529,6 @@ def _direct_mode(direct: Direct | None) -> Direct:
     if direct not in (True, False, "auto") or (direct != "auto" and not isinstance(direct, bool)):
         raise ValueError(f"direct={direct!r}: expected True, False or 'auto'")
     return direct
-
-
-def _pages(runs: Sequence[tuple[int, int]], base: int) -> int:
-    """Distinct ``ALIGN`` pages of the file that ``runs`` (offsets from ``base``, in order) touch."""
-    count, last = 0, -1
-    for offset, length in runs:
-        first, stop = (base + offset) // ALIGN, (base + offset + length - 1) // ALIGN
-        count += stop - max(first, last + 1) + 1 if stop > last else 0
-        last = max(last, stop)
-    return count
 
 
 def _normal(box: Box) -> Box:
