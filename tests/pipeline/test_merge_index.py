@@ -12,6 +12,9 @@ import pytest
 from workbench.errors import CheckpointError
 from workbench.io.index import INDEX_NAME
 from workbench.io.pipeline_save import _merge
+from workbench.layout.model_layout import Layout
+from workbench.layout.pipeline import PipelineLayout
+from workbench.mesh import MeshSpec
 
 
 def _stage(root: Path, body: object) -> Path:
@@ -19,6 +22,10 @@ def _stage(root: Path, body: object) -> Path:
     stage.mkdir()
     (stage / INDEX_NAME).write_text(json.dumps(body))
     return stage
+
+
+def _one_stage() -> PipelineLayout:
+    return PipelineLayout.from_layout(Layout(MeshSpec((1, 1), ("pp", "fsdp")), {}), "pp", lambda name: 0)
 
 
 @pytest.mark.parametrize(("body", "message"), [
@@ -31,7 +38,7 @@ def test_a_bad_stage_index_stops_the_merge_naming_the_stage(tmp_path: Path, body
     outside.write_bytes(b"not a stage file")
     stage = _stage(tmp_path, body)
     with pytest.raises(CheckpointError, match=rf"pipeline stage 0's index cannot be merged: .*{INDEX_NAME}.*{message}"):
-        _merge([stage], tmp_path / "ckpt", [])
+        _merge([stage], tmp_path / "ckpt", [], _one_stage())
     assert outside.read_bytes() == b"not a stage file"  # not moved into the checkpoint
     assert not (tmp_path / "ckpt").exists()
     assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.stage0", "outside.safetensors"]  # nothing prepared

@@ -7,11 +7,12 @@ from pathlib import Path
 import pytest
 from torch.distributed.tensor import Replicate, Shard
 
-from workbench.errors import LayoutError
+from workbench.errors import LayoutError, LayoutFileError
 from workbench.layout.layout_file import load_layout
+from workbench.layout.layout_file import parse_layout as load_layout_text
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
-from workbench.layout.pipeline import PipelineLayout, load_pipeline_layout, stage_rule
+from workbench.layout.pipeline import PipelineLayout, load_pipeline_layout, parse_pipeline_layout, stage_rule
 from workbench.mesh import MeshSpec
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_meshes"
@@ -64,3 +65,39 @@ def test_deepseek_v3_pp_sample_covers_every_key_once() -> None:
     # stage-local rank 5 = (dp=0, ep=5): experts 20-23 of the EP rank, dp quarter 0 = expert 20's gate and up
     assert [r.hf_key for r in experts.key_regions(5)] == ["model.layers.20.mlp.experts.20.gate_proj.weight",
                                                          "model.layers.20.mlp.experts.20.up_proj.weight"]
+
+
+def test_to_toml_reads_back_into_the_same_pipeline() -> None:
+    # the DeepSeek-V3 sample (its stages from a layer rule) written with every stage's parameters named
+    pipeline = load_pipeline_layout(SAMPLES / "deepseek_v3_pp.toml")
+    text = pipeline.to_toml()
+    assert parse_pipeline_layout(text) == pipeline
+    assert "stage_params" in text and "stage_layers" not in text
+    flat = load_layout_text(text)  # as one mesh: the whole model, each parameter replicated over pp
+    assert flat.mesh == pipeline.mesh and set(flat.hf_keys) == set(pipeline.hf_keys)
+    spec = flat["model.layers.20.mlp.experts.fused_w1w3"]
+    assert spec.describe_shards() == "S(0)@ep -> S(0)@dp"
+    assert spec.key_regions(5) == spec.key_regions(256 + 5) == spec.key_regions(768 + 5)  # as if every stage held it
+
+
+def _listed(stage_params: str) -> str:
+    return ('name = "toy"\n[mesh]\nshape = [2, 2]\ndim_names = ["pp", "fsdp"]\n'
+            '[[param]]\nname = "a"\nhf_keys = ["a"]\nglobal_shape = [4]\nmesh_dims = ["fsdp"]\nplacements = ["S(0)"]\n'
+            '[[param]]\nname = "b"\nhf_keys = ["b"]\nglobal_shape = [4]\nmesh_dims = ["fsdp"]\nplacements = ["R"]\n'
+            f'[pipeline]\nmesh_dim = "pp"\n{stage_params}\n')
+
+
+def test_stage_params_name_every_parameter_once() -> None:
+    pipeline = parse_pipeline_layout(_listed('stage_params = [["b"], ["a"]]'))
+    assert [list(s.specs) for s in pipeline.stages] == [["b"], ["a"]] and pipeline.stage_ranks(1) == (2, 3)
+    for table, message in [
+        ('stage_params = [["a"], ["a", "b"]]', r"parameter 'a' is in stage 0 and stage 1"),
+        ('stage_params = [["a"], []]', r"parameter\(s\) \['b'\] \(1 in all\) are in no stage"),
+        ('stage_params = [["a"], ["b", "c"]]', r"stage 1 lists 'c', which is not a parameter of the file"),
+        ('stage_params = [["a", "b"]]', r"stage_params lists 1 stages, mesh dim 'pp' has 2"),
+        ('stage_params = ["a", "b"]', r"a list of lists of parameter names"),
+        ('stage_params = [["a"], ["b"]]\nstage_layers = ["0:1", "1:2"]', r"stage_layers \(and its rule\) or "
+         r"stage_params, not both"),
+    ]:
+        with pytest.raises(LayoutFileError, match=message):
+            parse_pipeline_layout(_listed(table), source="toy.toml")

@@ -5,8 +5,10 @@ its own (``PipelineLayout.stages``, stage-local ranks), so each stage runs an or
 ``StageCommunicator`` that makes the stage look like a world: stage-local ranks, process groups over the stage's
 own ranks, agreement among the stage only. Stages write side by side into hidden per-stage directories next to the
 target; after every rank's stage succeeded, global rank 0 renumbers the files
-(``model-0000k-of-0000N.safetensors`` over all stages), writes one index with ``metadata.total_size``, copies the
-config files and publishes the whole directory with one atomic rename. A failure anywhere publishes nothing.
+(``model-0000k-of-0000N.safetensors`` over all stages), writes one index with ``metadata.total_size``, the layout of
+the whole pipeline (``workbench_layout.toml``: every stage's layout as its save wrote it, with a ``[pipeline]``
+table naming each stage's parameters, so ``diagnose`` can tell which global ranks held a region), copies the config
+files and publishes the whole directory with one atomic rename. A failure anywhere publishes nothing.
 
 Failure containment: every exchange across stages runs on the save's own gloo control group of the whole world
 (``ControlChannel``, with a timeout), never on the default group: before any stage group is built (argument
@@ -35,6 +37,7 @@ from workbench.errors import CheckpointError, LayoutError
 from workbench.io.file_plan import FilePlan, FileSpec, file_name
 from workbench.io.index import INDEX_NAME, read_index, write_index
 from workbench.io.publish import AtomicRenamePublisher
+from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
 from workbench.layout.pipeline import PipelineLayout
 from workbench.mesh import MeshDimRef, format_mesh_dim
 from workbench.run.guard import (
@@ -229,7 +232,7 @@ def save_hf_pipeline(
     merged: RankProblem | None = None
     if rank == 0:
         try:
-            _merge(stages, path, config_files)
+            _merge(stages, path, config_files, pipeline)
         except BaseException as exc:
             failure = exc
             merged = problem_from(exc, 0, "merging the stages and publishing (index, config files, rename)")
@@ -323,8 +326,10 @@ def _quietly(fn: Callable[[], None] | None) -> None:
         pass
 
 
-def _merge(stage_dirs: Sequence[Path], path: Path, config_files: Sequence[str | Path]) -> None:
-    """Move every stage's files into one directory with global numbering, one index, and publish it."""
+def _merge(stage_dirs: Sequence[Path], path: Path, config_files: Sequence[str | Path], pipeline: PipelineLayout
+           ) -> None:
+    """Move every stage's files into one directory with global numbering, one index and the pipeline's layout file,
+    and publish it."""
     files: list[tuple[Path, dict[str, str]]] = []  # (file, {key: ...}) in stage order
     for stage, stage_dir in enumerate(stage_dirs):
         weight_map, _, problems = read_index(stage_dir / INDEX_NAME)  # bounded, checked parsing
@@ -337,6 +342,7 @@ def _merge(stage_dirs: Sequence[Path], path: Path, config_files: Sequence[str | 
         for key, name in weight_map.items():
             by_file.setdefault(name, []).append(key)
         files.extend((stage_dir / name, dict.fromkeys(keys, name)) for name, keys in sorted(by_file.items()))
+    saved = _saved_pipeline(pipeline, stage_dirs)
     total = len(files)
     publisher = AtomicRenamePublisher(path)
     temporary = publisher.prepare()
@@ -350,12 +356,25 @@ def _merge(stage_dirs: Sequence[Path], path: Path, config_files: Sequence[str | 
         weight_map = {key: spec.name for spec in specs for key in spec.keys}
         write_index(temporary, FilePlan(files=tuple(specs), weight_map=weight_map,
                                         total_size=sum(s.nbytes for s in specs)))
+        (temporary / LAYOUT_FILE_NAME).write_text(saved.to_toml(), encoding="utf-8")  # fsynced by finalize
         for config in config_files:
             shutil.copy2(config, temporary / Path(config).name)
         publisher.finalize()
     except BaseException:
         publisher.abort()
         raise
+
+
+def _saved_pipeline(pipeline: PipelineLayout, stage_dirs: Sequence[Path]) -> PipelineLayout:
+    """The pipeline as its stages were saved: each stage's own layout file (``save_hf`` writes it with the dtypes
+    of the tensors it wrote, which ``pipeline`` may leave out) on ``pipeline``'s mesh."""
+    stages = []
+    for stage, stage_dir in enumerate(stage_dirs):
+        layout = read_checkpoint_layout(stage_dir)
+        if layout is None:
+            raise CheckpointError(f"pipeline stage {stage}'s save left no {LAYOUT_FILE_NAME} in {stage_dir}")
+        stages.append(layout)
+    return PipelineLayout(pipeline.mesh, pipeline.pp_dim, tuple(stages), name=pipeline.name)
 
 
 def _data_bytes(path: Path) -> int:

@@ -24,7 +24,12 @@ Layout files: a normal layout file plus a ``[pipeline]`` table (``sample_meshes/
     first_stage = ['model\\.embed_tokens\\.weight']   # regexes (fullmatch) of non-layer parameters
     last_stage = ['model\\.norm\\.weight', 'lm_head\\.weight']
 
-Its parameters list ``mesh_dims`` without ``pp`` (as every rank of a stage sees them).
+Its parameters list ``mesh_dims`` without ``pp`` (as every rank of a stage sees them). Instead of the rule
+(``layer_pattern``, ``stage_layers``, ``first_stage``, ``last_stage``) the table may name every stage's parameters,
+``stage_params = [["model.embed_tokens.weight", ...], [...]]``: that is what ``PipelineLayout.to_toml`` writes, and
+what a pipeline checkpoint carries (``workbench_layout.toml``, read by ``read_checkpoint_pipeline_layout``).
+Read as a plain layout file (``load_layout``), the same text is the whole model on the whole mesh with every
+parameter replicated over ``pp``: right for its keys, shapes and dtypes, not for which ranks hold what.
 """
 
 from __future__ import annotations
@@ -41,7 +46,8 @@ from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
 
-__all__ = ["PipelineLayout", "load_pipeline_layout", "stage_rule"]
+__all__ = ["PipelineLayout", "load_pipeline_layout", "parse_pipeline_layout", "read_checkpoint_pipeline_layout",
+           "stage_rule"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -158,9 +164,47 @@ class PipelineLayout:
                        for s in range(count))
         return cls(layout.mesh, pp_dim, stages, name=name or layout.name)
 
+    def flat_layout(self) -> Layout:
+        """Every stage's parameters on the whole mesh, in stage order, each replicated over ``pp_dim`` (what
+        ``from_layout`` splits; a flat layout file of the pipeline reads as this). Good for the keys, shapes, cuts
+        and dtypes of the whole model; it says every stage holds every parameter, so rank questions go to the
+        stages."""
+        specs: dict[str, LoadSpec] = {}
+        dtypes: dict[str, str] = {}
+        for layout in self.stages:
+            for param, spec in layout.specs.items():
+                specs[param] = LoadSpec(name=param, hf_keys=spec.hf_keys, global_shape=spec.global_shape,
+                                        mesh=self.mesh, shards=spec.shards, fused_dim=spec.fused_dim,
+                                        origin_shape=spec.origin_shape)
+                if param in layout.dtypes:
+                    dtypes[param] = layout.dtypes[param]
+        return Layout(self.mesh, specs, dtypes, name=self.name)
+
+    def to_toml(self) -> str:
+        """This pipeline as a layout file: the whole model (``flat_layout``) and a ``[pipeline]`` table naming the
+        pipeline mesh dim and every stage's parameters (``stage_params``); ``load_pipeline_layout`` reads it back
+        into an equal ``PipelineLayout`` (stage layouts named ``NAME[pp=s]``, as ``from_layout`` names them)."""
+        from workbench.layout.layout_toml import layout_to_toml
+
+        # one name a line, and no line of the table starts with "[": a reader blanks the table up to the next header
+        lines = ["", "[pipeline]", f"mesh_dim = {_toml_str(self.pp_dim)}", "stage_params = [["]
+        for s, layout in enumerate(self.stages):
+            if s:
+                lines.append("], [")
+            lines.extend(f"  {_toml_str(name)}," for name in layout.specs)
+        lines.append("]]")
+        return layout_to_toml(self.flat_layout()) + "\n".join(lines) + "\n"
+
     def __repr__(self) -> str:
         sizes = ", ".join(str(len(layout)) for layout in self.stages)
         return f"PipelineLayout({self.name!r}, mesh={self.mesh!r}, pp_dim={self.pp_dim!r}, params per stage=[{sizes}])"
+
+
+def _toml_str(text: str) -> str:
+    """A TOML basic string (JSON's escapes are TOML's; DEL, which TOML wants escaped, is escaped too)."""
+    import json
+
+    return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
 def _empty(mesh: MeshSpec, pp_dim: str) -> Layout:
@@ -219,28 +263,89 @@ def load_pipeline_layout(path: str | Path) -> PipelineLayout:
         LayoutFileError: the file is not valid, the ``[pipeline]`` table is missing or has unknown fields, or a
             parameter falls in no stage (all named with the file).
     """
-    from workbench.layout.layout_file import parse_layout
-
     path = Path(path)
     try:
-        text = path.read_text()
-        doc = tomllib.loads(text)
-    except (OSError, tomllib.TOMLDecodeError) as exc:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
         raise LayoutFileError(f"cannot read pipeline layout file {str(path)!r}: {exc}") from None
+    return parse_pipeline_layout(text, source=str(path))
+
+
+def read_checkpoint_pipeline_layout(directory: str | Path) -> PipelineLayout | None:
+    """The pipeline layout a checkpoint folder carries (``workbench_layout.toml`` with a ``[pipeline]`` table, as
+    ``save_hf_pipeline`` writes it), or None when it carries no layout file or one of a single mesh.
+
+    Raises:
+        LayoutFileError: the file is there but cannot be read or parsed (the message names it).
+    """
+    from workbench.layout.layout_file import LAYOUT_FILE_NAME, MAX_LAYOUT_FILE_BYTES
+
+    path = Path(directory) / LAYOUT_FILE_NAME
+    if not path.is_file():
+        return None
+    size = path.stat().st_size
+    if size > MAX_LAYOUT_FILE_BYTES:
+        raise LayoutFileError(f"{path}: {size:,} bytes, more than a layout file may have (MAX_LAYOUT_FILE_BYTES, "
+                              f"{MAX_LAYOUT_FILE_BYTES:,}); not read")
+    try:
+        text = path.read_text(encoding="utf-8")
+    except (OSError, UnicodeDecodeError) as exc:
+        raise LayoutFileError(f"cannot read pipeline layout file {str(path)!r}: {exc}") from None
+    if not any(line.strip() == "[pipeline]" for line in text.splitlines()):  # a one-mesh layout: not parsed twice
+        return None
+    return parse_pipeline_layout(text, source=str(path))
+
+
+def parse_pipeline_layout(text: str, *, source: str = "<string>") -> PipelineLayout:
+    """Parse the TOML text of a pipeline layout file (a layout file with a ``[pipeline]`` table)."""
+    from workbench.layout.layout_file import parse_layout
+
+    try:
+        doc = tomllib.loads(text)
+    except tomllib.TOMLDecodeError as exc:
+        raise LayoutFileError(f"cannot read pipeline layout file {source!r}: {exc}") from None
     table = doc.get("pipeline")
     if not isinstance(table, Mapping):
-        raise LayoutFileError(f"{path}: a pipeline layout file needs a [pipeline] table (mesh_dim, stage_layers, ...)")
-    known = {"mesh_dim", "layer_pattern", "stage_layers", "first_stage", "last_stage"}
-    if set(table) - known or "stage_layers" not in table:
-        raise LayoutFileError(f"{path}: [pipeline]: fields {sorted(table)}; known: {sorted(known)}, stage_layers "
-                              "required")
-    layout = parse_layout(_without_table(text, "pipeline"), source=str(path))
-    rule_args: dict[str, Any] = {k: table[k] for k in ("layer_pattern", "first_stage", "last_stage") if k in table}
+        raise LayoutFileError(f"{source}: a pipeline layout file needs a [pipeline] table (mesh_dim, stage_layers, "
+                              "...)")
+    known = {"mesh_dim", "layer_pattern", "stage_layers", "first_stage", "last_stage", "stage_params"}
+    if set(table) - known or ("stage_layers" in table) == ("stage_params" in table):
+        raise LayoutFileError(f"{source}: [pipeline]: fields {sorted(table)}; known: {sorted(known)}, with "
+                              "stage_layers (and its rule) or stage_params, not both")
+    layout = parse_layout(_without_table(text, "pipeline"), source=source)
+    pp_dim = table.get("mesh_dim", "pp")
     try:
-        rule = stage_rule(table["stage_layers"], **rule_args)
-        return PipelineLayout.from_layout(layout, table.get("mesh_dim", "pp"), rule)
+        if "stage_params" in table:
+            if set(table) - {"mesh_dim", "stage_params"}:
+                raise LayoutError(f"stage_params takes no rule fields, got {sorted(set(table) - {'mesh_dim'})}")
+            rule = _listed_stages(table["stage_params"], layout, pp_dim)
+        else:
+            rule_args = {k: table[k] for k in ("layer_pattern", "first_stage", "last_stage") if k in table}
+            rule = stage_rule(table["stage_layers"], **rule_args)
+        return PipelineLayout.from_layout(layout, pp_dim, rule)
     except LayoutError as exc:
-        raise LayoutFileError(f"{path}: [pipeline]: {exc}") from None
+        raise LayoutFileError(f"{source}: [pipeline]: {exc}") from None
+
+
+def _listed_stages(stage_params: Any, layout: Layout, pp_dim: str) -> Callable[[str], int]:
+    """``name -> stage`` from ``stage_params`` (one list of parameter names per stage of ``pp_dim``)."""
+    count = layout.mesh.shape[layout.mesh.mesh_dim_index(pp_dim)]
+    if not isinstance(stage_params, list) or not all(
+            isinstance(names, list) and all(isinstance(n, str) for n in names) for names in stage_params):
+        raise LayoutError("stage_params must be a list of lists of parameter names, one per stage")
+    if len(stage_params) != count:
+        raise LayoutError(f"stage_params lists {len(stage_params)} stages, mesh dim {pp_dim!r} has {count}")
+    owner: dict[str, int] = {}
+    for s, names in enumerate(stage_params):
+        for name in names:
+            if name not in layout.specs:
+                raise LayoutError(f"stage_params: stage {s} lists {name!r}, which is not a parameter of the file")
+            if owner.setdefault(name, s) != s:
+                raise LayoutError(f"stage_params: parameter {name!r} is in stage {owner[name]} and stage {s}")
+    unlisted = [name for name in layout.specs if name not in owner]
+    if unlisted:
+        raise LayoutError(f"stage_params: parameter(s) {unlisted[:3]} ({len(unlisted)} in all) are in no stage")
+    return owner.__getitem__
 
 
 def _without_table(text: str, name: str) -> str:
