@@ -4,6 +4,8 @@ from __future__ import annotations
 
 import html
 import io
+import re
+import xml.etree.ElementTree as ET
 
 import ipywidgets
 import numpy as np
@@ -25,30 +27,56 @@ def toy():
     return load_layout(TOY)
 
 
-def _pixels(png: bytes) -> np.ndarray:
-    return np.asarray(Image.open(io.BytesIO(png)).convert("RGB")).astype(int)
+def _svg(data: bytes) -> ET.Element:
+    return ET.fromstring(bytes(data))
+
+
+def _path_points(svg: ET.Element, gid: str) -> np.ndarray:
+    """The (x, y) points, in the SVG's point units, of the path of the artist with ``gid``."""
+    group = svg.find(f".//{{http://www.w3.org/2000/svg}}g[@id='{gid}']")
+    assert group is not None, f"no artist {gid!r} in the marks"
+    numbers = [float(v) for v in re.findall(r"-?\d+(?:\.\d+)?", group[0].get("d"))]
+    return np.array(numbers).reshape(-1, 2)
 
 
 def test_rank_slider_moves_the_outline(toy) -> None:
     app = explore(toy, param=W13, rank=4, background=False)
     assert isinstance(app, ipywidgets.Widget)
     ex = app.explorer
-    at4 = ex.offsets.value
+    base, at4 = ex.offsets.value, ex.offsets_marks.value
     ex.rank.value = 5
-    at5 = ex.offsets.value
-    assert at5 != at4
     assert [s.value for s in ex.coords] == list(toy.mesh.coordinate(5))
-    # the outline moved from rank 4's rows (4:6) to rank 5's rows (6:8): pixels change only around those rows
-    changed = np.nonzero((_pixels(at4) != _pixels(at5)).any(axis=(1, 2)))[0]
+    assert ex.offsets.value == base  # the static picture stays; only its marks change
+    at5 = ex.offsets_marks.value
+    assert at5 != at4
+    # rank 5 holds rows 6:8 of 16, every column: its outline sits there on the overview's axes (point units,
+    # y down, from the axes' place in the figure)
+    assert [(r.global_offset, r.sizes) for r in toy[W13].runs(5)] == [((6, 0), (2, 4))]
     fig = ex._offsets_picture(W13, None).drawing.fig
-    ax = fig.axes[0]
-    height = fig.get_figheight() * fig.dpi
-    def pixel_row(row: float) -> float:
-        return height - ax.transData.transform((0, row))[1]
-    slack = 2.5 * fig.dpi / 72  # half the outline's white halo (3.6 pt) plus antialiasing, in pixels
-    assert pixel_row(4) - slack <= changed.min() and changed.max() <= pixel_row(8) + slack
+    box = fig.axes[0].get_position()
+    width, height = fig.get_figwidth() * 72, fig.get_figheight() * 72
+    points = _path_points(_svg(at5), "rank-5")
+    def y(row: float) -> float:
+        return height * (1 - box.y1 + row / 16 * box.height)
+    assert points[:, 1].min() == pytest.approx(y(6), abs=0.01) and points[:, 1].max() == pytest.approx(y(8), abs=0.01)
+    assert points[:, 0].min() == pytest.approx(width * box.x0, abs=0.01)
+    assert points[:, 0].max() == pytest.approx(width * box.x1, abs=0.01)
+    assert _svg(at5).find(".//{http://www.w3.org/2000/svg}g[@id='rank-4']") is None
     ex.rank.value = 4
-    assert ex.offsets.value == at4  # deterministic: back to the same picture
+    assert ex.offsets_marks.value == at4  # deterministic: back to the same picture
+
+
+def test_marks_cover_their_base_image_exactly(toy) -> None:
+    ex = explore(toy, param=W13, rank=3, background=False).explorer
+    for base, marks in ((ex.offsets, ex.offsets_marks), (ex.mesh_image, ex.mesh_marks)):
+        assert base.format == "png" and marks.format == "svg+xml"
+        png_width, png_height = Image.open(io.BytesIO(base.value)).size
+        svg = _svg(marks.value)
+        # the SVG is in points (72 per inch), the PNG has 2 pixels per CSS pixel at 100 CSS pixels per inch
+        svg_width, svg_height = (float(svg.get(k).removesuffix("pt")) for k in ("width", "height"))
+        assert (svg_width * 100 / 72, svg_height * 100 / 72) == pytest.approx((png_width / 2, png_height / 2))
+        assert int(base.width) == int(marks.width) == png_width // 2
+        assert svg.find(".//{http://www.w3.org/2000/svg}rect[@width='100%']") is None  # no opaque background
 
 
 def test_coordinate_sliders_pick_the_rank(toy) -> None:
@@ -92,11 +120,16 @@ def test_policy_and_budget_give_the_planned_schedule(toy, policy: str, budget: s
 
 def test_group_outline_changes_the_mesh(toy) -> None:
     ex = explore(toy, rank=5, background=False).explorer
-    alone = ex.mesh_image.value
+    base, alone = ex.mesh_image.value, ex.mesh_marks.value
     ex.group.value = "tp"
-    assert ex.mesh_image.value != alone
+    assert ex.mesh_image.value == base and ex.mesh_marks.value != alone
+    # rank 5's group along tp is ranks 4 and 5: one thin outline per cell and a bold one around the block
+    assert toy.mesh.group_ranks(5, "tp") == (4, 5)
+    groups = _svg(ex.mesh_marks.value).findall(".//{http://www.w3.org/2000/svg}g[@id='highlight']")
+    assert len(groups) == 1 and len(groups[0].findall("{http://www.w3.org/2000/svg}path")) == 2
+    assert len(_svg(ex.mesh_marks.value).findall(".//{http://www.w3.org/2000/svg}g[@id='group']")) == 2
     ex.group.value = "(rank only)"
-    assert ex.mesh_image.value == alone
+    assert ex.mesh_marks.value == alone
 
 
 def test_pickers_are_searchable(toy) -> None:
@@ -138,3 +171,57 @@ def test_deepseek_rank_change_draws_the_zoom_and_never_waits_for_a_schedule() ->
     assert ex.schedule_image.value != before and "rank 778:" in ex.schedule_note.value
     shown = ex._schedule(778)
     assert f"{shown.num_calls} call(s)" in ex.schedule_note.value
+
+
+def test_ranks_next_to_the_chosen_one_are_drawn_ahead(toy, monkeypatch) -> None:
+    from workbench.viz import _style
+
+    ex = explore(toy, param=W13, rank=5).explorer  # rank 5 is (fsdp=1, ep=0, tp=1)
+    ex.settle()
+    drawn: list[int] = []
+    real = _style.artists_svg
+    monkeypatch.setattr(_style, "artists_svg", lambda fig, artists: drawn.append(1) or real(fig, artists))
+    # one step on the rank slider (4, 6) or on a coordinate slider (fsdp -> 1, ep -> 7, tp -> 4): kept already
+    for rank in (6, 4, 1, 7):
+        ex.rank.value = rank
+        assert not drawn, f"rank {rank} was drawn on the change, not ahead"
+        fresh = explore(toy, param=W13, rank=rank, background=False).explorer
+        assert ex.offsets_marks.value == fresh.offsets_marks.value  # what was drawn ahead is that rank's
+        assert ex.mesh_marks.value == fresh.mesh_marks.value
+        drawn.clear()
+        ex.rank.value = 5
+        ex.settle()
+        drawn.clear()
+    ex = explore(toy, param=W13, rank=0).explorer
+    ex.settle()
+    drawn.clear()
+    ex.rank.value = 3  # (0, 1, 1): two steps from rank 0 on the slider and on the coordinate sliders
+    assert drawn
+
+
+def test_drawing_ahead_stops_when_a_control_moves(toy) -> None:
+    import threading
+
+    ex = explore(toy, param=W13, rank=5).explorer  # draws ahead 6, 4, 1 and 7
+    ex.settle()
+    offsets, mesh = ex._offsets_picture(W13, None), ex._mesh_picture(W13)
+    started, release = threading.Event(), threading.Event()
+    real = offsets._svg
+
+    def slow(n, artists):  # the first drawing ahead for rank 2 waits until a control has moved
+        if threading.current_thread() is not threading.main_thread():
+            started.set()
+            assert release.wait(10)
+        return real(n, artists)
+
+    offsets._svg = slow
+    ex.rank.value = 2  # ahead, in order: rank 3's marks and mesh outline, then 1's, 6's and 0's
+    assert started.wait(10)
+    ex.group.value = "tp"  # a control moves while rank 3 is drawn ahead (the refresh does not wait for it)
+    assert ex.mesh_marks.value == mesh._kept[(2, 3)]
+    offsets._svg = real
+    release.set()
+    ex.settle()
+    assert ("marks", 3) in offsets._kept  # the step under way ends ...
+    outlined = {key for key in mesh._kept if len(key) == 1}
+    assert not outlined & {(3,), (0,)}, outlined  # ... and the rest of that drawing ahead is dropped

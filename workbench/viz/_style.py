@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import functools
 import io
+import threading
 from typing import Any
 
 __all__ = [
@@ -19,6 +20,7 @@ __all__ = [
     "MIN_PT",
     "TITLE_PT",
     "amount_cmap",
+    "artists_svg",
     "contrast",
     "ellipsize",
     "format_bytes",
@@ -36,6 +38,7 @@ TITLE_PT = 10.0  # titles
 DPI = 100  # CSS pixels per figure inch in a notebook
 HIDPI = 2  # rendered pixels per CSS pixel
 OVER = "#d62728"  # over budget, oversized: the one red of every figure
+_SVG_LOCK = threading.Lock()
 
 
 def matplotlib() -> Any:
@@ -84,6 +87,30 @@ def png_bytes(fig: Any, scale: int = HIDPI) -> bytes:
     buffer = io.BytesIO()
     fig.savefig(buffer, format="png", dpi=DPI * scale, facecolor="white")
     return buffer.getvalue()
+
+
+def artists_svg(fig: Any, artists: Any) -> bytes:
+    """Only ``artists`` of ``fig``, drawn where the figure draws them, as an SVG of the figure's size with a
+    transparent background: shown over the figure's PNG (same CSS size), the two look like the figure drawn
+    with them. Vector, so sharp at any pixel density; text is drawn as paths (no font needed to show it). The
+    output is deterministic (fixed ids, no date)."""
+    from matplotlib.backends.backend_svg import RendererSVG
+
+    mpl = matplotlib()
+    dpi = fig.dpi
+    out = io.StringIO()
+    # one at a time: the settings below are global (the explorer also draws in a background thread)
+    with _SVG_LOCK, mpl.rc_context({"svg.fonttype": "path", "svg.hashsalt": "workbench", "svg.id": None}):
+        fig.dpi = 72  # SVG user units are points, as in savefig(format="svg")
+        try:
+            width, height = fig.get_size_inches() * 72
+            renderer = RendererSVG(width, height, out, metadata={"Date": None, "Creator": None})
+            for artist in artists:
+                artist.draw(renderer)
+            renderer.finalize()
+        finally:
+            fig.dpi = dpi
+    return out.getvalue().encode()
 
 
 def _png_size(data: bytes) -> tuple[int, int]:

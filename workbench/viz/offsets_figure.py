@@ -326,14 +326,23 @@ class OffsetsFigure:
                 link.set_in_layout(False)
                 self.dynamic.append(self.fig.add_artist(link))
 
+    def dynamic_on(self, figure: Any) -> list[Any]:
+        """The rank's artists that ``figure`` (``fig`` or ``zoom_fig``) shows, in drawing order, with the zoom
+        panel's spines last (its boxes cover them)."""
+        if figure is not self.fig and figure is not self.zoom_fig:
+            raise ValueError("OffsetsFigure.dynamic_on: the figure is neither this drawing's fig nor its zoom_fig")
+        spines = list(self.zoom.spines.values()) if self.zoom is not None else []
+        if self.zoom_fig is self.fig:
+            return [*self.dynamic, *spines]
+        if figure is self.zoom_fig:
+            return [a for a in self.dynamic if a.axes is self.zoom] + spines
+        return [a for a in self.dynamic if a.axes is not self.zoom]
+
     def draw_dynamic(self) -> None:
-        """Draw only the rank's artists (the explorer, after restoring each figure's static background)."""
-        for artist in self.dynamic:
-            figure = self.zoom_fig if artist.axes is not None and artist.axes is self.zoom else self.fig
-            figure.draw_artist(artist)
-        if self.zoom is not None:
-            for spine in self.zoom.spines.values():
-                self.zoom_fig.draw_artist(spine)
+        """Draw only the rank's artists (after restoring each figure's static background)."""
+        for figure in {id(self.fig): self.fig, id(self.zoom_fig): self.zoom_fig}.values():
+            for artist in self.dynamic_on(figure):
+                figure.draw_artist(artist)
 
 
 def _edge_labels(ax: Any, axis: int, edges: list[int], window: tuple[int, int], length_pt: float) -> list[Any]:

@@ -2,21 +2,25 @@
 
 Standard widgets only (Combobox, IntSlider, Dropdown, Image, HTML, boxes), so it works in JupyterLab, classic
 Notebook and VS Code. Figures are PNGs rendered at twice their CSS size (sharp on hi-dpi screens) into
-``Image`` widgets of that CSS width. A rank change only redraws what depends on the rank: each view's static
-part is drawn once per parameter and kept as pixels; the rank's outline, zoom panel and group are drawn on a
-copy (tens of ms). Schedules are planned once per (policy, budget) for every rank where ranks of one shape
-class share one (drawn once per class, in a background thread right after the explorer opens), or per rank in
-the background for policies whose plans depend on each rank's keys; a rank change never waits for them.
+``Image`` widgets of that CSS width. A rank change sends little: each view's static part is drawn and sent
+once per parameter; what the rank adds to the overview and the mesh (outlines, the zoom window) is a small SVG
+shown over it, and the zoom panel a PNG of its own. Pictures of the last ranks are kept, and those one step
+away on the rank or a coordinate slider are drawn ahead in a background thread while nobody moves a control.
+Schedules are planned once per (policy, budget) for every rank where ranks of one shape class share one (drawn
+once per class, in the background right after the explorer opens), or per rank in the background for policies
+whose plans depend on each rank's keys; a rank change never waits for them.
 """
 
 from __future__ import annotations
 
 import atexit
+import contextlib
 import gc
 import math
 import threading
 import time
 import weakref
+from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -70,6 +74,7 @@ class Explorer:
         self._key_value: str | None = None
         self._worker = _Worker(self._quiet_for) if background else None
         self._last_refresh = 0.0
+        self._generation = 0  # refreshes started
 
         wide = w.Layout(width="560px")
         self.param = w.Combobox(options=names, value=param, description="parameter", ensure_option=True,
@@ -88,11 +93,19 @@ class Explorer:
         refs = [f"preserve({n})" for n in mesh.dim_names]
         self.policy = w.Dropdown(options=["full", "minimal", *refs], value="full", description="policy")
         self.budget = w.Dropdown(options=list(_BUDGETS), value="unbounded", description="budget")
+        # static PNGs (drawn once per parameter) and, over each, the SVG of what the chosen rank adds to it
         self.offsets = w.Image(format="png")
-        self.zoom_image = w.Image(format="png")
+        self.offsets_marks = w.Image(format="svg+xml")  # the rank's outline and zoom window
+        self.zoom_image = w.Image(format="png")  # drawn per rank
         self.mesh_image = w.Image(format="png")
+        self.mesh_marks = w.Image(format="svg+xml")  # the outlined ranks
         self.schedule_image = w.Image(format="png")
         self.heat = w.Image(format="png")
+        for image, role in ((self.offsets, "offsets"), (self.offsets_marks, "offsets-marks"),
+                            (self.zoom_image, "zoom"),
+                            (self.mesh_image, "mesh"), (self.mesh_marks, "mesh-marks"),
+                            (self.schedule_image, "schedule"), (self.heat, "heat")):
+            image.add_class(f"workbench-{role}")  # names each image in the page (browser tests, styling)
         self.info = w.HTML()
         self.message = w.HTML()
         self.schedule_note = w.HTML()
@@ -114,8 +127,10 @@ class Explorer:
             w.HBox([self.group, self.policy, self.budget], layout=w.Layout(flex_flow="row wrap")),
             self.message, self.info,
         ])
-        left = w.VBox([w.HTML("<b>shard offsets</b>"), w.HBox([self.offsets, self.zoom_image])])
-        right = w.VBox([w.HTML("<b>mesh</b> (elements of the parameter held)"), self.mesh_image,
+        left = w.VBox([w.HTML("<b>shard offsets</b>"),
+                       w.HBox([_stacked(w, self.offsets, self.offsets_marks), self.zoom_image])])
+        right = w.VBox([w.HTML("<b>mesh</b> (elements of the parameter held)"),
+                        _stacked(w, self.mesh_image, self.mesh_marks),
                         w.HTML("<b>bytes per rank</b>, whole layout"), self.heat])
         self.widget = w.VBox([controls, w.HBox([left, right], layout=w.Layout(flex_flow="row wrap")),
                               w.HTML("<b>unshard schedule</b> of the rank"), self.schedule_note,
@@ -190,19 +205,23 @@ class Explorer:
         if self._busy:
             return
         start = time.perf_counter()
+        self._generation += 1  # drawing ahead for an earlier rank stops at its next step
         rank = self.rank.value
         name = self._param_value
         spec = self.layout.specs[name]
         key = None if self.key.value in (_WHOLE, "") or self.key.value not in spec.hf_keys else self.key.value
-        overview, zoom = self._offsets_picture(name, key).png(rank)
-        self._set_image(self.offsets, overview)
-        if zoom is None:
-            self.zoom_image.layout.display = "none"
-        else:
-            self._set_image(self.zoom_image, zoom)
+        # the base images change only with the parameter; a rank change sends the small marks over them
+        offsets = self._offsets_picture(name, key)
+        self._set_image(self.offsets, offsets.base[0])
+        self._set_marks(self.offsets_marks, offsets.marks(rank), self.offsets)
+        mesh = self._mesh_picture(name)
+        self._set_image(self.mesh_image, mesh.base[0])
+        self._set_marks(self.mesh_marks, mesh.marks(self._group(rank)), self.mesh_image)
+        if offsets.zoomed:
+            self._set_image(self.zoom_image, offsets.zoom(rank))
             self.zoom_image.layout.display = None
-        group = (rank,) if self.group.value == "(rank only)" else self.layout.mesh.group_ranks(rank, self.group.value)
-        self._set_image(self.mesh_image, self._mesh_picture(name).png(group))
+        else:
+            self.zoom_image.layout.display = "none"
         self._show_schedule(rank)
         coord = ", ".join(f"{n}={c}" for n, c in zip(self.layout.mesh.dim_names, self.layout.mesh.coordinate(rank)))
         regions = [r for r in spec.key_regions(rank) if key is None or r.hf_key == key]
@@ -221,12 +240,54 @@ class Explorer:
         self._last_refresh = time.perf_counter()
         self.update_seconds = self._last_refresh - start
         self.status.value = f"<small>updated in {self.update_seconds * 1000:.0f} ms</small>"
+        self._draw_ahead(offsets, mesh, rank)
+
+    def _group(self, rank: int) -> tuple[int, ...]:
+        """The ranks the mesh view outlines for ``rank``: itself, or its group along the chosen mesh dim."""
+        if self.group.value == "(rank only)":
+            return (rank,)
+        return tuple(self.layout.mesh.group_ranks(rank, self.group.value))
+
+    def _draw_ahead(self, offsets: Any, mesh: Any, rank: int) -> None:
+        """Draw, in the background once nobody moves a control, the ranks one step away on the rank slider and
+        on each coordinate slider (where a person goes next); dropped as soon as a control moves."""
+        if self._worker is None:
+            return
+        mesh_spec = self.layout.mesh
+        coord = list(mesh_spec.coordinate(rank))
+        near = [rank + 1, rank - 1]
+        for d, size in enumerate(mesh_spec.shape):
+            for step in (1, -1):
+                if 0 <= coord[d] + step < size:
+                    near.append(mesh_spec.rank_at([*coord[:d], coord[d] + step, *coord[d + 1:]]))
+        near = [r for r in dict.fromkeys(near) if 0 <= r < mesh_spec.size and r != rank]
+        steps: list[Callable[[], Any]] = []
+        for r in near:
+            steps.append(lambda r=r: offsets.marks(r))
+            if offsets.zoomed:
+                steps.append(lambda r=r: offsets.zoom(r))
+            group = self._group(r)
+            steps.append(lambda group=group: mesh.marks(group))
+        generation = self._generation
+
+        def work() -> None:
+            for step in steps:
+                if self._generation != generation or _STOPPING.is_set():
+                    return  # the controls moved on: a newer request draws around the new rank
+                step()
+
+        self._worker.submit(("ahead",), work, None)
 
     def _set_image(self, image: Any, png: bytes) -> None:
         width = str(_png_width(png) // _SCALE)
         if image.width != width:
             image.width = width
         image.value = png
+
+    def _set_marks(self, image: Any, svg: bytes, base: Any) -> None:
+        if image.width != base.width:
+            image.width = base.width
+        image.value = svg
 
     def _offsets_picture(self, name: str, key: str | None) -> Any:
         cache = ("offsets", name, key)
@@ -369,38 +430,67 @@ class Explorer:
 
 # -- pictures -----------------------------------------------------------------------------------------------
 class _Frozen:
-    """Figures laid out and drawn once at ``_SCALE`` x their CSS size; ``capture`` keeps their pixels, a frame
-    restores them, draws only what changed and encodes (reusing the compressed bands that did not change)."""
+    """Figures laid out and drawn once at ``_SCALE`` x their CSS size, without what depends on the rank: their
+    PNGs are ``base``, sent once per parameter. What depends on the rank is drawn either as ``marks`` (an SVG
+    of only those artists, of the figure's size, shown over the unchanged base image: a few KiB to draw, send
+    and paint) or, for a figure that changes all over, as a ``frame`` (its static pixels with the artists
+    drawn over them, as a PNG). The last ``KEEP`` of each are kept; ``lock`` is held while drawing (the
+    background thread draws the ranks next to the chosen one ahead)."""
+
+    KEEP = 64
 
     def __init__(self, *figs: Any) -> None:
         from workbench.viz.png import BandEncoder
 
         self.figs = figs
         self.encoders = [BandEncoder() for _ in figs]
-        for fig in figs:
+        self.base: list[bytes] = []
+        self._backgrounds = []
+        for n, fig in enumerate(figs):
             fig.set_dpi(_style.DPI * _SCALE)
             fig.canvas.draw()
-            fig.set_layout_engine("none")
+            fig.set_layout_engine("none")  # laid out for good: what is drawn later lands where the base has room
+            self._backgrounds.append(fig.canvas.copy_from_bbox(fig.bbox))
+            self.base.append(self._encode(n))
+        self.lock = threading.Lock()
+        self._kept: OrderedDict[tuple, bytes] = OrderedDict()
 
-    def capture(self) -> None:
-        self.backgrounds = []
-        for fig in self.figs:
-            fig.canvas.draw()
-            self.backgrounds.append(fig.canvas.copy_from_bbox(fig.bbox))
+    def _kept_or(self, key: tuple, draw: Callable[[], bytes]) -> bytes:
+        """The picture kept under ``key`` (without waiting for a drawing in progress), else the one ``draw()``
+        makes (then kept)."""
+        data = self._kept.get(key)
+        if data is not None:
+            with contextlib.suppress(KeyError):  # dropped meanwhile by the other thread: still a valid picture
+                self._kept.move_to_end(key)
+            return data
+        with self.lock:
+            data = self._kept.get(key)
+            if data is None:
+                data = self._kept[key] = draw()
+                while len(self._kept) > self.KEEP:
+                    self._kept.popitem(last=False)
+            return data
 
-    def restore(self) -> None:
-        for fig, background in zip(self.figs, self.backgrounds):
-            fig.canvas.restore_region(background)
+    def _svg(self, n: int, artists: Sequence[Any]) -> bytes:
+        return _style.artists_svg(self.figs[n], artists)
 
-    def encode(self, n: int = 0) -> bytes:
+    def _frame(self, n: int, artists: Sequence[Any]) -> bytes:
+        fig = self.figs[n]
+        fig.canvas.restore_region(self._backgrounds[n])
+        for artist in artists:
+            fig.draw_artist(artist)
+        return self._encode(n)
+
+    def _encode(self, n: int) -> bytes:
         import numpy as np
 
         return self.encoders[n].encode(np.asarray(self.figs[n].canvas.buffer_rgba()))
 
 
 class _OffsetsPicture(_Frozen):
-    """The offsets figure of one parameter (or HF key): the overview is static, the rank's outline and window
-    are drawn on it; a zoomed tensor gets a second figure, the zoom panel, drawn per rank."""
+    """The offsets figure of one parameter (or HF key): the overview is static and the rank's outline and zoom
+    window are its marks; a zoomed tensor gets a second figure, the zoom panel, drawn per rank as a frame (its
+    labels are many small texts: a PNG shows them faster than an SVG of their outlines)."""
 
     def __init__(self, spec: Any, key: str | None) -> None:
         from workbench.viz.offsets_figure import OffsetsFigure, needs_zoom
@@ -411,40 +501,53 @@ class _OffsetsPicture(_Frozen):
         self.drawing = OffsetsFigure(spec, view, rank=None, zoom_panel="separate" if zoom else False,
                                      figsize=(5.6, 4.6), rank_note=False)
         drawing = self.drawing
-        super().__init__(*((drawing.fig, drawing.zoom_fig) if zoom else (drawing.fig,)))
         for artist in drawing.dynamic:
             artist.set_visible(False)
-        self.capture()
+        super().__init__(*((drawing.fig, drawing.zoom_fig) if zoom else (drawing.fig,)))
+        self._shown: int | None = None
 
-    def png(self, rank: int) -> tuple[bytes, bytes | None]:
-        """PNGs of the overview and of the zoom panel (None: no zoom) for ``rank``."""
-        self.restore()
-        self.drawing.show_rank(rank)
-        self.drawing.draw_dynamic()
-        return self.encode(0), (self.encode(1) if len(self.figs) > 1 else None)
+    @property
+    def zoomed(self) -> bool:
+        """True when the figure has a zoom panel (a second image)."""
+        return len(self.figs) > 1
+
+    def marks(self, rank: int) -> bytes:
+        """SVG of the rank's outline and of the zoom window on the overview (over ``base[0]``)."""
+        return self._kept_or(("marks", rank), lambda: self._svg(0, self._show(rank).dynamic_on(self.drawing.fig)))
+
+    def zoom(self, rank: int) -> bytes:
+        """PNG of the zoom panel around the rank (only when ``zoomed``)."""
+        if not self.zoomed:
+            raise ValueError(f"explorer: {self.drawing.view.name} has no zoom panel (every part is readable)")
+        return self._kept_or(("zoom", rank),
+                             lambda: self._frame(1, self._show(rank).dynamic_on(self.drawing.zoom_fig)))
+
+    def _show(self, rank: int) -> Any:
+        if self._shown != rank:
+            self.drawing.show_rank(rank)
+            self._shown = rank
+        return self.drawing
 
 
 class _MeshPicture(_Frozen):
-    """A ``plot_mesh`` figure drawn once; each update outlines other ranks on a copy of its pixels."""
+    """A ``plot_mesh`` figure drawn once; the outline of the chosen ranks is its marks."""
 
     def __init__(self, fig: Any) -> None:
         self.drawing = fig.drawing
-        super().__init__(fig)
         self.drawing.outline(())
-        self.capture()
+        super().__init__(fig)
 
-    def png(self, ranks: Sequence[int]) -> bytes:
-        """PNG of the mesh with ``ranks`` outlined."""
-        self.restore()
-        for artist in self.drawing.outline(ranks):
-            self.figs[0].draw_artist(artist)
-        return self.encode()
+    def marks(self, ranks: Sequence[int]) -> bytes:
+        """SVG of the outline of ``ranks`` (over ``base[0]``)."""
+        ranks = tuple(ranks)
+        return self._kept_or(ranks, lambda: self._svg(0, self.drawing.outline(ranks)))
 
 
 class _Worker:
-    """One background thread: the latest request of each kind (older queued ones are dropped), each started
-    only after ``quiet()`` seconds without a refresh (drawing while a control moves would slow the refresh:
-    both need the GIL). Stopped at interpreter exit, between requests."""
+    """One background thread: the latest request of each kind (older queued ones are dropped; a new one goes
+    first, but drawing ``"ahead"`` last), each started only after ``quiet()`` seconds without a refresh
+    (drawing while a control moves would slow the refresh: both need the GIL). Stopped at interpreter exit,
+    between requests."""
 
     QUIET = 0.25
 
@@ -462,7 +565,7 @@ class _Worker:
                 self._queue.append((key, work, done))
             else:  # a newer request replaces a queued one of the same kind and goes first
                 self._queue = [q for q in self._queue if q[0][0] != key[0]]
-                self._queue.insert(0 if key[0] != "collect" else len(self._queue), (key, work, done))
+                self._queue.insert(len(self._queue) if key[0] == "ahead" else 0, (key, work, done))
             if self._thread is None or not self._thread.is_alive():
                 self._thread = threading.Thread(target=self._loop, name="workbench-explorer", daemon=True)
                 self._thread.start()
@@ -517,6 +620,13 @@ def _stop_workers() -> None:
     _STOPPING.set()
     for worker in list(_WORKERS):
         worker.stop(timeout=10.0)
+
+
+def _stacked(w: Any, base: Any, marks: Any) -> Any:
+    """A grid of one cell holding ``marks`` (a transparent image of the same size) over ``base``."""
+    for image in (base, marks):
+        image.layout.grid_area = "picture"
+    return w.GridBox([base, marks], layout=w.Layout(grid_template_areas='"picture"', width="max-content"))
 
 
 def _class_key(schedule: Any) -> tuple:
