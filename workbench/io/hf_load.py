@@ -12,6 +12,7 @@ from typing import Any
 
 import torch
 
+from workbench.display import html_of
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
 from workbench.io.box_reads import BoxReader
@@ -73,11 +74,9 @@ class LoadReport:
                 lines.append(f"  {len(keys)} {what}: {list(keys[:5])}{' ...' if len(keys) > 5 else ''}")
         return "\n".join(lines)
 
-    def _repr_html_(self) -> str:
-        """HTML for notebooks: a table and a small picture (``workbench.viz.html``)."""
-        from workbench.viz.html import render_html
-
-        return render_html(self)
+    def _repr_html_(self) -> str | None:
+        """HTML for notebooks, from the renderer ``workbench.viz`` registers (``workbench.display``)."""
+        return html_of(self)
 
 
 def load_hf(
