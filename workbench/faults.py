@@ -46,7 +46,7 @@ SAVE_POINTS: tuple[str, ...] = (
     "rename",  # rank 0, just before the atomic rename that publishes
     "cleanup",  # rank 0, deleting the replaced checkpoint after publishing (the save has succeeded)
 )
-LOAD_POINTS: tuple[str, ...] = ("load.plan", "load.read", "load.status")
+LOAD_POINTS: tuple[str, ...] = ("load.plan", "load.read", "load.share", "load.status")
 
 _ACTIONS = ("raise", "efbig", "enospc", "memory", "bug", "kill")
 

@@ -99,22 +99,29 @@ def _emit(command: str, result: Any, as_json: bool) -> int:
     return status
 
 
-def _load_layout(path: str | None) -> Any:
+def _load_layout(path: str | None, *, pipelines: bool = True) -> Any:
+    """The layout a ``--layout`` (or ``--expected``) argument names: a layout file or a checkpoint folder carrying
+    one. With ``pipelines``, a pipeline's (a ``[pipeline]`` table) is read as a ``PipelineLayout``, whose stages say
+    which global ranks held what; else every layout is read as one mesh (the whole model's keys, shapes, dtypes)."""
     if path is None:
         return None
     from pathlib import Path
 
     from workbench.errors import LayoutFileError
     from workbench.layout.layout_file import LAYOUT_FILE_NAME, load_layout, read_checkpoint_layout
+    from workbench.layout.pipeline import load_pipeline_layout, read_checkpoint_pipeline_layout
 
     try:
         if Path(path).is_dir():
-            layout = read_checkpoint_layout(path)
+            layout = (pipelines and read_checkpoint_pipeline_layout(path)) or read_checkpoint_layout(path)
             if layout is None:
                 raise LayoutFileError(f"--layout {path}: a folder without {LAYOUT_FILE_NAME}; give a layout file "
                                       "(TOML)")
             return layout
-        return load_layout(path)
+        layout = load_layout(path)
+        if pipelines and any(line.strip() == "[pipeline]" for line in Path(path).read_text().splitlines()):
+            return load_pipeline_layout(path)
+        return layout
     except UnicodeDecodeError as exc:  # a binary file: the decoder's message does not say which
         raise LayoutFileError(f"cannot read layout file {path!r}: not UTF-8 text ({exc.reason} at byte "
                               f"{exc.start})") from None
@@ -155,7 +162,7 @@ def _diagnose(args: argparse.Namespace) -> int:
 
     try:
         # a layout file as the expected side is read here, so that an unreadable one is named like --layout's
-        expected = _load_layout(args.expected) if args.expected.endswith(".toml") else args.expected
+        expected = _load_layout(args.expected, pipelines=False) if args.expected.endswith(".toml") else args.expected
         report = diagnose(args.path, expected, layout=_load_layout(args.layout), block_bytes=args.block_size)
     except (OSError, ValueError) as exc:
         return _unreadable("diagnose", exc, f"{args.path} against {args.expected}",

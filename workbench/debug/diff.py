@@ -27,6 +27,7 @@ from workbench.debug.views import TensorView
 from workbench.errors import LayoutError
 from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
 from workbench.layout.model_layout import Layout
+from workbench.layout.pipeline import PipelineLayout, read_checkpoint_pipeline_layout
 from workbench.mesh import format_mesh_dim
 
 __all__ = ["compare_sources", "diff_checkpoints", "layout_hints", "open_checkpoint"]
@@ -204,13 +205,14 @@ def _misplaced_halves(rk: str, ak: str, ref_fp: _Fingerprints, act_fp: _Fingerpr
                                             "source_keys": keys, "verified": "by content hash of each half"}, hint)
 
 
-def _checkpoint_layout(source: Source) -> tuple[Layout | None, str]:
-    """The layout a checkpoint was saved with (``LAYOUT_FILE_NAME`` in its folder), and a note about it."""
+def _checkpoint_layout(source: Source) -> tuple[Layout | PipelineLayout | None, str]:
+    """The layout a checkpoint was saved with (``LAYOUT_FILE_NAME`` in its folder: a pipeline's for a pipeline
+    checkpoint, whose stages say which ranks held what), and a note about it."""
     index = getattr(source, "index", None)
     if index is None:
         return None, ""
     try:
-        layout = read_checkpoint_layout(index.directory)
+        layout = read_checkpoint_pipeline_layout(index.directory) or read_checkpoint_layout(index.directory)
     except (LayoutError, OSError, ValueError) as exc:
         return None, f"{LAYOUT_FILE_NAME} cannot be used: {exc}"
     return layout, "" if layout is None else f"{LAYOUT_FILE_NAME} ({layout.name}, {layout.mesh!r})"
@@ -220,7 +222,7 @@ def compare_sources(
     ref: Source,
     act: Source,
     *,
-    layout: Layout | None = None,
+    layout: Layout | PipelineLayout | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
     findings: tuple[Finding, ...] = (),
     subject: str = "",
@@ -235,6 +237,9 @@ def compare_sources(
     """
     saved_layout, layout_note = _checkpoint_layout(act)
     provenance = saved_layout or layout
+    one_mesh = layout or saved_layout  # its cuts and fused keys; a pipeline's as one mesh (its ranks: provenance)
+    if isinstance(one_mesh, PipelineLayout):
+        one_mesh = one_mesh.flat_layout()
     out = list(findings)
     ref_damage, act_damage = damaged_keys(ref), damaged_keys(act)
     out += [f for f in act_damage.values() if f is not None]
@@ -293,7 +298,7 @@ def compare_sources(
                            "the reference has no such key: an extra buffer, a key from another model, or a "
                            "rename the key map misses; drop it or map it"))
 
-    hints = layout_hints(layout or provenance)
+    hints = layout_hints(one_mesh)
     mismatched: list[tuple[str, str]] = []
     equal = 0
     unreadable: dict[str, Finding] = {}
@@ -310,8 +315,8 @@ def compare_sources(
     act_of = {rk: ak for rk, ak in pairs}
     data_findings: list[tuple[Finding, list[tuple[str, str]]]] = []
     handled: set[str] = set()
-    if layout is not None or provenance is not None:
-        fused_layout = layout or provenance
+    if one_mesh is not None:
+        fused_layout = one_mesh
         pair_of = dict(mismatched)
         for name, spec in fused_layout.specs.items():
             keys = spec.hf_keys
@@ -383,7 +388,7 @@ def diff_checkpoints(
     a: Path | str,
     b: Path | str,
     *,
-    layout: Layout | None = None,
+    layout: Layout | PipelineLayout | None = None,
     block_bytes: int = DEFAULT_BLOCK_BYTES,
 ) -> Report:
     """Compare checkpoint ``b`` with the reference ``a``; a ``Report`` whose findings explain each difference.

@@ -280,7 +280,7 @@ def inspect_checkpoint(path: Path | str, *, allow_pickle: bool = False) -> Inspe
         if "workbench_version" in meta:
             versions.add(meta["workbench_version"])
     findings = list(scan.findings)
-    if len(fingerprints) > 1:
+    if len(fingerprints) > 1 and not _stages_of_one_pipeline(path, fingerprints):
         findings.append(Finding("index_inconsistent", "", {"layout_fingerprints": sorted(fingerprints)},
                                 "the files were written by saves of different layouts: they come from different "
                                 "checkpoints; re-save"))
@@ -297,6 +297,19 @@ def inspect_checkpoint(path: Path | str, *, allow_pickle: bool = False) -> Inspe
         workbench_version=",".join(sorted(versions)),
         findings=tuple(findings),
     )
+
+
+def _stages_of_one_pipeline(path: Path, fingerprints: dict[str, list[str]]) -> bool:
+    """Whether the files' layout fingerprints are those of the stages of the pipeline the folder carries: a pipeline
+    save writes each stage's files from that stage's layout, so their fingerprints differ by stage."""
+    from workbench.errors import LayoutError
+    from workbench.layout.pipeline import read_checkpoint_pipeline_layout
+
+    try:
+        pipeline = read_checkpoint_pipeline_layout(path) if path.is_dir() else None
+    except (LayoutError, OSError, ValueError):  # an unreadable layout file: the fingerprints stay unexplained
+        return False
+    return pipeline is not None and set(fingerprints) <= {stage.fingerprint() for stage in pipeline.stages}
 
 
 def _inspect_dcp(path: Path, allow_pickle: bool) -> Inspection:

@@ -15,6 +15,7 @@ from typing import Any
 
 from workbench.debug.views import TensorView, bits
 from workbench.layout.model_layout import Layout
+from workbench.layout.pipeline import PipelineLayout
 from workbench.memo import LRU, remember_by_identity
 from workbench.units import format_ranks
 
@@ -46,15 +47,28 @@ _OWNERS = LRU(4)  # layout -> {hf_key: parameter}
 _SHARDS = LRU(1 << 12)  # (layout, parameter) -> {hf_key: its shards}
 
 
-def _owners(layout: Layout) -> dict[str, str]:
+def _owners(layout: Layout | PipelineLayout) -> dict[str, str]:
+    if isinstance(layout, PipelineLayout):
+        return remember_by_identity(_OWNERS, (layout,), None,
+                                    lambda: {k: name for k, (_, name) in layout.hf_keys.items()})
     return remember_by_identity(_OWNERS, (layout,), None, lambda: layout.hf_keys)
 
 
-def _param_shards(layout: Layout, name: str) -> dict[str, tuple[KeyShard, ...]]:
-    spec = layout.specs[name]
+def _holding(layout: Layout | PipelineLayout, name: str) -> tuple[Layout, tuple[int, ...]]:
+    """The one-mesh layout that holds parameter ``name`` and its ranks as global ranks, by its own rank order: a
+    pipeline stage's layout and the stage's ranks (no other stage holds the parameter), or the layout itself."""
+    if isinstance(layout, PipelineLayout):
+        stage = layout.stage_of(name)
+        return layout.stages[stage], layout.stage_ranks(stage)
+    return layout, layout.mesh.all_ranks()
+
+
+def _param_shards(layout: Layout | PipelineLayout, name: str) -> dict[str, tuple[KeyShard, ...]]:
+    part, ranks = _holding(layout, name)
+    spec = part.specs[name]
     boxes: dict[str, dict[tuple[tuple[int, int], ...], list[int]]] = {}
-    for rank in layout.mesh.all_ranks():
-        for region in spec.key_regions(rank):
+    for local, rank in zip(part.mesh.all_ranks(), ranks):
+        for region in spec.key_regions(local):
             if all(region.sizes):
                 box = tuple((o, o + s) for o, s in zip(region.key_offset, region.sizes))
                 boxes.setdefault(region.hf_key, {}).setdefault(box, []).append(rank)
@@ -62,10 +76,12 @@ def _param_shards(layout: Layout, name: str) -> dict[str, tuple[KeyShard, ...]]:
             for key, by_box in boxes.items()}
 
 
-def _cutting_dims(layout: Layout, name: str) -> tuple[int, ...]:
-    spec = layout.specs[name]
-    dims = sorted({i for d in spec.shards for i in layout.mesh.dim_indices(layout.mesh.resolve(d.mesh_dim))})
-    return tuple(dims) or tuple(range(layout.mesh.ndim))
+def _cutting_dims(layout: Layout | PipelineLayout, name: str) -> tuple[int, ...]:
+    spec = _holding(layout, name)[0].specs[name]
+    dims = {i for d in spec.shards for i in layout.mesh.dim_indices(layout.mesh.resolve(d.mesh_dim))}
+    if isinstance(layout, PipelineLayout):  # the stage is part of where a shard came from
+        dims.add(layout.mesh.mesh_dim_index(layout.pp_dim))
+    return tuple(sorted(dims)) or tuple(range(layout.mesh.ndim))
 
 
 def ranks_text(layout: Layout, key: str, ranks: Sequence[int]) -> str:
@@ -156,12 +172,12 @@ def held_by(layout: Layout, key: str) -> dict[str, Any]:
     return {"held_by": f"{listed} ({shared})" if shared else listed}
 
 
-def same_shape(layout: Layout, key: str, shape: Sequence[int]) -> bool:
+def same_shape(layout: Layout | PipelineLayout, key: str, shape: Sequence[int]) -> bool:
     """Whether the layout's checkpoint shape of ``key`` is ``shape``."""
     name = _owners(layout).get(key)
     if name is None:
         return False
-    spec = layout.specs[name]
+    spec = _holding(layout, name)[0].specs[name]
     want = list(spec.visible_shape)
     if spec.fused_dim is not None:
         want[spec.fused_dim] //= len(spec.hf_keys)
