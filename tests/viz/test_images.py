@@ -1,14 +1,20 @@
-"""Image regression of a few figures against reviewed baselines (pytest-mpl; compared when run with ``--mpl``).
+"""Image regression of a few figures against reviewed baselines (pytest-mpl; ``--mpl`` is in pyproject's pytest
+``addopts``, so every run compares them; ``-o addopts=""`` runs them without comparing).
 
 Baselines live in ``tests/viz/baseline/`` at 60 dpi (small files); regenerate them after a deliberate change
 of the look with ``pytest --mpl-generate-path=tests/viz/baseline tests/viz/test_images.py`` and look at them.
 The tolerance (RMS over 0-255 channels) absorbs text rasterized by another FreeType, not a moved outline, a
-changed colour or a missing panel (``test_the_tolerance_catches_a_changed_figure``).
+changed colour or a missing panel (``test_the_tolerance_catches_a_changed_figure``, and end to end, as
+``make test`` runs it, ``test_a_changed_figure_fails_against_its_baseline``).
 """
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 from functools import cache
+from pathlib import Path
 
 import numpy as np
 import pytest
@@ -18,6 +24,8 @@ from workbench.layout.layout_file import load_layout
 from workbench.run.simulated import plan_save
 from workbench.viz.figures import plot_mesh, plot_schedule, plot_shard_offsets
 
+ROOT = Path(__file__).resolve().parents[2]
+BASELINE = Path(__file__).resolve().parent / "baseline"
 TOLERANCE = 5
 SAVE = {"dpi": 60}
 COMPARE = {"baseline_dir": "baseline", "tolerance": TOLERANCE, "style": "default", "savefig_kwargs": SAVE}
@@ -28,7 +36,7 @@ def _needs_mpl(request: pytest.FixtureRequest) -> None:
     if request.node.get_closest_marker("mpl_image_compare") and not (
         request.config.getoption("--mpl", default=False) or request.config.getoption("--mpl-generate-path",
                                                                                    default=None)):
-        pytest.skip("image comparison runs with pytest-mpl's --mpl option")
+        pytest.skip("image comparison runs with pytest-mpl's --mpl option (in pyproject's addopts)")
 
 
 def _graphics_only(fig):
@@ -113,3 +121,27 @@ def test_the_tolerance_catches_a_changed_figure(tmp_path) -> None:
                           tol=TOLERANCE) is None
     moved = compare_images(five, save("four", 4), tol=TOLERANCE, in_decorator=True)
     assert moved is not None and np.isfinite(moved["rms"]) and moved["rms"] > 2 * TOLERANCE, moved
+
+
+@pytest.mark.slow
+def test_a_changed_figure_fails_against_its_baseline(tmp_path) -> None:
+    """pytest run with this project's settings (pyproject's ``addopts``) compares a marked figure with its
+    baseline: the baseline's own figure passes, the same figure with rank 4 outlined instead of rank 5 fails."""
+    probe = tmp_path / "test_changed_figure.py"
+    probe.write_text(
+        "import pytest\n"
+        "from tests.viz.test_images import COMPARE, _graphics_only, expert_tp_16, plot_shard_offsets\n"
+        f"BASE = dict(COMPARE, baseline_dir={str(BASELINE)!r}, filename='test_offsets_design_example.png')\n"
+        "@pytest.mark.mpl_image_compare(**BASE)\n"
+        "def test_as_reviewed():\n"
+        "    return _graphics_only(plot_shard_offsets(expert_tp_16(), rank=5))\n"
+        "@pytest.mark.mpl_image_compare(**BASE)\n"
+        "def test_outline_moved():\n"
+        "    return _graphics_only(plot_shard_offsets(expert_tp_16(), rank=4))\n")
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    run = subprocess.run(
+        [sys.executable, "-m", "pytest", "-q", "-p", "no:cacheprovider", "-c", str(ROOT / "pyproject.toml"),
+         "--rootdir", str(tmp_path), f"--mpl-results-path={tmp_path / 'results'}", str(probe)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    assert "1 failed, 1 passed" in run.stdout, run.stdout[-3000:] + run.stderr[-3000:]
+    assert "FAILED test_changed_figure.py::test_outline_moved" in run.stdout, run.stdout[-3000:]
