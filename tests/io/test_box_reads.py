@@ -306,3 +306,22 @@ def test_a_truncated_file_is_a_checkpoint_error(disk: Path, direct: bool) -> Non
         f.truncate(os.path.getsize(folder / "model.safetensors") - 1000)
     with BoxReader(index, [("w", None)], direct=direct) as r, pytest.raises(CheckpointError, match="short read"):
         r.read("w")
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_small_requests_share_slabs_and_direct_buffers_follow_the_file_alignment(disk: Path, direct: bool) -> None:
+    folder = disk / f"slabs-{direct}"
+    folder.mkdir()
+    tensors = {f"k{i:03d}": _tensor((64, 1024), torch.float32, i) for i in range(200)}  # 256 KiB keys
+    save_file(tensors, str(folder / "model.safetensors"))
+    data, header = _data_start(folder / "model.safetensors")
+    box = (slice(0, 32),)  # half of each key: 200 requests of 128 KiB, none touching the next
+    got = {}
+    with BoxReader(read_checkpoint(folder), [(k, box) for k in tensors], direct=direct) as r:
+        for k in tensors:
+            got[k] = r.read(k, box)
+            assert torch.equal(_bytes(got[k]), _bytes(tensors[k][box])), k
+            if direct:  # read into a 4 KiB-aligned cover: the box sits at its file offset's place in a page
+                assert (got[k].data_ptr() - data - header[k]["data_offsets"][0]) % 4096 == 0, k
+        assert r.bytes_direct == (r.bytes_fetched if direct else 0)
+    assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1  # 200 buffers, one allocation

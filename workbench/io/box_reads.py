@@ -59,6 +59,7 @@ Direct = bool | Literal["auto"]
 
 DENSE_FILL = 0.9  # a box is read as one span when its bytes (or the pages they touch) fill this share of the span
 CHUNK_BYTES = 16 << 20  # requests are split into pieces of this size, read by the threads in parallel
+SLAB_BYTES = 64 << 20  # buffers up to a quarter of this are carved from slabs of this size (one allocation each)
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses are multiples of this (a page, >= a block)
 DIRECT_MIN_BYTES = 1 << 20  # auto: smaller requests go through the page cache (alignment costs up to 8 KiB each)
 DIRECT_COLD_SHARE = 0.1  # auto: O_DIRECT when at most this share of a request's sampled pages are cached
@@ -160,6 +161,9 @@ class BoxReader:
     ``bytes_read`` counts the bytes of every box handed out; ``bytes_fetched`` the bytes ``pread`` asked the files
     for (more when a dense span held bytes outside its box, or an O_DIRECT read its aligned cover), of which
     ``bytes_direct`` with O_DIRECT. ``direct_refused`` maps a file that refused O_DIRECT to the reason.
+
+    Buffers of small requests are views of shared slabs of ``SLAB_BYTES`` (pinning memory costs about a millisecond
+    per allocation), so the memory a load holds is ``budget_bytes`` plus the largest request plus one slab.
     """
 
     def __init__(
@@ -184,6 +188,8 @@ class BoxReader:
         self._fds: dict[str, tuple[int, int]] = {}
         self._direct_fds: dict[str, int] = {}
         self._maps: dict[str, _PageMap] = {}  # auto: which pages of a file are cached
+        self._slab: torch.Tensor | None = None  # small buffers are views of this (_buffer)
+        self._slab_used = 0
         self._closing: list[int] = []  # direct fds a refusal retired: closed with the rest, no thread may hold one
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="wb-read")
@@ -255,7 +261,7 @@ class BoxReader:
             if dfd is not None:
                 self._start_direct(request, fd, dfd, data_start)
                 return
-        buffer = torch.empty(request.nbytes, dtype=torch.uint8, pin_memory=self.pin_memory)
+        buffer = self._buffer(request.nbytes, 64)
         request.buffer = buffer
         view = memoryview(buffer.numpy())
         pos = 0
@@ -283,9 +289,7 @@ class BoxReader:
         begin = data_start + request.boxes[0].start
         end = begin + request.nbytes
         low, high = begin // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN
-        raw = torch.empty(high - low + ALIGN, dtype=torch.uint8, pin_memory=self.pin_memory)
-        skip = -raw.data_ptr() % ALIGN
-        cover = raw[skip:skip + high - low]
+        cover = self._buffer(high - low, ALIGN)
         request.buffer = cover[begin - low:end - low]
         view = memoryview(cover.numpy())
         for at in range(0, high - low, CHUNK_BYTES):  # CHUNK_BYTES is a multiple of ALIGN: every piece aligned
@@ -353,8 +357,26 @@ class BoxReader:
             raw = raw.clone()
         tensor = raw.view(item.dtype).as_strided(item.sizes, item.strides)
         if item.compact:  # contiguous (and pinned) again, so that a copy to a GPU needs no staging and can overlap
-            tensor = torch.empty(item.sizes, dtype=item.dtype, pin_memory=self.pin_memory).copy_(tensor)
+            nbytes = math.prod(item.sizes) * item.dtype.itemsize
+            tensor = self._buffer(nbytes, 64).view(item.dtype).view(item.sizes).copy_(tensor)
         return tensor
+
+    def _buffer(self, nbytes: int, align: int) -> torch.Tensor:
+        """``nbytes`` of (pinned) memory starting at a multiple of ``align``: carved from the current slab of
+        ``SLAB_BYTES`` when small, so a load of thousands of small boxes pins memory a few times, not thousands
+        (a slab goes back to torch's caching allocator once nothing views it)."""
+        if nbytes + align > SLAB_BYTES // 4:
+            raw = torch.empty(nbytes + align, dtype=torch.uint8, pin_memory=self.pin_memory)
+            skip = -raw.data_ptr() % align
+            return raw[skip:skip + nbytes]
+        slab = self._slab
+        if slab is not None:
+            at = -(-(slab.data_ptr() + self._slab_used) // align) * align - slab.data_ptr()
+        if slab is None or at + nbytes > slab.numel():
+            slab = self._slab = torch.empty(SLAB_BYTES, dtype=torch.uint8, pin_memory=self.pin_memory)
+            at = -slab.data_ptr() % align
+        self._slab_used = at + nbytes
+        return slab[at:at + nbytes]
 
     # -- O_DIRECT ----------------------------------------------------------------------------------------------------
 
