@@ -363,11 +363,14 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
             out.setdefault("cached_after_cold", []).append(cached(files))
     out["load"] = {"read": report.bytes_read, "owned": report.bytes_owned, "seconds": report.seconds, "ok": report.ok,
                    "os_read": statistics.median(out["os_read"])}
-    for _ in range(cfg["repeats"]):
+    for rep in range(cfg["repeats"]):
         if rank == 0 and not cached(files) >= 1.0:
             fill(files)
         t0 = start()
+        profiler = _start_profile() if cfg["profile_load"] and rank == 0 and rep == cfg["repeats"] - 1 else None
         report = wb.load_hf(model_b, ckpt, key_map=key_map, cast=True)
+        if profiler is not None:
+            out.setdefault("profile", {})["load-warm"] = _stop_profile(profiler, root / "profile-load-warm-rank0.txt")
         times.setdefault("load-warm", []).append(stop(t0))
     out["load_warm"] = {"read": report.bytes_read, "owned": report.bytes_owned}
 
@@ -699,6 +702,7 @@ def main() -> None:
     parser.add_argument("--no-verify", action="store_true")
     parser.add_argument("--profile", action="store_true",
                         help="cProfile rank 0's first 1 GiB sync save and its second async call")
+    parser.add_argument("--profile-load", action="store_true", help="cProfile rank 0's last warm load")
     parser.add_argument("--seed", type=int, default=0)
     parser.add_argument("--timeout", type=float, default=1800.0)
     args = parser.parse_args()
@@ -748,6 +752,7 @@ def main() -> None:
     cfg = {"shape": shape, "mesh": mesh, "load_mesh": load_mesh, "root": str(root), "backend": args.backend,
            "threads": args.threads, "seed": args.seed, "profile": args.profile, "verify": not args.no_verify,
            "skip_dcp": args.skip_dcp, "repeats": args.repeats, "lean": args.lean, "load_only": args.load_only,
+           "profile_load": args.profile_load,
            "save_kwargs": ({} if args.max_shard_mb is None else {"max_shard_bytes": args.max_shard_mb * 10**6})
            | ({} if args.min_segment_kb is None else {"min_segment_bytes": args.min_segment_kb << 10}),
            "nbytes": nbytes}
@@ -772,6 +777,8 @@ def main() -> None:
                   f"{r0['roundtrip_same_topology']}")
         print(f"run         setup (build + fill) {r0['setup_s']:.1f} s; ranks {t_launch:.0f} s; "
               f"whole run {time.perf_counter() - wall:.0f} s")
+        for tag, text in r0.get("profile", {}).items():
+            print(f"\ncProfile of rank 0's {tag}:\n{text}")
         if not args.keep:
             shutil.rmtree(root, ignore_errors=True)
         return
