@@ -27,7 +27,7 @@ from pathlib import Path
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
 from tests.kernel.support import execute
-from workbench.run.kernel.spec import install_kernel
+from workbench.kernel.spec import install_kernel
 
 LOOP = "def spin(n):\n    x = 0\n    for i in range(n):\n        x += i\n    return x\n"
 

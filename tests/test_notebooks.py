@@ -25,7 +25,7 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     notebook = nbformat.read(path, as_version=4)
     kernel_name = notebook.metadata.get("kernelspec", {}).get("name", "python3")
     if kernel_name != "python3":
-        from workbench.run.kernel.spec import install_kernel
+        from workbench.kernel.spec import install_kernel
 
         match = _WORKBENCH_KERNEL.fullmatch(kernel_name)
         assert match, f"{path.name}: kernel {kernel_name!r} is neither python3 nor workbench-BACKEND-N"

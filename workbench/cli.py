@@ -20,7 +20,7 @@ __all__ = ["build_parser", "main", "rank_list", "register_demo", "register_layou
 # Modules whose ``register(subparsers)`` adds more subcommands, e.g. "workbench.debug.cli".
 _EXTENSIONS: tuple[str, ...] = (
     "workbench.debug.cli",  # inspect, diff, diagnose
-    "workbench.run.kernel.cli",  # kernel install / list / remove
+    "workbench.kernel.cli",  # kernel install / list / remove
 )
 
 _FORMATTER = argparse.RawDescriptionHelpFormatter

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 
 from tests.browser.harness import JupyterLab, missing_reason
-from workbench.run.kernel.spec import install_kernel
+from workbench.kernel.spec import install_kernel
 
 pytestmark = pytest.mark.slow
 

@@ -51,7 +51,7 @@ def _start(tmp_path_factory: pytest.TempPathFactory, name: str, **options: Any) 
     from jupyter_client.manager import start_new_kernel
 
     from tests.kernel.support import execute, jupyter_path
-    from workbench.run.kernel.spec import install_kernel
+    from workbench.kernel.spec import install_kernel
 
     prefix = tmp_path_factory.mktemp("jupyter-prefix")
     install_kernel(nprocs=2, backend="nccl", name=name, prefix=str(prefix), **options)

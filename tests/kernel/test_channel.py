@@ -20,9 +20,9 @@ from typing import Any
 import pytest
 import zmq
 
-from workbench.run.kernel import ranks as ranks_module
-from workbench.run.kernel.protocol import Link, Rejected, encode, new_identity, parse_listen, read_token
-from workbench.run.kernel.ranks import RankSet
+from workbench.kernel import ranks as ranks_module
+from workbench.kernel.protocol import Link, Rejected, encode, new_identity, parse_listen, read_token
+from workbench.kernel.ranks import RankSet
 
 LOGGER = "test.kernel.channel"
 MARK = "INJECTED-BY-AN-INTRUDER"

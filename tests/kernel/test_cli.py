@@ -9,7 +9,7 @@ from pathlib import Path
 
 import pytest
 
-from workbench.run.kernel.cli import register
+from workbench.kernel.cli import register
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -28,7 +28,7 @@ def test_install_list_remove_in_a_prefix(tmp_path: Path, capsys: pytest.CaptureF
                  str(tmp_path), "--hang-timeout", "30"]) == 0
     spec_file = tmp_path / "share" / "jupyter" / "kernels" / "wb4" / "kernel.json"
     spec = json.loads(spec_file.read_text())
-    assert spec["argv"] == [sys.executable, "-m", "workbench.run.kernel.app", "-f", "{connection_file}"]
+    assert spec["argv"] == [sys.executable, "-m", "workbench.kernel.app", "-f", "{connection_file}"]
     assert spec["env"]["WORKBENCH_KERNEL_NPROCS"] == "4" and spec["env"]["WORKBENCH_KERNEL_BACKEND"] == "gloo"
     assert spec["env"]["WORKBENCH_KERNEL_HANG_TIMEOUT"] == "30" and spec["language"] == "python"
     assert spec["display_name"] == "workbench SPMD (4 ranks, gloo)"

@@ -17,7 +17,7 @@ import pytest
 jkt = pytest.importorskip("jupyter_kernel_test")
 
 from tests.kernel.support import execute, jupyter_path  # noqa: E402
-from workbench.run.kernel.spec import install_kernel  # noqa: E402
+from workbench.kernel.spec import install_kernel  # noqa: E402
 
 pytestmark = pytest.mark.slow
 

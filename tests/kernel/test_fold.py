@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.run.kernel.fold import Folder, fold_lines, format_ranks
+from workbench.kernel.fold import Folder, fold_lines, format_ranks
 
 
 @pytest.mark.parametrize(

@@ -14,8 +14,8 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workbench.run.kernel.ledger import Ledger, read_ledger, track
-from workbench.run.kernel.stackdump import Frame, dump, format_frames, parse, summarize
+from workbench.kernel.ledger import Ledger, read_ledger, track
+from workbench.kernel.stackdump import Frame, dump, format_frames, parse, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
 
@@ -47,7 +47,7 @@ def test_parse_picks_the_main_thread_innermost_last() -> None:
 CHILD = textwrap.dedent("""
     import ctypes, subprocess, sys, threading
     sys.path.insert(0, {root!r})
-    from workbench.run.kernel.stackdump import register
+    from workbench.kernel.stackdump import register
     keep = register({path!r})
     def hold_the_gil():
         child = subprocess.Popen(["sh", "-c", "sleep 5; echo"], stdout=subprocess.PIPE)

@@ -21,8 +21,8 @@ from typing import Any
 import pytest
 
 from tests.kernel.support import CellOutput, execute, jupyter_path
-from workbench.run.kernel.protocol import Link, encode, new_identity
-from workbench.run.kernel.spec import install_kernel
+from workbench.kernel.protocol import Link, encode, new_identity
+from workbench.kernel.spec import install_kernel
 
 pytestmark = pytest.mark.slow
 

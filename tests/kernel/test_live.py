@@ -13,7 +13,7 @@ from typing import Any
 import pytest
 
 from tests.kernel.support import execute, jupyter_path
-from workbench.run.kernel.spec import install_kernel
+from workbench.kernel.spec import install_kernel
 
 pytestmark = pytest.mark.slow
 

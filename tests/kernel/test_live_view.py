@@ -8,11 +8,11 @@ from pathlib import Path
 
 import pytest
 
-from workbench.run.kernel.cli import register
-from workbench.run.kernel.kernel import _flight_recorder_default
-from workbench.run.kernel.live import RankState, bundle, group_states, summary, where_label
-from workbench.run.kernel.magics import MagicError, parse_cell
-from workbench.run.kernel.recorder import last_entries, recorder_lines
+from workbench.kernel.cli import register
+from workbench.kernel.kernel import _flight_recorder_default
+from workbench.kernel.live import RankState, bundle, group_states, summary, where_label
+from workbench.kernel.magics import MagicError, parse_cell
+from workbench.kernel.recorder import last_entries, recorder_lines
 
 
 @pytest.mark.parametrize(

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.run.kernel.magics import MagicError, parse_cell, parse_ranks
+from workbench.kernel.magics import MagicError, parse_cell, parse_ranks
 
 
 @pytest.mark.parametrize(

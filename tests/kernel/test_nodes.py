@@ -23,8 +23,8 @@ import pytest
 import zmq
 
 from tests.kernel.support import execute, jupyter_path
-from workbench.run.kernel.protocol import Link, encode, new_identity
-from workbench.run.kernel.spec import install_kernel
+from workbench.kernel.protocol import Link, encode, new_identity
+from workbench.kernel.spec import install_kernel
 
 pytestmark = pytest.mark.slow
 

@@ -7,7 +7,7 @@ import sys
 
 import pytest
 
-from workbench.run.kernel.sever import established_tcp, sever
+from workbench.kernel.sever import established_tcp, sever
 
 pytestmark = pytest.mark.skipif(not sys.platform.startswith("linux"), reason="sever reads /proc (Linux only)")
 

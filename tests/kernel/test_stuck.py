@@ -17,7 +17,7 @@ import pytest
 
 from tests.kernel.support import execute, jupyter_path
 from tests.kernel.test_kernel import MESH
-from workbench.run.kernel.spec import install_kernel
+from workbench.kernel.spec import install_kernel
 
 pytestmark = pytest.mark.slow
 

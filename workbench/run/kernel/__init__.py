@@ -1,9 +1,2 @@
-"""The launcher kernel: a Jupyter kernel whose cells run on every rank of a torch.distributed job.
-
-``workbench kernel install --nprocs 4`` installs it; ``SPMDKernel`` is the kernel, ``worker`` the rank side,
-``fold`` the output folding, ``magics`` the kernel's own magics, ``spec`` the kernelspec management.
-"""
-
-from workbench.run.kernel.spec import KernelSpecInfo, install_kernel, list_kernels, remove_kernel
-
-__all__ = ["KernelSpecInfo", "install_kernel", "list_kernels", "remove_kernel"]
+"""The launcher kernel moved to ``workbench.kernel``; this name stays so that kernelspecs installed before the move
+(``python -m workbench.run.kernel.app``) keep starting."""

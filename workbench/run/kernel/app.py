@@ -1,18 +1,9 @@
-"""Start the launcher kernel for Jupyter: ``python -m workbench.run.kernel.app -f CONNECTION_FILE``."""
+"""``python -m workbench.run.kernel.app``: what kernelspecs installed before the move to ``workbench.kernel`` run.
 
-from __future__ import annotations
-
-__all__ = ["main"]
-
-
-def main() -> None:
-    """Run ``SPMDKernel`` under ipykernel's kernel application (what the kernelspec's argv calls)."""
-    from ipykernel.kernelapp import IPKernelApp
-
-    from workbench.run.kernel.kernel import SPMDKernel
-
-    IPKernelApp.launch_instance(kernel_class=SPMDKernel)
-
+Reinstall (``workbench kernel install ...``) to point a kernelspec at ``workbench.kernel.app`` directly.
+"""
 
 if __name__ == "__main__":
+    from workbench.kernel.app import main
+
     main()

@@ -21,7 +21,7 @@ import re
 from collections.abc import Mapping
 from dataclasses import dataclass
 
-from workbench.run.kernel.fold import format_ranks
+from workbench.kernel.fold import format_ranks
 
 __all__ = ["KINDS", "RankState", "Row", "bundle", "group_states", "summary", "where_label"]
 

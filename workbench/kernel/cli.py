@@ -12,7 +12,7 @@ _INSTALL_EXAMPLE = """examples:
   workbench kernel install --nprocs 8 --backend nccl --name gpu8 --user
   workbench kernel install --nprocs 0 --listen login-node:5555 --backend nccl --name cluster
       # ranks started by your scheduler join with (%ranks_connect prints it; the token stays in a 0600 file):
-      #   torchrun ... -m workbench.run.kernel.worker --connect tcp://login-node:5555 --token-file PATH
+      #   torchrun ... -m workbench.kernel.worker --connect tcp://login-node:5555 --token-file PATH
 """
 
 
@@ -82,7 +82,7 @@ def register(subparsers: argparse._SubParsersAction) -> None:
 
 
 def _install(args: argparse.Namespace) -> int:
-    from workbench.run.kernel.spec import install_kernel
+    from workbench.kernel.spec import install_kernel
 
     try:
         path = install_kernel(nprocs=args.nprocs, backend=args.backend, name=args.name, user=args.user,
@@ -99,7 +99,7 @@ def _install(args: argparse.Namespace) -> int:
 
 
 def _list(args: argparse.Namespace) -> int:
-    from workbench.run.kernel.spec import list_kernels
+    from workbench.kernel.spec import list_kernels
 
     kernels = list_kernels(args.prefix)
     if not kernels:
@@ -110,7 +110,7 @@ def _list(args: argparse.Namespace) -> int:
 
 
 def _remove(args: argparse.Namespace) -> int:
-    from workbench.run.kernel.spec import remove_kernel
+    from workbench.kernel.spec import remove_kernel
 
     try:
         path = remove_kernel(args.name, args.prefix)

@@ -1,7 +1,7 @@
 """The kernel's side of the ranks: start them with torch's elastic agent, and talk to them over one ROUTER socket.
 
 ``RankSet`` binds the socket (loopback unless ``listen`` names another host), starts ``torchrun ... -m
-workbench.run.kernel.worker --connect ...`` for local ranks (in its own session, so a Jupyter interrupt aimed at the
+workbench.kernel.worker --connect ...`` for local ranks (in its own session, so a Jupyter interrupt aimed at the
 kernel's process group never reaches torch's agent), admits ranks whose signed hello proves they hold the kernel's
 token, and sends/receives signed JSON messages (``protocol``). It never blocks the caller for longer than the
 timeout given to ``recv``.
@@ -24,7 +24,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.run.kernel.protocol import (
+from workbench.kernel.protocol import (
     ENV_CONNECT,
     ENV_KERNEL_PID,
     ENV_RUN_DIR,
@@ -149,7 +149,7 @@ class RankSet:
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.nprocs),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--max-restarts", "0",
             "--monitor-interval", "0.1", "--start-method", "spawn",
-            "-m", "workbench.run.kernel.worker", "--backend", self.backend,
+            "-m", "workbench.kernel.worker", "--backend", self.backend,
         ]
         with open(self.log_path, "wb") as log:
             self._agent = subprocess.Popen(command, env=env, stdout=log, stderr=subprocess.STDOUT,
@@ -381,7 +381,7 @@ class RankSet:
         if self.token_file is None:
             raise RuntimeError("this kernel does not listen for ranks (install it with --listen HOST:PORT)")
         return ("torchrun --nnodes NNODES --nproc-per-node NPROC --rdzv-backend c10d --rdzv-endpoint HOST:29400 "
-                f"-m workbench.run.kernel.worker --backend {self.backend} --connect {self.address} "
+                f"-m workbench.kernel.worker --backend {self.backend} --connect {self.address} "
                 f"--token-file {shlex.quote(str(self.token_file))}")
 
     def close(self) -> None:

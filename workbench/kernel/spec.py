@@ -8,7 +8,7 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.run.kernel.protocol import parse_listen
+from workbench.kernel.protocol import parse_listen
 
 __all__ = ["KernelSpecInfo", "install_kernel", "list_kernels", "remove_kernel"]
 
@@ -93,7 +93,7 @@ def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = Non
     if flight_recorder:  # the recorder's size is read once, when a rank makes its first process group
         env.update(TORCH_FR_BUFFER_SIZE="2000", TORCH_NCCL_TRACE_BUFFER_SIZE="2000")
     spec = {
-        "argv": [sys.executable, "-m", "workbench.run.kernel.app", "-f", "{connection_file}"],
+        "argv": [sys.executable, "-m", "workbench.kernel.app", "-f", "{connection_file}"],
         "display_name": display_name or f"workbench SPMD ({where}, {backend})",
         "language": "python",
         "interrupt_mode": "signal",

@@ -20,7 +20,7 @@ import time
 from collections.abc import Mapping
 from typing import Any
 
-from workbench.run.kernel.fold import format_ranks
+from workbench.kernel.fold import format_ranks
 
 __all__ = ["last_entries", "recorder_lines"]
 

@@ -29,7 +29,7 @@ SIGNAL = signal.SIGUSR2  # SIGUSR1 stays faulthandler's dump into the rank's log
 _THREAD = re.compile(r"^(?:Current thread|Thread) (0x[0-9a-fA-F]+)")
 _FRAME = re.compile(r'^\s+File "(.*)", line (\d+) in (.*)$')
 # frames of the machinery between a rank's main loop and the user's cell, left out of stack reports
-_MACHINERY = ("/IPython/", "/workbench/run/kernel/", "runpy", "/threading.py")
+_MACHINERY = ("/IPython/", "/workbench/kernel/", "runpy", "/threading.py")
 
 
 @dataclass(frozen=True, slots=True)

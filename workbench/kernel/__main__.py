@@ -1,15 +1,15 @@
-"""``python -m workbench.run.kernel install|list|remove``: the ``workbench kernel`` command on its own."""
+"""``python -m workbench.kernel install|list|remove``: the ``workbench kernel`` command on its own."""
 
 from __future__ import annotations
 
 import argparse
 import sys
 
-from workbench.run.kernel.cli import register
+from workbench.kernel.cli import register
 
 
 def _main() -> int:
-    parser = argparse.ArgumentParser(prog="python -m workbench.run.kernel")
+    parser = argparse.ArgumentParser(prog="python -m workbench.kernel")
     register(parser.add_subparsers(dest="command"))
     args = parser.parse_args(["kernel", *sys.argv[1:]])
     return args.func(args)

@@ -36,10 +36,10 @@ from typing import Any
 
 from ipykernel.kernelbase import Kernel
 
-from workbench.run.kernel.fold import Folder, format_ranks
-from workbench.run.kernel.magics import MagicError, parse_cell
-from workbench.run.kernel.protocol import ENV_TOKEN, ENV_TOKEN_FILE
-from workbench.run.kernel.ranks import RankSet
+from workbench.kernel.fold import Folder, format_ranks
+from workbench.kernel.magics import MagicError, parse_cell
+from workbench.kernel.protocol import ENV_TOKEN, ENV_TOKEN_FILE
+from workbench.kernel.ranks import RankSet
 
 __all__ = ["SPMDKernel"]
 
@@ -566,7 +566,7 @@ class SPMDKernel(Kernel):
 
     def _local_ledger(self, rank: int) -> dict[str, Any] | None:
         """The collective a rank of this host is in, read from its ledger file (no message, nothing asked of it)."""
-        from workbench.run.kernel.ledger import read_ledger
+        from workbench.kernel.ledger import read_ledger
 
         info = self.rankset.ranks.get(rank)
         if info is None or not info.ledger_file or not self.rankset.on_this_host(rank):
@@ -575,7 +575,7 @@ class SPMDKernel(Kernel):
 
     def _live_states(self, cell: _Cell) -> dict[int, Any]:
         """What each rank of the cell is doing, from its "done", its ledger and its last answer about its stack."""
-        from workbench.run.kernel.live import RankState, where_label
+        from workbench.kernel.live import RankState, where_label
 
         states: dict[int, RankState] = {}
         now = time.monotonic()
@@ -612,7 +612,7 @@ class SPMDKernel(Kernel):
 
     def _live_tick(self, cell: _Cell) -> None:
         """Draw or redraw the live view: once the cell ran ``_LIVE_AFTER`` s, then every ``_LIVE_PERIOD`` s."""
-        from workbench.run.kernel import live
+        from workbench.kernel import live
 
         now = time.monotonic()
         if not cell.pending or now - cell.start < _LIVE_AFTER or now - cell.live_at < _LIVE_PERIOD:
@@ -629,7 +629,7 @@ class SPMDKernel(Kernel):
 
     def _end_live(self, cell: _Cell) -> None:
         """The cell ended: its live view becomes one line (how long, which rank finished last, which failed)."""
-        from workbench.run.kernel import live
+        from workbench.kernel import live
 
         if not cell.live_id:
             return
@@ -667,8 +667,8 @@ class SPMDKernel(Kernel):
         return answers
 
     def _native_stacks(self, cell: _Cell | None, ranks: list[int], answered: list[int]) -> dict[int, dict[str, Any]]:
-        from workbench.run.kernel.ledger import read_ledger
-        from workbench.run.kernel.stackdump import Frame, dump_all, parse
+        from workbench.kernel.ledger import read_ledger
+        from workbench.kernel.stackdump import Frame, dump_all, parse
 
         infos = {r: self.rankset.ranks[r] for r in ranks if r in self.rankset.ranks}
         here = {r: (i.pid, i.stack_file) for r, i in infos.items() if i.stack_file and self.rankset.on_this_host(r)}
@@ -715,7 +715,7 @@ class SPMDKernel(Kernel):
         return out
 
     def _summarize_native(self, entries: list[tuple[Any, str]]) -> dict[str, Any]:
-        from workbench.run.kernel.stackdump import file_source, format_frames, summarize
+        from workbench.kernel.stackdump import file_source, format_frames, summarize
 
         texts = {(f.file, f.line): text for f, text in entries}
 
@@ -780,7 +780,7 @@ class SPMDKernel(Kernel):
 
     def _recorder(self, cell: _Cell, timeout: float = 3.0) -> list[str]:
         """Every rank's newest flight recorder entries (each reads its own, on a helper thread), as report lines."""
-        from workbench.run.kernel.recorder import recorder_lines
+        from workbench.kernel.recorder import recorder_lines
 
         request = uuid.uuid4().hex
         ranks = sorted(cell.ranks)

@@ -3,7 +3,7 @@
 Started by torch's elastic agent, never by hand::
 
     torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint HOST:29400 \\
-        -m workbench.run.kernel.worker --connect tcp://KERNEL_HOST:PORT --token-file PATH
+        -m workbench.kernel.worker --connect tcp://KERNEL_HOST:PORT --token-file PATH
 
 (the kernel starts its local ranks the same way, with the address and the token in their environment). Every rank
 initializes the default process group, then serves the kernel: a background thread owns the ZMQ socket (signs what
@@ -29,7 +29,7 @@ import traceback
 from collections.abc import Sequence
 from typing import Any
 
-from workbench.run.kernel.protocol import (
+from workbench.kernel.protocol import (
     ENV_CONNECT,
     ENV_HOST,
     ENV_KERNEL_PID,
@@ -48,7 +48,7 @@ __all__ = ["main", "stack_report"]
 
 def stack_report(frame: Any) -> dict[str, Any]:
     """A main-thread stack as the kernel shows it: the frames from the cell in, and whether it is in a collective."""
-    from workbench.run.kernel.stackdump import summarize
+    from workbench.kernel.stackdump import summarize
 
     return summarize(traceback.format_stack(frame))
 
@@ -98,8 +98,8 @@ class _Worker:
         import atexit
         import tempfile
 
-        from workbench.run.kernel.ledger import Ledger, track
-        from workbench.run.kernel.stackdump import register
+        from workbench.kernel.ledger import Ledger, track
+        from workbench.kernel.stackdump import register
 
         folder = os.environ.get(ENV_RUN_DIR) or os.path.join(tempfile.gettempdir(), f"workbench-kernel-{os.getuid()}")
         os.makedirs(folder, mode=0o700, exist_ok=True)
@@ -234,7 +234,7 @@ class _Worker:
 
     def _ledger_now(self) -> dict[str, Any]:
         """The collective this rank is in (or was in last) and, on NCCL, those the GPU has not finished."""
-        from workbench.run.kernel.ledger import read_ledger
+        from workbench.kernel.ledger import read_ledger
 
         if self.ledger is None:
             return {}
@@ -242,8 +242,8 @@ class _Worker:
 
     def _dump_peer(self, message: dict[str, Any]) -> None:
         """Helper thread: faulthandler's dump of another rank process of this host, with this host's source lines."""
-        from workbench.run.kernel.ledger import read_ledger
-        from workbench.run.kernel.stackdump import dump, file_source, parse
+        from workbench.kernel.ledger import read_ledger
+        from workbench.kernel.stackdump import dump, file_source, parse
 
         text = dump(int(message["pid"]), str(message["stack_file"]))
         frames = parse(text, int(message["thread"])) if text else None
@@ -255,7 +255,7 @@ class _Worker:
     def _send_recorder(self, message: dict[str, Any]) -> None:
         """Helper thread: the last collectives torch's flight recorder holds for this rank (all its groups)."""
         from workbench._compat import dump_fr_trace, dump_nccl_trace
-        from workbench.run.kernel.recorder import last_entries
+        from workbench.kernel.recorder import last_entries
 
         try:
             trace = dump_nccl_trace() if self.backend == "nccl" else dump_fr_trace()
@@ -283,7 +283,7 @@ class _Worker:
             self._aborting = threading.Thread(target=self._abort_nccl, name="workbench-nccl-abort", daemon=True)
             self._aborting.start()  # on one) returns
         elif message.get("close_sockets", True):
-            from workbench.run.kernel.sever import sever
+            from workbench.kernel.sever import sever
 
             keep = {int(os.environ.get("MASTER_PORT", "0")), int(self.address.rsplit(":", 1)[1])}
             sever(keep)
@@ -611,12 +611,12 @@ def _remove(*paths: str) -> None:
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    """Entry point of ``python -m workbench.run.kernel.worker`` (under torchrun)."""
+    """Entry point of ``python -m workbench.kernel.worker`` (under torchrun)."""
     parser = argparse.ArgumentParser(
-        prog="python -m workbench.run.kernel.worker",
+        prog="python -m workbench.kernel.worker",
         description="Join a running workbench kernel as one rank; start it with torchrun, e.g.\n"
         "  torchrun --nnodes 2 --nproc-per-node 8 --rdzv-backend c10d --rdzv-endpoint node0:29400 \\\n"
-        "      -m workbench.run.kernel.worker --connect tcp://login-node:5555 --token-file PATH\n"
+        "      -m workbench.kernel.worker --connect tcp://login-node:5555 --token-file PATH\n"
         "(the token: --token-file, else $WORKBENCH_KERNEL_TOKEN, else the file $WORKBENCH_KERNEL_TOKEN_FILE names)",
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
