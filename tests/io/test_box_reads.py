@@ -280,6 +280,19 @@ def test_runs_that_touch_every_page_are_read_as_one_span(tmp_path: Path, monkeyp
         assert r.bytes_fetched == 1023 * 1024 + 512  # the span from the first owned byte to the last
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float8_e4m3fn, torch.int64])
+@pytest.mark.parametrize("box", [(slice(1, 6), slice(1, 3)), (slice(0, 7), slice(0, 5), slice(1, 2)),
+                                 (slice(2, 4), slice(1, 5), slice(0, 2), slice(1, 4)), (slice(0, 7), slice(2, 3))])
+def test_boxes_read_as_their_span_come_out_contiguous_and_exact(tmp_path: Path, dtype, box) -> None:
+    full = _tensor((7, 5, 3, 4), dtype, 7)  # rows of at most 480 bytes: every gap is shorter than a page
+    save_file({"pad": torch.ones(5, dtype=torch.int8), "w": full}, str(tmp_path / "model.safetensors"))
+    with BoxReader(read_checkpoint(tmp_path), [("w", box)]) as r:
+        got = r.read("w", box)
+        assert got.is_contiguous() and got.shape == full[box].shape
+        assert torch.equal(_bytes(got), _bytes(full[box]))
+        assert r.bytes_fetched > r.bytes_read  # the span, with the bytes between the box's runs
+
+
 @settings(max_examples=200, deadline=None)
 @given(shape=st.lists(st.integers(1, 40), min_size=1, max_size=4), itemsize=st.sampled_from([1, 2, 4, 512]),
        data=st.data())
