@@ -109,7 +109,6 @@ class Explorer:
         self.info = w.HTML()
         self.message = w.HTML()
         self.schedule_note = w.HTML()
-        self.status = w.HTML()
         self.progress = w.HTML()
 
         self.param.observe(self._on_param, names="value")
@@ -134,7 +133,7 @@ class Explorer:
                         w.HTML("<b>bytes per rank</b>, whole layout"), self.heat])
         self.widget = w.VBox([controls, w.HBox([left, right], layout=w.Layout(flex_flow="row wrap")),
                               w.HTML("<b>unshard schedule</b> of the rank"), self.schedule_note,
-                              self.schedule_image, w.HBox([self.status, self.progress])])
+                              self.schedule_image, self.progress])
         self.widget.explorer = self
         self.widget.add_class("workbench-explorer")
         self._set_image(self.heat, self._heat_png())
@@ -177,13 +176,13 @@ class Explorer:
         self.refresh()
 
     def _on_rank(self, change: Any) -> None:
+        self.refresh()  # the pictures before the coordinate sliders follow (their messages would go first)
         self._busy = True
         try:
             for slider, c in zip(self.coords, self.layout.mesh.coordinate(change["new"])):
                 slider.value = c
         finally:
             self._busy = False
-        self.refresh()
 
     def _on_coord(self, _: Any) -> None:
         if self._busy:
@@ -210,18 +209,20 @@ class Explorer:
         name = self._param_value
         spec = self.layout.specs[name]
         key = None if self.key.value in (_WHOLE, "") or self.key.value not in spec.hf_keys else self.key.value
-        # the base images change only with the parameter; a rank change sends the small marks over them
+        # the pictures first (every message waits for the one before it); the zoom, the largest, leads so the
+        # browser decodes it while the marks follow. The base images change only with the parameter: a rank
+        # change sends the small marks over them
         offsets = self._offsets_picture(name, key)
-        self._set_image(self.offsets, offsets.base[0])
-        self._set_marks(self.offsets_marks, offsets.marks(rank), self.offsets)
-        mesh = self._mesh_picture(name)
-        self._set_image(self.mesh_image, mesh.base[0])
-        self._set_marks(self.mesh_marks, mesh.marks(self._group(rank)), self.mesh_image)
         if offsets.zoomed:
             self._set_image(self.zoom_image, offsets.zoom(rank))
             self.zoom_image.layout.display = None
         else:
             self.zoom_image.layout.display = "none"
+        self._set_image(self.offsets, offsets.base[0])
+        self._set_marks(self.offsets_marks, offsets.marks(rank), self.offsets)
+        mesh = self._mesh_picture(name)
+        self._set_image(self.mesh_image, mesh.base[0])
+        self._set_marks(self.mesh_marks, mesh.marks(self._group(rank)), self.mesh_image)
         self._show_schedule(rank)
         coord = ", ".join(f"{n}={c}" for n, c in zip(self.layout.mesh.dim_names, self.layout.mesh.coordinate(rank)))
         regions = [r for r in spec.key_regions(rank) if key is None or r.hf_key == key]
@@ -233,13 +234,12 @@ class Explorer:
             self.message.value = _warn(f"rank {rank} holds none of {what}")
         else:
             self.message.value = ""
-        self.info.value = (
-            f"<code>rank {rank} ({coord}): local {spec.local_shape(rank)} of {spec.global_shape}, "
-            f"{_escape(spec.describe_shards())}<br>{shown or 'holds no HF key region here'}</code>"
-        )
+        info = (f"<code>rank {rank} ({coord}): local {spec.local_shape(rank)} of {spec.global_shape}, "
+                f"{_escape(spec.describe_shards())}<br>{shown or 'holds no HF key region here'}</code>")
         self._last_refresh = time.perf_counter()
         self.update_seconds = self._last_refresh - start
-        self.status.value = f"<small>updated in {self.update_seconds * 1000:.0f} ms</small>"
+        # one message for the text and the time (each message costs the kernel, the server and the page)
+        self.info.value = f"{info}<br><small>updated in {self.update_seconds * 1000:.0f} ms</small>"
         self._draw_ahead(offsets, mesh, rank)
 
     def _group(self, rank: int) -> tuple[int, ...]:
@@ -389,9 +389,10 @@ class Explorer:
         if request != self._wanted:
             return  # the controls moved on
         self._set_image(self.schedule_image, png)
+        # no rank in the text: while it stays the same (one shape class) a rank change sends nothing
         self.schedule_note.value = (
-            f"<small>rank {request[2]}: {schedule.num_calls} call(s), predicted peak "
-            f"{_style.format_bytes(schedule.peak_bytes)} (every rank of its shape class has this schedule)</small>"
+            f"<small>{schedule.num_calls} call(s), predicted peak {_style.format_bytes(schedule.peak_bytes)} "
+            "(every rank of its shape class has this schedule)</small>"
         )
 
     def _schedule_picture(self, schedule: Any) -> bytes:
