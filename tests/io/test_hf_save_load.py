@@ -115,6 +115,29 @@ def test_round_trip_is_bit_exact(tmp_path: Path) -> None:
         assert target[key].dtype == tensor.dtype and torch.equal(bits(target[key]), bits(tensor)), key
 
 
+@pytest.mark.parametrize("read_direct", [True, False])
+def test_load_hf_reads_around_the_page_cache_when_asked(read_direct: bool) -> None:
+    """``read_direct=True`` sends every read through O_DIRECT (on a disk directory: tmpfs refuses it), ``False``
+    none; the values are the saved ones, bit for bit, either way."""
+    import tempfile
+
+    state = {"a": random_tensor((1024, 300), torch.float32, 3), "b": random_tensor((77, 5), torch.bfloat16, 4)}
+    with tempfile.TemporaryDirectory(dir="/var/tmp") as root:
+        path = Path(root) / "ckpt"
+        wb.save_hf(state, path)
+        target = {k: torch.zeros_like(v) for k, v in state.items()}
+        report = wb.load_hf(target, path, read_direct=read_direct)
+        total = _index(path)["metadata"]["total_size"]
+    for key, tensor in state.items():
+        assert torch.equal(bits(target[key]), bits(tensor)), key
+    if not read_direct:
+        assert report.bytes_direct == 0
+    elif report.bytes_direct == 0:
+        pytest.skip("/var/tmp refuses O_DIRECT here")
+    else:  # the aligned cover of each request: what is owned, plus at most 8 KiB a file
+        assert total <= report.bytes_direct <= total + 8192 * 2
+
+
 def test_round_trip_of_a_module_through_a_key_map(tmp_path: Path) -> None:
     torch.manual_seed(0)
     model = torch.nn.Sequential(torch.nn.Linear(4, 6), torch.nn.LayerNorm(6))

@@ -8,7 +8,7 @@ import time
 from collections.abc import Mapping
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal
 
 import torch
 
@@ -36,7 +36,8 @@ class LoadReport:
 
     ``bytes_read`` is what the rank's positional reads asked the files for (a box of short runs close together is
     read as its one span, so it may exceed the box); the disk's own count, readahead included, is
-    ``/proc/self/io``'s ``read_bytes`` (``bench/save_load.py`` reports it).
+    ``/proc/self/io``'s ``read_bytes`` (``bench/save_load.py`` reports it). ``bytes_direct`` is the part of it read
+    with ``O_DIRECT``, around the page cache (``read_direct``).
     """
 
     path: Path
@@ -46,6 +47,7 @@ class LoadReport:
     bytes_owned: int
     seconds: float
     bytes_received: int = 0
+    bytes_direct: int = 0
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[str, ...] = ()
@@ -93,6 +95,7 @@ def load_hf(
     rank: int | None = None,
     read_threads: int = 16,
     budget_bytes: int = 1 << 30,
+    read_direct: bool | Literal["auto"] | None = None,
 ) -> LoadReport:
     """Load a HuggingFace checkpoint into a model whose parameters are DTensors (or plain tensors), in place.
 
@@ -115,6 +118,10 @@ def load_hf(
         read_threads: threads reading the files.
         budget_bytes: host memory for slices read ahead of their copies; the load holds at most this much plus
             the largest single read (pinned memory when the model is on a GPU).
+        read_direct: ``"auto"`` reads a request of 1 MiB or more with ``O_DIRECT`` (4 KiB-aligned, around the page
+            cache) when almost none of its pages are cached, ``True`` always, ``False`` never (a filesystem that
+            refuses ``O_DIRECT`` is read through the page cache). None: ``WORKBENCH_READ_DIRECT`` (``auto|1|0``),
+            else ``"auto"``.
 
     Raises:
         CheckpointError: on the rank whose checkpoint check failed (one error listing every missing, unexpected,
@@ -163,7 +170,7 @@ def load_hf(
             to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
             on_gpu = any(targets[n].device.type == "cuda" for n in to_read)
             boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters), threads=read_threads,
-                              budget_bytes=budget_bytes, pin_memory=on_gpu)
+                              budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct)
             for name, plan in plans.items():
                 nbytes = sum(
                     r.numel * reader.dtype(r.hf_key).itemsize for r in plan.reads
@@ -200,6 +207,7 @@ def load_hf(
             rank=rank,
             parameters=loaded,
             bytes_read=boxes.bytes_fetched if boxes is not None else 0,
+            bytes_direct=boxes.bytes_direct if boxes is not None else 0,
             bytes_owned=owned,
             bytes_received=received,
             seconds=time.perf_counter() - start,
