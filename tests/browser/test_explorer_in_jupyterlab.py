@@ -1,7 +1,7 @@
 """The explorer in a real JupyterLab and a real Chromium: it renders sharp images, follows the rank slider, and on
 DeepSeek-V3 (1,024 ranks) a rank change reaches the screen quickly, first visits included.
 
-Timing: from the key press that changes the rank (a timestamp taken in the page just before it) until the last
+Timing: from the key press that changes the rank (its ``keydown`` in the page) until the last
 of the images a rank change redraws (the SVG marks over the offsets overview and over the mesh, and the zoom
 panel's PNG) is loaded and decoded (``img.decode()``: ready to paint), measured in the page with
 ``performance.now()``. Three kinds of change: a step right on the slider to a rank never shown (drawn ahead in

@@ -215,7 +215,7 @@ def test_drawing_ahead_stops_when_a_control_moves(toy) -> None:
         return real(n, artists)
 
     offsets._svg = slow
-    ex.rank.value = 2  # ahead, in order: rank 3's marks and mesh outline, then 1's, 6's and 0's
+    ex.rank.value = 2  # ahead, in order: 1 (kept already), 3's marks and mesh outline, then 6's and 0's
     assert started.wait(10)
     ex.group.value = "tp"  # a control moves while rank 3 is drawn ahead (the refresh does not wait for it)
     assert ex.mesh_marks.value == mesh._kept[(2, 3)]
@@ -225,3 +225,51 @@ def test_drawing_ahead_stops_when_a_control_moves(toy) -> None:
     assert ("marks", 3) in offsets._kept  # the step under way ends ...
     outlined = {key for key in mesh._kept if len(key) == 1}
     assert not outlined & {(3,), (0,)}, outlined  # ... and the rest of that drawing ahead is dropped
+
+
+def test_a_zoom_drawn_ahead_gives_way_within_one_artist() -> None:
+    import threading
+    import time
+
+    from torch.distributed.tensor import Shard
+
+    from workbench.layout import LoadSpec
+    from workbench.layout.model_layout import Layout
+    from workbench.mesh import MeshSpec
+
+    mesh = MeshSpec((32,), ("dp",))
+    spec = LoadSpec.from_placements("w", "w", (64, 4), mesh, [Shard(0)])  # 2 of 64 rows a rank: zoomed
+    layout = Layout(mesh, {"w": spec}, name="thin")
+    ex = explore(layout, rank=10).explorer
+    ex.settle()
+    offsets = ex._offsets_picture("w", None)
+    assert offsets.zoomed and ("zoom", 11) in offsets._kept  # the next rank was drawn ahead
+    zoom_fig = offsets.figs[1]
+    real = zoom_fig.draw_artist
+    started = threading.Event()
+    after_change: list[object] = []
+
+    def watched(artist):
+        if threading.current_thread() is not threading.main_thread():
+            if not started.is_set():  # the first artist of the drawing ahead waits for the change
+                generation = ex._generation
+                started.set()
+                deadline = time.monotonic() + 10
+                while ex._generation == generation and time.monotonic() < deadline:
+                    time.sleep(0.005)
+            elif ex._generation != generation_at_start[0]:
+                after_change.append(artist)
+        return real(artist)
+
+    generation_at_start = [0]
+    zoom_fig.draw_artist = watched
+    ex.rank.value = 30  # drawn now; ahead, in order: 31 (the slider went up), 29
+    generation_at_start[0] = ex._generation
+    assert started.wait(10)  # rank 31's zoom is being drawn ahead
+    ex.rank.value = 5  # the refresh waits for the figure: the drawing ahead stops at its next artist
+    zoom_fig.draw_artist = real
+    ex.settle()
+    assert not after_change, f"{len(after_change)} artist(s) drawn ahead after the control moved"
+    assert ("zoom", 31) not in offsets._kept and ("zoom", 29) not in offsets._kept
+    fresh = explore(layout, rank=5, background=False).explorer
+    assert ex.zoom_image.value == fresh.zoom_image.value  # the refresh drew on a clean frame

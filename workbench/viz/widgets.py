@@ -75,6 +75,7 @@ class Explorer:
         self._worker = _Worker(self._quiet_for) if background else None
         self._last_refresh = 0.0
         self._generation = 0  # refreshes started
+        self._ahead_from = rank  # the rank the last drawing ahead was around
 
         wide = w.Layout(width="560px")
         self.param = w.Combobox(options=names, value=param, description="parameter", ensure_option=True,
@@ -249,32 +250,42 @@ class Explorer:
         return tuple(self.layout.mesh.group_ranks(rank, self.group.value))
 
     def _draw_ahead(self, offsets: Any, mesh: Any, rank: int) -> None:
-        """Draw, in the background once nobody moves a control, the ranks one step away on the rank slider and
-        on each coordinate slider (where a person goes next); dropped as soon as a control moves."""
+        """Draw, in the background once nobody moves a control, the ranks one step away on the rank slider (the
+        way it last went first) and on each coordinate slider: where a person goes next. Dropped at the next
+        step as soon as a control moves."""
         if self._worker is None:
             return
         mesh_spec = self.layout.mesh
         coord = list(mesh_spec.coordinate(rank))
-        near = [rank + 1, rank - 1]
+        step = -1 if rank < self._ahead_from else 1  # the way the slider went first, then back
+        self._ahead_from = rank
+        near = [rank + step, rank - step]
         for d, size in enumerate(mesh_spec.shape):
             for step in (1, -1):
                 if 0 <= coord[d] + step < size:
                     near.append(mesh_spec.rank_at([*coord[:d], coord[d] + step, *coord[d + 1:]]))
         near = [r for r in dict.fromkeys(near) if 0 <= r < mesh_spec.size and r != rank]
+        generation = self._generation
+
+        def dropped() -> bool:  # the controls moved on: a newer request draws around the new rank
+            return self._generation != generation or _STOPPING.is_set()
+
         steps: list[Callable[[], Any]] = []
         for r in near:
-            steps.append(lambda r=r: offsets.marks(r))
-            if offsets.zoomed:
-                steps.append(lambda r=r: offsets.zoom(r))
+            if offsets.zoomed:  # the costly one first
+                steps.append(lambda r=r: offsets.zoom(r, dropped))
+            steps.append(lambda r=r: offsets.marks(r, dropped))
             group = self._group(r)
             steps.append(lambda group=group: mesh.marks(group))
-        generation = self._generation
 
         def work() -> None:
             for step in steps:
-                if self._generation != generation or _STOPPING.is_set():
-                    return  # the controls moved on: a newer request draws around the new rank
-                step()
+                if dropped():
+                    return
+                try:
+                    step()
+                except _Dropped:
+                    return
 
         self._worker.submit(("ahead",), work, None)
 
@@ -430,6 +441,10 @@ class Explorer:
 
 
 # -- pictures -----------------------------------------------------------------------------------------------
+class _Dropped(Exception):
+    """A drawing ahead stopped because a control moved (the refresh needs the figure)."""
+
+
 class _Frozen:
     """Figures laid out and drawn once at ``_SCALE`` x their CSS size, without what depends on the rank: their
     PNGs are ``base``, sent once per parameter. What depends on the rank is drawn either as ``marks`` (an SVG
@@ -475,11 +490,17 @@ class _Frozen:
     def _svg(self, n: int, artists: Sequence[Any]) -> bytes:
         return _style.artists_svg(self.figs[n], artists)
 
-    def _frame(self, n: int, artists: Sequence[Any]) -> bytes:
+    def _frame(self, n: int, artists: Sequence[Any], dropped: Callable[[], bool] = bool) -> bytes:
+        """PNG of figure ``n``'s static pixels with ``artists`` drawn over them; ``_Dropped`` between two
+        artists once ``dropped()`` says so (a drawing ahead gives way to a refresh within one artist)."""
         fig = self.figs[n]
         fig.canvas.restore_region(self._backgrounds[n])
         for artist in artists:
+            if dropped():
+                raise _Dropped
             fig.draw_artist(artist)
+        if dropped():
+            raise _Dropped
         return self._encode(n)
 
     def _encode(self, n: int) -> bytes:
@@ -512,19 +533,23 @@ class _OffsetsPicture(_Frozen):
         """True when the figure has a zoom panel (a second image)."""
         return len(self.figs) > 1
 
-    def marks(self, rank: int) -> bytes:
+    def marks(self, rank: int, dropped: Callable[[], bool] = bool) -> bytes:
         """SVG of the rank's outline and of the zoom window on the overview (over ``base[0]``)."""
-        return self._kept_or(("marks", rank), lambda: self._svg(0, self._show(rank).dynamic_on(self.drawing.fig)))
+        return self._kept_or(("marks", rank),
+                             lambda: self._svg(0, self._show(rank, dropped).dynamic_on(self.drawing.fig)))
 
-    def zoom(self, rank: int) -> bytes:
-        """PNG of the zoom panel around the rank (only when ``zoomed``)."""
+    def zoom(self, rank: int, dropped: Callable[[], bool] = bool) -> bytes:
+        """PNG of the zoom panel around the rank (only when ``zoomed``); ``dropped`` as in ``_frame``."""
         if not self.zoomed:
             raise ValueError(f"explorer: {self.drawing.view.name} has no zoom panel (every part is readable)")
         return self._kept_or(("zoom", rank),
-                             lambda: self._frame(1, self._show(rank).dynamic_on(self.drawing.zoom_fig)))
+                             lambda: self._frame(1, self._show(rank, dropped).dynamic_on(self.drawing.zoom_fig),
+                                                 dropped))
 
-    def _show(self, rank: int) -> Any:
+    def _show(self, rank: int, dropped: Callable[[], bool] = bool) -> Any:
         if self._shown != rank:
+            if dropped():
+                raise _Dropped
             self.drawing.show_rank(rank)
             self._shown = rank
         return self.drawing
