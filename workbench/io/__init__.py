@@ -1,12 +1,17 @@
-"""Checkpoint I/O for one process: file plans, safetensors writing, index and headers, sliced reads, atomic publish.
+"""Checkpoint I/O, one package per job:
 
-The modules exported here never talk to other ranks. ``hf_save`` (``wb.save_hf``) and ``hf_load``
-(``wb.load_hf``) are the distributed entry points built on them and on ``workbench.run``; they are exported
-from ``workbench`` itself.
+- ``io.files``: safetensors files on one process: file plans, writing (streamed and in place), sliced reading,
+  index and headers, atomic publish, owner markers, host buffers. Never talks to another rank.
+- ``io.hf``: ``save_hf`` and ``load_hf``, the distributed entry points built on ``io.files`` and ``workbench.run``
+  (exported from ``workbench`` itself).
+- ``io.dcp``: torch DCP planners and ``dcp_to_hf``.
+- ``io.pipeline``: pipeline-parallel saves.
+
+The names exported here are the one-process file layer's.
 """
 
-from workbench.io.file_plan import FilePlan, FileSpec, plan_files
-from workbench.io.index import (
+from workbench.io.files.file_plan import FilePlan, FileSpec, plan_files
+from workbench.io.files.index import (
     INDEX_NAME,
     CheckpointIndex,
     KeyInfo,
@@ -16,10 +21,10 @@ from workbench.io.index import (
     torch_dtype,
     write_index,
 )
-from workbench.io.publish import AtomicRenamePublisher, is_complete, validate_final
-from workbench.io.publish_types import Publisher, temporary_path
-from workbench.io.read import CheckpointReader
-from workbench.io.write import fsync_dir, write_safetensors
+from workbench.io.files.publish import AtomicRenamePublisher, is_complete, validate_final
+from workbench.io.files.publish_types import Publisher, temporary_path
+from workbench.io.files.read import CheckpointReader
+from workbench.io.files.write import fsync_dir, write_safetensors
 
 __all__ = [
     "INDEX_NAME",

@@ -6,7 +6,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 
 from workbench.display import html_of
-from workbench.io.save_timings import SaveTimings
+from workbench.io.hf.save_timings import SaveTimings
 
 __all__ = ["SaveResult"]
 

@@ -34,9 +34,9 @@ import torch
 import torch.distributed as dist
 
 from workbench.errors import CheckpointError, LayoutError
-from workbench.io.file_plan import FilePlan, FileSpec, file_name
-from workbench.io.index import INDEX_NAME, read_index, write_index
-from workbench.io.publish import AtomicRenamePublisher
+from workbench.io.files.file_plan import FilePlan, FileSpec, file_name
+from workbench.io.files.index import INDEX_NAME, read_index, write_index
+from workbench.io.files.publish import AtomicRenamePublisher
 from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
 from workbench.layout.pipeline import PipelineLayout
 from workbench.mesh import MeshDimRef, format_mesh_dim
@@ -195,7 +195,7 @@ def save_hf_pipeline(
 
     .. note:: SPMD: every rank of the whole pipeline mesh calls it, with the same arguments.
     """
-    from workbench.io.hf_save import save_hf
+    from workbench.io.hf.save import save_hf
 
     path = Path(path)
     if not dist.is_initialized():

@@ -15,8 +15,8 @@ from collections.abc import Callable
 from typing import Any
 
 from workbench.faults import fault_point
-from workbench.io.save_timings import SaveClock
-from workbench.io.snapshot import HostCopy
+from workbench.io.files.snapshot import HostCopy
+from workbench.io.hf.save_timings import SaveClock
 from workbench.run.guard import RankProblem
 
 __all__ = ["BATCH_BYTES", "WriteBatch", "WriterQueue"]

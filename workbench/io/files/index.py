@@ -5,7 +5,7 @@ maps every key to ``{"dtype", "shape", "data_offsets": [begin, end]}`` (offsets 
 start) plus an optional ``"__metadata__"`` of str -> str. ``read_checkpoint`` parses the index and every
 header directly, checks them against each other and the file sizes, and names the file and the problem
 when something is off (missing, truncated, corrupt). Both are parsed within the bounds of
-``workbench.io.limits`` (size, nesting depth, no NaN/Infinity, sizes and offsets in u64), so a hostile
+``workbench.io.files.limits`` (size, nesting depth, no NaN/Infinity, sizes and offsets in u64), so a hostile
 file is a named problem, never another exception.
 """
 
@@ -22,9 +22,9 @@ from pathlib import Path
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.io import limits
-from workbench.io.file_plan import FilePlan
-from workbench.io.write import fsync_dir, fsync_file
+from workbench.io.files import limits
+from workbench.io.files.file_plan import FilePlan
+from workbench.io.files.write import fsync_dir, fsync_file
 
 __all__ = [
     "INDEX_NAME",

@@ -22,8 +22,8 @@ from typing import Any
 
 import torch
 
-from workbench.io.direct import DirectStep, box, direct_program
-from workbench.io.snapshot import HostCopy, Snapshotter
+from workbench.io.files.direct import DirectStep, box, direct_program
+from workbench.io.files.snapshot import HostCopy, Snapshotter
 from workbench.layout.model_layout import Layout, remembered_locals
 from workbench.memo import LRU
 

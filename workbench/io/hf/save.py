@@ -30,12 +30,12 @@ from typing import Any
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES
-from workbench.io.early_snapshot import remember_direct_plan, take_early
-from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES
-from workbench.io.host_pool import DEFAULT_POOL_BYTES, host_pool
-from workbench.io.save_session import _IN_FLIGHT, SaveResult, SaveSession
-from workbench.io.snapshot import Snapshotter
+from workbench.io.files.direct import DEFAULT_MIN_SEGMENT_BYTES
+from workbench.io.files.file_plan import DEFAULT_MAX_SHARD_BYTES
+from workbench.io.files.host_pool import DEFAULT_POOL_BYTES, host_pool
+from workbench.io.files.snapshot import Snapshotter
+from workbench.io.hf.early_snapshot import remember_direct_plan, take_early
+from workbench.io.hf.save_session import _IN_FLIGHT, SaveResult, SaveSession
 from workbench.layout.key_map import KeyMap
 from workbench.layout.model_layout import Layout, layout_and_locals
 from workbench.plan.policy import SavePolicy

@@ -36,10 +36,10 @@ import numpy as np
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.io.file_plan import FilePlan
-from workbench.io.stream_write import safetensors_layout
-from workbench.io.writeback import WritebackWindow
-from workbench.io.written_ranges import WrittenRanges, pack, packed_tiling_problems
+from workbench.io.files.file_plan import FilePlan
+from workbench.io.files.stream_write import safetensors_layout
+from workbench.io.files.writeback import WritebackWindow
+from workbench.io.files.written_ranges import WrittenRanges, pack, packed_tiling_problems
 from workbench.layout.load_spec import KeyRegion, LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.memo import LRU, remember_by_identity

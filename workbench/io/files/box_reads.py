@@ -51,7 +51,7 @@ import numpy as np
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.io.index import CheckpointIndex, KeyInfo, torch_dtype
+from workbench.io.files.index import CheckpointIndex, KeyInfo, torch_dtype
 
 __all__ = ["BoxReader", "box_runs", "cached_share", "gap_pages"]
 

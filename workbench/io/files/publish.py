@@ -31,8 +31,8 @@ from typing import Any
 
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
-from workbench.io.complete import OLD_SUFFIX, content_problems, is_complete, validate_final
-from workbench.io.ownership import (
+from workbench.io.files.complete import OLD_SUFFIX, content_problems, is_complete, validate_final
+from workbench.io.files.ownership import (
     HEARTBEAT_PERIOD,
     MARKER_NAME,
     Heartbeat,
@@ -42,8 +42,8 @@ from workbench.io.ownership import (
     remove_if_stale,
     write_owner,
 )
-from workbench.io.publish_types import INCOMPLETE_SUFFIX, temporary_path
-from workbench.io.write import fsync_dir, fsync_file
+from workbench.io.files.publish_types import INCOMPLETE_SUFFIX, temporary_path
+from workbench.io.files.write import fsync_dir, fsync_file
 
 __all__ = ["OLD_SUFFIX", "AtomicRenamePublisher", "exchange_paths", "is_complete", "validate_final"]
 
@@ -115,7 +115,7 @@ class AtomicRenamePublisher:
         use_exchange: try ``renameat2(RENAME_EXCHANGE)`` when ``final`` exists (False forces the
             rename-aside fallback; for tests and filesystems known to refuse the flag).
         heartbeat_period: seconds between the heartbeats of the owner marker, recorded in it (readers judge the
-            save stale after ``STALE_PERIODS`` periods without one; see ``io/ownership.py``).
+            save stale after ``STALE_PERIODS`` periods without one; see ``io/files/ownership.py``).
 
     From ``prepare`` until ``finalize`` or ``abort`` the publisher holds ``temporary`` live in this process (a
     ``LiveClaim``) and beats its marker's heartbeat from a daemon thread, so no ``clean_incomplete`` or ``prepare``,
@@ -163,7 +163,7 @@ class AtomicRenamePublisher:
 
     def prepare(self) -> Path:
         """Create a fresh ``temporary`` holding only its owner marker, hold it live, start its heartbeat, and return
-        it. A stale one (see ``io/ownership.py``: a dead pid on this host, a heartbeat older than ten periods, no
+        it. A stale one (see ``io/files/ownership.py``: a dead pid on this host, a heartbeat older than ten periods, no
         marker, or a leftover of this process) is removed; a live one is never touched: an error names it.
 
         Also repairs an interrupted fallback publish: an old checkpoint left at ``.NAME.old`` goes back

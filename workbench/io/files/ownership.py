@@ -36,9 +36,9 @@ from collections import Counter
 from dataclasses import dataclass
 from pathlib import Path
 
-from workbench.io.complete import OLD_SUFFIX, is_complete
-from workbench.io.limits import parse_json, read_capped
-from workbench.io.publish_types import INCOMPLETE_SUFFIX, is_temporary_path
+from workbench.io.files.complete import OLD_SUFFIX, is_complete
+from workbench.io.files.limits import parse_json, read_capped
+from workbench.io.files.publish_types import INCOMPLETE_SUFFIX, is_temporary_path
 
 MAX_MARKER_BYTES = 64 << 10
 """An owner marker is a few hundred bytes; a larger file is not read."""

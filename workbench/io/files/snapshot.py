@@ -21,7 +21,7 @@ from typing import Any
 
 import torch
 
-from workbench.io.host_pool import HostBuffer, HostPool, host_pool
+from workbench.io.files.host_pool import HostBuffer, HostPool, host_pool
 
 __all__ = ["HostCopy", "Snapshotter"]
 

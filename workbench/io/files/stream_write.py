@@ -21,8 +21,8 @@ from pathlib import Path
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.io.index import safetensors_dtype
-from workbench.io.writeback import WritebackWindow
+from workbench.io.files.index import safetensors_dtype
+from workbench.io.files.writeback import WritebackWindow
 
 __all__ = ["StreamWriter", "safetensors_layout"]
 

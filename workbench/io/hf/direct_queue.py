@@ -1,6 +1,6 @@
 """The snapshot step of a direct save: this rank's pieces of the tensors written in place, copied and queued.
 
-``queue_direct_pieces`` walks the rank's ``direct_program`` (io/direct.py): each piece is cast to its key's save
+``queue_direct_pieces`` walks the rank's ``direct_program`` (io/files/direct.py): each piece is cast to its key's save
 dtype and copied into host memory the save owns (the copies taken at the call's start are used instead when they
 are this plan's: ``EarlySnapshot.claim``), then added to the writer queue's current batch. A tensor whose every
 piece is the rank's is copied once, whole, and written by one job. The copies of a batch share one event,
@@ -15,10 +15,10 @@ from functools import partial
 import torch
 
 from workbench.faults import fault_point
-from workbench.io.direct import CheckpointFiles, direct_program
-from workbench.io.early_snapshot import EarlySnapshot, take_step
-from workbench.io.save_writers import WriterQueue
-from workbench.io.snapshot import HostCopy, Snapshotter
+from workbench.io.files.direct import CheckpointFiles, direct_program
+from workbench.io.files.snapshot import HostCopy, Snapshotter
+from workbench.io.hf.early_snapshot import EarlySnapshot, take_step
+from workbench.io.hf.save_writers import WriterQueue
 from workbench.layout.load_spec import KeyRegion
 from workbench.layout.model_layout import Layout
 

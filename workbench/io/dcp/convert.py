@@ -26,11 +26,11 @@ from typing import Any
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.io.file_plan import DEFAULT_MAX_SHARD_BYTES, plan_files
-from workbench.io.index import write_index
-from workbench.io.publish import AtomicRenamePublisher
-from workbench.io.stream_write import StreamWriter
-from workbench.io.writeback import WritebackWindow
+from workbench.io.files.file_plan import DEFAULT_MAX_SHARD_BYTES, plan_files
+from workbench.io.files.index import write_index
+from workbench.io.files.publish import AtomicRenamePublisher
+from workbench.io.files.stream_write import StreamWriter
+from workbench.io.files.writeback import WritebackWindow
 from workbench.layout.model_layout import Layout
 from workbench.plan.save_plan import save_dtypes
 

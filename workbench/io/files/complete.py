@@ -10,8 +10,8 @@ from __future__ import annotations
 
 from pathlib import Path
 
-from workbench.io.index import INDEX_NAME, scan_checkpoint
-from workbench.io.publish_types import INCOMPLETE_SUFFIX, is_temporary_path, temporary_path
+from workbench.io.files.index import INDEX_NAME, scan_checkpoint
+from workbench.io.files.publish_types import INCOMPLETE_SUFFIX, is_temporary_path, temporary_path
 
 __all__ = ["OLD_SUFFIX", "content_problems", "is_complete", "validate_final"]
 

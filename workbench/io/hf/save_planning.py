@@ -16,10 +16,10 @@ from pathlib import Path
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.io.direct import direct_names
-from workbench.io.file_plan import FilePlan, plan_files
-from workbench.io.index import INDEX_NAME
-from workbench.io.ownership import MARKER_NAME
+from workbench.io.files.direct import direct_names
+from workbench.io.files.file_plan import FilePlan, plan_files
+from workbench.io.files.index import INDEX_NAME
+from workbench.io.files.ownership import MARKER_NAME
 from workbench.layout.layout_file import LAYOUT_FILE_NAME
 from workbench.layout.model_layout import Layout
 from workbench.memo import LRU, remember_by_identity

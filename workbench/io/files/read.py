@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from workbench.errors import CheckpointError
-from workbench.io.index import CheckpointIndex, KeyInfo, read_checkpoint, torch_dtype
+from workbench.io.files.index import CheckpointIndex, KeyInfo, read_checkpoint, torch_dtype
 
 __all__ = ["CheckpointReader"]
 

@@ -15,9 +15,9 @@ import torch
 from workbench.display import html_of
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
-from workbench.io.box_reads import BoxReader
-from workbench.io.direct import replicating_dims
-from workbench.io.read import CheckpointReader
+from workbench.io.files.box_reads import BoxReader
+from workbench.io.files.direct import replicating_dims
+from workbench.io.files.read import CheckpointReader
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, layout_and_locals

@@ -58,7 +58,7 @@ from torch.distributed.checkpoint.planner import (
 
 from workbench import _compat
 from workbench.errors import CheckpointError
-from workbench.io._dcp_compat import read_items_for_chunks, set_up_default_load
+from workbench.io.dcp._dcp_compat import read_items_for_chunks, set_up_default_load
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.runs import Run
 

@@ -1,12 +1,12 @@
-"""One rank's part of a ``save_hf``, stage by stage (see ``io/hf_save.py`` for the call that drives it).
+"""One rank's part of a ``save_hf``, stage by stage (see ``io/hf/save.py`` for the call that drives it).
 
 ::
 
-    prepare   hf_save.py: the write mode, host names and a probe file, agreed before any group is built
-    plan      plan_rank_save (io/save_planning.py); rank 0 makes .NAME.incomplete/ and, in direct mode, every file
+    prepare   save.py: the write mode, host names and a probe file, agreed before any group is built
+    plan      plan_rank_save (io/hf/save_planning.py); rank 0 makes .NAME.incomplete/ and, in direct mode, every file
     agree     every rank's planning outcome, with schedule digests: a failure anywhere fails every rank
     snapshot  direct pieces cast and copied into host memory the save owns; gathers yield their keys (gather)
-    write     writer threads (io/save_writers.py) take the copies as they land, behind a gate for async saves
+    write     writer threads (io/hf/save_writers.py) take the copies as they land, behind a gate for async saves
     finish    drain the writers, fsync, and agree on every rank's status and the byte ranges it wrote
     publish   rank 0 proves the ranges tile every file, writes index, layout and configs, renames atomically
 
@@ -33,19 +33,19 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
-from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES, CheckpointFiles
-from workbench.io.direct_queue import queue_direct_pieces, write_piece
-from workbench.io.early_snapshot import EarlySnapshot
-from workbench.io.index import write_index
-from workbench.io.ownership import MARKER_NAME, Heartbeat
-from workbench.io.publish import AtomicRenamePublisher
-from workbench.io.save_planning import RankSavePlan, plan_rank_save, same_model_problem
-from workbench.io.save_result import SaveResult
-from workbench.io.save_timings import SaveClock
-from workbench.io.save_writers import WriterQueue
-from workbench.io.snapshot import HostCopy, Snapshotter
-from workbench.io.stream_write import StreamWriter
-from workbench.io.writeback import WritebackWindow
+from workbench.io.files.direct import DEFAULT_MIN_SEGMENT_BYTES, CheckpointFiles
+from workbench.io.files.index import write_index
+from workbench.io.files.ownership import MARKER_NAME, Heartbeat
+from workbench.io.files.publish import AtomicRenamePublisher
+from workbench.io.files.snapshot import HostCopy, Snapshotter
+from workbench.io.files.stream_write import StreamWriter
+from workbench.io.files.writeback import WritebackWindow
+from workbench.io.hf.direct_queue import queue_direct_pieces, write_piece
+from workbench.io.hf.early_snapshot import EarlySnapshot
+from workbench.io.hf.save_planning import RankSavePlan, plan_rank_save, same_model_problem
+from workbench.io.hf.save_result import SaveResult
+from workbench.io.hf.save_timings import SaveClock
+from workbench.io.hf.save_writers import WriterQueue
 from workbench.layout.layout_file import write_checkpoint_layout
 from workbench.layout.load_spec import KeyRegion
 from workbench.layout.model_layout import Layout
