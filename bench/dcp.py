@@ -82,7 +82,7 @@ def _ranks(root: str, shape: Qwen3MoeShape, mesh_shape: tuple[int, int, int], re
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner, DefaultSavePlanner
     from torch.distributed.device_mesh import init_device_mesh
 
-    from workbench.io.dcp import DCPLoadPlanner, DCPSavePlanner
+    from workbench.io.dcp.planners import DCPLoadPlanner, DCPSavePlanner
     from workbench.models import build_qwen3_moe
 
     mesh = init_device_mesh("cpu", mesh_shape, mesh_dim_names=("fsdp", "ep", "etp"))

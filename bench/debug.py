@@ -144,9 +144,9 @@ def _run_child(a: Path, b: Path) -> str:
 def bench_diff(root: Path, gb: float) -> None:
     import torch
 
-    from workbench.io.file_plan import plan_files
-    from workbench.io.index import write_index
-    from workbench.io.write import write_safetensors
+    from workbench.io.files.file_plan import plan_files
+    from workbench.io.files.index import write_index
+    from workbench.io.files.write import write_safetensors
 
     n = max(1, int(gb * (1 << 30) / (8192 * 4096 * 2)))  # 64 MiB bf16 tensors
     for side in ("a", "b"):

@@ -77,7 +77,7 @@ def make_checkpoint(root: Path, size_gb: float, files: int, device: str) -> list
 
 
 def _keys(root: Path) -> dict[str, tuple[str, tuple[int, ...]]]:
-    from workbench.io.index import read_checkpoint
+    from workbench.io.files.index import read_checkpoint
 
     return {k: (info.file, info.shape) for k, info in read_checkpoint(root).keys.items()}
 

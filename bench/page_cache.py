@@ -12,7 +12,7 @@ import os
 from collections.abc import Sequence
 from pathlib import Path
 
-from workbench.io.box_reads import cached_share
+from workbench.io.files.box_reads import cached_share
 
 BLOCK = 64 << 20  # fill() reads in blocks of this size, as ``dd bs=64M`` does
 

@@ -453,7 +453,7 @@ def _hf_split(name: str, full: torch.Tensor, key_map: Any) -> dict[str, torch.Te
 def _naive_save(model: torch.nn.Module, key_map: Any, path: Path, rank: int) -> None:
     from safetensors.torch import save_file
 
-    from workbench.io.write import fsync_dir, fsync_file
+    from workbench.io.files.write import fsync_dir, fsync_file
 
     state: dict[str, torch.Tensor] = {}
     for name, tensor in model.state_dict(keep_vars=True).items():
@@ -476,7 +476,7 @@ def _dcp_save(model: torch.nn.Module, key_map: Any, path: Path, rank: int, world
     from torch.distributed.checkpoint import HuggingFaceStorageWriter
     from torch.distributed.checkpoint.api import CheckpointException
 
-    from workbench.io.write import fsync_dir, fsync_file
+    from workbench.io.files.write import fsync_dir, fsync_file
 
     try:
         from torch.distributed.checkpoint._consolidate_hf_safetensors import (

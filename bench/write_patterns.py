@@ -5,7 +5,7 @@ each pattern, in one run, on the same folder:
 
 * ``own-file``: each process its share into its own file, one thread, fsync at the end (the benchmark's limit);
 * ``shared``: the ranks' pieces interleaved in ``--files`` shared files (a direct save with big shards), T threads,
-  with and without the writeback window (``workbench.io.writeback``), its starts gathered per 8 MiB or one per
+  with and without the writeback window (``workbench.io.files.writeback``), its starts gathered per 8 MiB or one per
   write;
 * ``many-files``: the same into N x T files (one per thread: no two writers share an inode);
 * ``odirect``: the shared pattern through ``O_DIRECT`` from page-aligned buffers (no page cache at all).
@@ -32,7 +32,7 @@ def _writer(args: tuple) -> float:
     pattern, proc, procs, threads, total, nfiles, root, window, piece_bytes, start_bytes = args
     global PIECE
     PIECE = piece_bytes
-    from workbench.io.writeback import WritebackWindow
+    from workbench.io.files.writeback import WritebackWindow
 
     pieces = total // PIECE
     mine = list(range(proc, pieces, procs))  # interleaved over the ranks, like halves of every tensor

@@ -43,7 +43,7 @@ def test_the_plans_example_runs() -> None:
 
 
 def test_the_async_example_runs_and_keeps_the_call_time_values() -> None:
-    from workbench.io.read import CheckpointReader
+    from workbench.io.files.read import CheckpointReader
 
     block = next(b for b in _blocks() if "warm_host_pool" in b)
     block = "\n".join(line[2:] if line.startswith("  ") else line for line in block.splitlines())

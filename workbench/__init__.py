@@ -5,12 +5,12 @@ The public API (DESIGN.md section 4); everything else is reachable through its s
 
 from workbench import report, viz
 from workbench.debug import Finding, Report, diagnose, diff_checkpoints, inspect_checkpoint
-from workbench.io.dcp import DCPLoadPlanner, DCPSavePlanner
-from workbench.io.dcp_convert import dcp_to_hf
-from workbench.io.hf_load import LoadReport, load_hf
-from workbench.io.hf_save import AsyncSave, SaveResult, save_hf, warm_host_pool
-from workbench.io.ownership import clean_incomplete, latest_checkpoint
-from workbench.io.save_timings import SaveTimings
+from workbench.io.dcp.convert import dcp_to_hf
+from workbench.io.dcp.planners import DCPLoadPlanner, DCPSavePlanner
+from workbench.io.files.ownership import clean_incomplete, latest_checkpoint
+from workbench.io.hf.load import LoadReport, load_hf
+from workbench.io.hf.save import AsyncSave, SaveResult, save_hf, warm_host_pool
+from workbench.io.hf.save_timings import SaveTimings
 from workbench.layout import InterleavedShard, LoadSpec, Run, ShardDescriptor, compute_runs
 from workbench.layout.layout_file import load_layout, save_layout
 from workbench.layout.model_layout import Layout

@@ -173,7 +173,7 @@ def _run_plan(args: argparse.Namespace) -> int:
     direct: tuple[str, ...] = ()
     capped = args.max_writers is not None and args.max_writers < layout.mesh.size  # save_hf writes nothing in place
     if args.write_mode == "direct" and policy.mode in ("full", "minimal") and not capped:
-        from workbench.io.direct import DEFAULT_MIN_SEGMENT_BYTES, direct_names
+        from workbench.io.files.direct import DEFAULT_MIN_SEGMENT_BYTES, direct_names
         from workbench.layout.model_layout import Layout
         from workbench.plan.save_set import key_meta
 

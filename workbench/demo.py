@@ -32,8 +32,8 @@ def _ranks(source: str, saved: str, shape: Qwen3MoeShape) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     from workbench import _compat
-    from workbench.io.hf_load import load_hf
-    from workbench.io.hf_save import save_hf
+    from workbench.io.hf.load import load_hf
+    from workbench.io.hf.save import save_hf
     from workbench.models import build_qwen3_moe, qwen3_moe_key_map
 
     key_map = qwen3_moe_key_map(shape.num_experts)
@@ -69,8 +69,8 @@ def run_demo(nprocs: int = 4, directory: str | Path | None = None) -> bool:
 def _run_demo(nprocs: int, root: Path) -> bool:
     from safetensors.torch import load_file
 
-    from workbench.io.hf_save import save_hf
-    from workbench.io.index import read_checkpoint
+    from workbench.io.files.index import read_checkpoint
+    from workbench.io.hf.save import save_hf
     from workbench.run.launcher import launch
 
     source, saved = root / "source", root / "saved"

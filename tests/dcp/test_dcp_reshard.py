@@ -81,7 +81,7 @@ def _ranks(root: str) -> dict:
     import torch.distributed as dist
     import torch.distributed.checkpoint as dcp
 
-    from workbench.io.dcp import DCPLoadPlanner, DCPSavePlanner
+    from workbench.io.dcp.planners import DCPLoadPlanner, DCPSavePlanner
 
     rank = dist.get_rank()
     out: dict = {"rank": rank}
@@ -118,7 +118,7 @@ def test_dcp_save_ep2_etp2_with_adam_loads_elsewhere_and_converts_to_hf(tmp_path
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
 
-    from workbench.io.dcp import DCPLoadPlanner
+    from workbench.io.dcp.planners import DCPLoadPlanner
 
     results = launch(_ranks, nprocs=4, args=(str(tmp_path),), timeout=240)
 
@@ -173,7 +173,7 @@ def _check_hf_conversion(dcp_dir: Path, hf_dir: Path) -> None:
     """dcp_to_hf of the interleaved checkpoint: every HF key equals the reference split by hand."""
     from safetensors.torch import load_file
 
-    from workbench.io.dcp_convert import dcp_to_hf
+    from workbench.io.dcp.convert import dcp_to_hf
     from workbench.layout.model_layout import Layout
     from workbench.models import qwen3_moe_hf_shapes, qwen3_moe_key_map
 

@@ -13,8 +13,8 @@ import torch
 from safetensors.torch import load_file
 
 from workbench.errors import CheckpointError
-from workbench.io.dcp import DCPSavePlanner
-from workbench.io.dcp_convert import dcp_to_hf
+from workbench.io.dcp.convert import dcp_to_hf
+from workbench.io.dcp.planners import DCPSavePlanner
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec

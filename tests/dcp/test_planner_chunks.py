@@ -18,7 +18,7 @@ from torch.distributed.checkpoint.metadata import (
 
 from workbench import _compat
 from workbench.errors import CheckpointError
-from workbench.io.dcp import DCPLoadPlanner, DCPSavePlanner
+from workbench.io.dcp.planners import DCPLoadPlanner, DCPSavePlanner
 from workbench.layout import InterleavedShard
 
 ROWS = {0: (0, 1, 4, 5), 1: (2, 3, 6, 7), 2: (8, 9, 12, 13), 3: (10, 11, 14, 15)}

@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 from tests.io.support import save_checkpoint
-from workbench.io.index import INDEX_NAME
+from workbench.io.files.index import INDEX_NAME
 
 
 def model(seed: int = 0) -> dict[str, torch.Tensor]:

@@ -20,10 +20,10 @@ from tests.debug.corpus import model, write
 from workbench import latest_checkpoint
 from workbench.debug import KINDS, diff_checkpoints, inspect_checkpoint
 from workbench.errors import CheckpointError
-from workbench.io import limits
-from workbench.io.index import INDEX_NAME, read_checkpoint
-from workbench.io.publish import validate_final
-from workbench.io.read import CheckpointReader
+from workbench.io.files import limits
+from workbench.io.files.index import INDEX_NAME, read_checkpoint
+from workbench.io.files.publish import validate_final
+from workbench.io.files.read import CheckpointReader
 
 _json = st.recursive(
     st.none() | st.booleans() | st.integers(-(2**70), 2**70) | st.floats() | st.text(max_size=8),

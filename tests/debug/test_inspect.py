@@ -13,7 +13,7 @@ from safetensors.torch import save_file
 
 from tests.debug.corpus import edit_index, first_file, model, write
 from workbench.debug import inspect_checkpoint
-from workbench.io.index import INDEX_NAME
+from workbench.io.files.index import INDEX_NAME
 
 
 def _experts() -> dict[str, torch.Tensor]:

@@ -17,7 +17,7 @@ import torch
 import workbench as wb
 from workbench import _compat
 from workbench.errors import CheckpointError, LayoutError
-from workbench.io.index import INDEX_NAME
+from workbench.io.files.index import INDEX_NAME
 
 KEY_MAP = {
     r"embed\.weight": "model.embed_tokens.weight",

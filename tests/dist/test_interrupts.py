@@ -92,7 +92,7 @@ def _old(root: Path, names: list[str]) -> None:
 
 
 def _kept_old(root: Path, name: str) -> None:
-    from workbench.io.publish import validate_final
+    from workbench.io.files.publish import validate_final
 
     assert validate_final(root / name) == []
     got, want = read_checkpoint(root / name), old_values()

@@ -32,7 +32,7 @@ def _full(step: int) -> dict[str, torch.Tensor]:
 def _save(root: str, step: int, fail_on_allocation: int | None) -> str:
     import torch.distributed as dist
 
-    import workbench.io.direct as direct
+    import workbench.io.files.direct as direct
 
     rank = dist.get_rank()
     state = {n: t[:, rank * 32 : (rank + 1) * 32].contiguous() for n, t in _full(step).items()}

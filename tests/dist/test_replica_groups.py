@@ -124,7 +124,7 @@ def _no_buffer(root: str) -> tuple[str, float]:
     import torch.distributed as dist
     from torch.distributed.tensor import Replicate
 
-    import workbench.io.hf_load as hf_load
+    import workbench.io.hf.load as hf_load
 
     rank = dist.get_rank()
     mesh = wb.MeshSpec((2,), ("dp",))

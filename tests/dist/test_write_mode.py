@@ -9,7 +9,7 @@ from pathlib import Path
 import torch
 
 import workbench as wb
-from workbench.io.read import CheckpointReader
+from workbench.io.files.read import CheckpointReader
 
 
 def _save_as_two_hosts(root: str, hide_probe: bool) -> dict:

@@ -33,7 +33,7 @@ def _misdirected_program(real):
 def _save_with_a_misdirected_piece(root: str) -> dict:
     import torch.distributed as dist
 
-    import workbench.io.direct_queue as session
+    import workbench.io.hf.direct_queue as session
     from tests.faults.harness import _local_state
 
     rank = dist.get_rank()

@@ -225,7 +225,7 @@ class Verdict:
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
-    from workbench.io.read import CheckpointReader
+    from workbench.io.files.read import CheckpointReader
 
     with CheckpointReader(path) as reader:
         keys = reader.keys()
@@ -241,8 +241,8 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
 def check_published(root: Path, scenario: Scenario, *, expect: str) -> tuple[int, list[str]]:
     """(partial publishes, other problems) of what lies under ``root`` for ``scenario``; ``expect`` is "old",
     "new" or "either"."""
-    from workbench.io.publish import validate_final
-    from workbench.io.publish_types import is_temporary_path
+    from workbench.io.files.publish import validate_final
+    from workbench.io.files.publish_types import is_temporary_path
 
     partial, problems = 0, []
     path = root / scenario.name

@@ -35,8 +35,8 @@ def _ranks(root: str) -> dict:
 
     from workbench import _compat
     from workbench._compat_mesh import flatten_mesh
-    from workbench.io.dcp import DCPLoadPlanner, DCPSavePlanner
-    from workbench.io.hf_save import save_hf
+    from workbench.io.dcp.planners import DCPLoadPlanner, DCPSavePlanner
+    from workbench.io.hf.save import save_hf
     from workbench.layout.model_layout import Layout
 
     def build(case: str) -> nn.Module:

@@ -8,7 +8,7 @@ from pathlib import Path
 import torch
 from torch.distributed.tensor import Replicate
 
-from workbench.io.fp8 import dequantized_state
+from workbench.io.hf.fp8 import dequantized_state
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec

@@ -71,9 +71,9 @@ def _ranks(ref_dir: str, out: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import DTensor, Shard
 
-    from workbench.io.fp8 import Float8Communicator, dequantized_state
-    from workbench.io.hf_load import load_hf
-    from workbench.io.hf_save import default_communicator, save_hf
+    from workbench.io.hf.fp8 import Float8Communicator, dequantized_state
+    from workbench.io.hf.load import load_hf
+    from workbench.io.hf.save import default_communicator, save_hf
     from workbench.layout import InterleavedShard
     from workbench.layout.fp8 import with_fp8_scales
     from workbench.layout.model_layout import Layout

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import Replicate, Shard
 
 from workbench.errors import LayoutError
-from workbench.io.fp8 import dequantize_blocks
+from workbench.io.hf.fp8 import dequantize_blocks
 from workbench.layout import InterleavedShard
 from workbench.layout.fp8 import check_scale_spec, scale_spec, with_fp8_scales
 from workbench.layout.load_spec import LoadSpec

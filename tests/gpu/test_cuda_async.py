@@ -9,7 +9,7 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.io.read import CheckpointReader
+from workbench.io.files.read import CheckpointReader
 
 pytestmark = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs CUDA (run on the GPU machine)")
 
@@ -21,7 +21,7 @@ def _read(path: Path) -> dict[str, torch.Tensor]:
 
 
 def test_an_async_save_of_cuda_tensors_holds_the_call_time_values(tmp_path: Path) -> None:
-    from workbench.io.host_pool import host_pool
+    from workbench.io.files.host_pool import host_pool
 
     gen = torch.Generator(device="cuda").manual_seed(0)
     state = {f"w{i}": torch.randn(1024, 1024, device="cuda", generator=gen).to(torch.bfloat16) for i in range(8)}
@@ -43,7 +43,7 @@ def test_an_async_save_of_cuda_tensors_holds_the_call_time_values(tmp_path: Path
 
 def test_a_snapshot_does_not_keep_the_device_tensor() -> None:
     """A gather's output is freed when its wave ends (as the memory model counts), not when a writer gets to it."""
-    from workbench.io.snapshot import Snapshotter
+    from workbench.io.files.snapshot import Snapshotter
 
     snapshot = Snapshotter([], own_everything=False, pool_bytes=None)
     value = torch.randn(2048, 2048, device="cuda")
@@ -58,7 +58,7 @@ def test_a_snapshot_does_not_keep_the_device_tensor() -> None:
 
 
 def test_copies_taken_as_a_batch_share_one_event_recorded_by_mark() -> None:
-    from workbench.io.snapshot import Snapshotter
+    from workbench.io.files.snapshot import Snapshotter
 
     snapshot = Snapshotter([], own_everything=False, pool_bytes=None)
     values = [torch.full((512, 512), float(i), device="cuda") for i in range(4)]
@@ -73,7 +73,7 @@ def test_copies_taken_as_a_batch_share_one_event_recorded_by_mark() -> None:
 
 
 def test_warm_host_pool_pins_what_the_first_async_save_needs(tmp_path: Path) -> None:
-    from workbench.io.host_pool import host_pool
+    from workbench.io.files.host_pool import host_pool
 
     state = {f"v{i}": torch.randn(512 * (i + 3), 1024, device="cuda") for i in range(3)}
     wb.warm_host_pool(state)
@@ -130,7 +130,8 @@ def test_a_repeat_async_save_copies_early_and_still_writes_call_time_values(
     """The second async save of a CUDA module starts its copies before planning (they are claimed); a save with
     another dtype releases them and copies afresh; a replaced parameter takes none; every file holds the values
     of call time."""
-    from workbench.io import early_snapshot, hf_save
+    from workbench.io.hf import early_snapshot
+    from workbench.io.hf import save as hf_save
 
     taken: list = []
     real = early_snapshot.take_early
@@ -159,7 +160,7 @@ def test_an_async_save_of_cuda_tensors_larger_than_its_pinned_pool_completes(tmp
                                                                             write_mode: str) -> None:
     """32 MiB of CUDA tensors through a 16 MiB pinned pool: the writers start once the pool is full (the call
     returns late, not never), and every buffer reused after its copy landed holds the call-time values."""
-    from workbench.io import host_pool as pools
+    from workbench.io.files import host_pool as pools
 
     monkeypatch.setattr(pools, "_POOLS", {})
     gen = torch.Generator(device="cuda").manual_seed(1)
@@ -182,8 +183,8 @@ def test_a_failure_after_the_early_copies_are_claimed_gives_every_pinned_buffer_
     """A repeat async save claims its early copies, then fails at its third tensor: the copies of the tensors it
     had not reached, and those of the batch not yet handed to a writer, go back to the pinned pool."""
     from workbench.faults import fault_hook
-    from workbench.io import host_pool as pools
-    from workbench.io.early_snapshot import EarlySnapshot
+    from workbench.io.files import host_pool as pools
+    from workbench.io.hf.early_snapshot import EarlySnapshot
 
     monkeypatch.setattr(pools, "_POOLS", {})
     model = torch.nn.Sequential(*[torch.nn.Linear(512, 512) for _ in range(4)]).cuda()

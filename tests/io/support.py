@@ -8,9 +8,9 @@ from pathlib import Path
 
 import torch
 
-from workbench.io.file_plan import FilePlan, plan_files
-from workbench.io.index import INDEX_NAME, write_index
-from workbench.io.write import write_safetensors
+from workbench.io.files.file_plan import FilePlan, plan_files
+from workbench.io.files.index import INDEX_NAME, write_index
+from workbench.io.files.write import write_safetensors
 
 
 def nbytes(tensor: torch.Tensor) -> int:
@@ -74,7 +74,7 @@ def small_model() -> dict[str, torch.Tensor]:
 
 def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     """Every key of a checkpoint directory, read back whole."""
-    from workbench.io.read import CheckpointReader
+    from workbench.io.files.read import CheckpointReader
 
     with CheckpointReader(path) as reader:
         keys = reader.keys()

@@ -20,9 +20,9 @@ from safetensors import safe_open
 from safetensors.torch import save_file
 
 from workbench.errors import CheckpointError
-from workbench.io import box_reads
-from workbench.io.box_reads import BoxReader, box_runs, cached_share, gap_pages
-from workbench.io.index import read_checkpoint
+from workbench.io.files import box_reads
+from workbench.io.files.box_reads import BoxReader, box_runs, cached_share, gap_pages
+from workbench.io.files.index import read_checkpoint
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.float8_e4m3fn)
 

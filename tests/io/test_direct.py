@@ -18,8 +18,8 @@ from safetensors.torch import save_file
 from torch.distributed.tensor import Replicate, Shard
 
 import workbench as wb
-from workbench.io.direct import direct_names, segment_starts, writes_piece
-from workbench.io.index import INDEX_NAME
+from workbench.io.files.direct import direct_names, segment_starts, writes_piece
+from workbench.io.files.index import INDEX_NAME
 
 
 @st.composite
@@ -114,7 +114,7 @@ def test_fused_tensors_written_from_one_snapshot_each_hold_their_own_values(tmp_
     for tensor in state.values():
         tensor.add_(41)
     assert handle.wait().direct_tensors == 3
-    from workbench.io.read import CheckpointReader
+    from workbench.io.files.read import CheckpointReader
 
     with CheckpointReader(tmp_path / "ckpt") as reader:
         for key, value in want.items():
@@ -122,8 +122,8 @@ def test_fused_tensors_written_from_one_snapshot_each_hold_their_own_values(tmp_
 
 
 def _files_for(tmp: Path, layout: wb.Layout, *, map_short_runs: bool = False) -> tuple[dict, object]:
-    from workbench.io.direct import CheckpointFiles
-    from workbench.io.file_plan import plan_files
+    from workbench.io.files.direct import CheckpointFiles
+    from workbench.io.files.file_plan import plan_files
     from workbench.plan.load_plan import expected_key_shape
 
     meta = {k: (torch.float32, tuple(expected_key_shape(s))) for s in layout.specs.values() for k in s.hf_keys}
@@ -138,7 +138,7 @@ def _files_for(tmp: Path, layout: wb.Layout, *, map_short_runs: bool = False) ->
 def test_whole_local_writes_merge_runs_and_equal_piece_writes(tmp_path: Path, monkeypatch) -> None:
     """``write_local`` (a rank's whole local tensor, runs merged across keys) writes the same bytes as one
     ``write_piece`` per box, and a rank's block of consecutive fused keys is one pwrite per file."""
-    import workbench.io.direct as direct
+    import workbench.io.files.direct as direct
 
     mesh = wb.MeshSpec((2, 2), ("fsdp", "tp"))
     experts = [f"e{i}.w" for i in range(8)]
@@ -182,7 +182,7 @@ def test_short_runs_written_through_a_memory_map_are_the_same_bytes(tmp_path: Pa
     """With ``map_short_runs`` (one host), boxes of many short runs (a column cut, a 3-d box) are copied through a
     shared map of the file by every rank into the same files, with no pwrite; a box of few runs is still
     pwritten. The bytes equal one pwrite per run. Where blocks cannot be allocated first, the runs are pwritten."""
-    import workbench.io.direct as direct
+    import workbench.io.files.direct as direct
 
     if not allocate:
         monkeypatch.setattr(direct, "_allocate", lambda fd, offset, nbytes: False)
@@ -251,7 +251,7 @@ def test_whole_local_writes_refuse_a_tensor_of_another_dtype(tmp_path: Path) -> 
 
 
 def test_a_world_known_to_be_on_one_host_writes_no_probe(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
-    from workbench.io import hf_save
+    from workbench.io.hf import save as hf_save
 
     probes: list[Path] = []
     real = hf_save._write_probe
@@ -269,7 +269,7 @@ def test_block_allocation_failures_name_the_bytes_and_the_cause(tmp_path: Path) 
     import errno
     import os
 
-    import workbench.io.direct as direct
+    import workbench.io.files.direct as direct
 
     if direct._FALLOCATE is None:
         pytest.skip("no fallocate on this platform")

@@ -10,10 +10,10 @@ import torch
 from torch import nn
 
 import workbench as wb
-from workbench.io.direct import direct_names, direct_program
-from workbench.io.early_snapshot import EarlySnapshot, take_early, take_step
-from workbench.io.host_pool import HostPool
-from workbench.io.snapshot import Snapshotter
+from workbench.io.files.direct import direct_names, direct_program
+from workbench.io.files.host_pool import HostPool
+from workbench.io.files.snapshot import Snapshotter
+from workbench.io.hf.early_snapshot import EarlySnapshot, take_early, take_step
 from workbench.layout.model_layout import layout_and_locals, remembered_locals
 from workbench.plan.save_set import key_meta
 
@@ -109,7 +109,7 @@ def test_a_copy_that_fails_after_the_snapshot_agreement_fails_wait_and_publishes
     every rank (here one), naming the stage, and nothing is published."""
     import pytest
 
-    from workbench.io import snapshot as snapshot_module
+    from workbench.io.files import snapshot as snapshot_module
 
     def broken(self: Snapshotter) -> None:
         raise RuntimeError("the copy engine reported an error")

@@ -9,7 +9,7 @@ from hypothesis import given
 from hypothesis import strategies as st
 
 from workbench.errors import CheckpointError
-from workbench.io.file_plan import FilePlan, FileSpec, file_name, plan_files
+from workbench.io.files.file_plan import FilePlan, FileSpec, file_name, plan_files
 
 
 def names(plan: FilePlan) -> list[tuple[int, tuple[str, ...]]]:

@@ -17,7 +17,7 @@ from torch.distributed.tensor import Replicate
 import workbench as wb
 from tests.io.support import bits, nbytes, random_tensor, small_model
 from workbench.errors import CheckpointError
-from workbench.io.index import INDEX_NAME
+from workbench.io.files.index import INDEX_NAME
 from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
 
 FILE_NAME = re.compile(r"model-(\d{5})-of-(\d{5})\.safetensors")
@@ -306,7 +306,7 @@ def test_a_failed_async_save_not_waited_on_surfaces_at_the_next_save(tmp_path: P
 
 
 def test_a_warmed_pool_serves_the_first_async_save_without_allocating(tmp_path: Path, monkeypatch) -> None:
-    from workbench.io import host_pool as pools
+    from workbench.io.files import host_pool as pools
 
     monkeypatch.setattr(pools, "_POOLS", {})  # a fresh process's pools
     gen = torch.Generator().manual_seed(0)
@@ -326,7 +326,7 @@ def test_a_warmed_pool_serves_the_first_async_save_without_allocating(tmp_path: 
 
 
 def test_a_pool_buffer_serves_a_smaller_piece_up_to_four_times_smaller() -> None:
-    from workbench.io.host_pool import HostPool
+    from workbench.io.files.host_pool import HostPool
 
     pool = HostPool(64 << 20)
     pool.reserve([8 << 20])

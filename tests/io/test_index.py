@@ -12,8 +12,8 @@ import torch
 
 from tests.io.support import edit_index, nbytes, save_checkpoint, small_model
 from workbench.errors import CheckpointError
-from workbench.io.file_plan import plan_files
-from workbench.io.index import (
+from workbench.io.files.file_plan import plan_files
+from workbench.io.files.index import (
     INDEX_NAME,
     CheckpointIndex,
     KeyInfo,
@@ -24,7 +24,7 @@ from workbench.io.index import (
     torch_dtype,
     write_index,
 )
-from workbench.io.write import write_safetensors
+from workbench.io.files.write import write_safetensors
 
 FIRST = "model-00001-of-00003.safetensors"
 SECOND = "model-00002-of-00003.safetensors"
@@ -312,24 +312,24 @@ def test_dtype_errors() -> None:
         safetensors_dtype(torch.qint8)
 
 
-PURE_MODULES = ("__init__", "file_plan", "index", "write", "read", "publish_types", "publish")
+PACKAGE = Path(__file__).resolve().parents[2] / "workbench" / "io"
+PURE_MODULES = sorted([PACKAGE / "__init__.py", *(PACKAGE / "files").glob("*.py")])
 
 
-@pytest.mark.parametrize("module", PURE_MODULES)
-def test_single_process_modules_never_import_torch_distributed(module) -> None:
-    """The file, index, read, write and publish layer is single-process: no torch.distributed, no run layer."""
-    package = Path(__file__).resolve().parents[2] / "workbench" / "io"
-    for source in [package / f"{module}.py"]:
-        for node in ast.walk(ast.parse(source.read_text())):
-            if isinstance(node, ast.Import):
-                names = [alias.name for alias in node.names]
-            elif isinstance(node, ast.ImportFrom):
-                names = [node.module or ""]
-            else:
-                continue
-            for name in names:
-                assert not name.startswith("torch.distributed"), f"{source.name} imports {name}"
-                assert not name.startswith("workbench.run"), f"{source.name} imports {name}"
+@pytest.mark.parametrize("source", PURE_MODULES, ids=lambda p: f"{p.parent.name}/{p.name}")
+def test_single_process_modules_never_import_torch_distributed(source: Path) -> None:
+    """The file layer (io.files: plans, index, reads, writes, publish, ownership, host buffers) is single-process:
+    no torch.distributed, no run layer."""
+    for node in ast.walk(ast.parse(source.read_text())):
+        if isinstance(node, ast.Import):
+            names = [alias.name for alias in node.names]
+        elif isinstance(node, ast.ImportFrom):
+            names = [node.module or ""]
+        else:
+            continue
+        for name in names:
+            assert not name.startswith("torch.distributed"), f"{source.name} imports {name}"
+            assert not name.startswith("workbench.run"), f"{source.name} imports {name}"
 
 
 def test_long_problem_lists_are_elided(tmp_path) -> None:

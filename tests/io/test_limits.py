@@ -8,7 +8,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workbench.io.limits import MAX_HEADER_BYTES, MAX_JSON_DEPTH, json_depth, parse_json, read_capped
+from workbench.io.files.limits import MAX_HEADER_BYTES, MAX_JSON_DEPTH, json_depth, parse_json, read_capped
 
 
 def scanned_depth(text: str) -> int:

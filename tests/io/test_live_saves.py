@@ -24,10 +24,10 @@ from safetensors import safe_open
 import workbench as wb
 from workbench.errors import CheckpointError
 from workbench.faults import fault_hook
-from workbench.io import publish as publish_module
-from workbench.io.index import INDEX_NAME
-from workbench.io.ownership import MARKER_NAME, Heartbeat, read_owner, write_owner
-from workbench.io.publish import AtomicRenamePublisher, is_complete
+from workbench.io.files import publish as publish_module
+from workbench.io.files.index import INDEX_NAME
+from workbench.io.files.ownership import MARKER_NAME, Heartbeat, read_owner, write_owner
+from workbench.io.files.publish import AtomicRenamePublisher, is_complete
 
 ROOT = Path(__file__).resolve().parents[2]
 JOB = "SLURM_JOB_ID=424242"
@@ -38,7 +38,7 @@ HOLDER = textwrap.dedent(
     """
     import os, sys
     from pathlib import Path
-    from workbench.io.publish import AtomicRenamePublisher
+    from workbench.io.files.publish import AtomicRenamePublisher
 
     kwargs = {"heartbeat_period": float(sys.argv[2])} if len(sys.argv) > 2 else {}
     publisher = AtomicRenamePublisher(Path(sys.argv[1]), **kwargs)
@@ -246,7 +246,7 @@ def test_finalize_keeps_the_marker_until_the_rename(tmp_path: Path, monkeypatch)
     " " * (128 << 10),  # over the marker cap: not read
 ])
 def test_a_hostile_owner_marker_is_no_owner_and_crashes_nothing(tmp_path: Path, body: str) -> None:
-    from workbench.io.ownership import MARKER_NAME, read_owner
+    from workbench.io.files.ownership import MARKER_NAME, read_owner
 
     folder = tmp_path / ".step-1.incomplete"
     folder.mkdir()

@@ -16,7 +16,7 @@ import torch
 
 import workbench as wb
 from workbench.errors import CheckpointError
-from workbench.io.ownership import MARKER_NAME, Heartbeat, Owner, read_owner, write_owner
+from workbench.io.files.ownership import MARKER_NAME, Heartbeat, Owner, read_owner, write_owner
 
 
 def _plant(directory: Path, *, job: str, host: str, pid: int, age: float = 0.0) -> None:

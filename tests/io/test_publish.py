@@ -13,13 +13,13 @@ import torch
 
 from tests.io.support import edit_index, save_checkpoint
 from workbench.errors import CheckpointError
-from workbench.io import publish as publish_module
-from workbench.io.index import INDEX_NAME, read_checkpoint
-from workbench.io.ownership import MARKER_NAME
-from workbench.io.publish import AtomicRenamePublisher, exchange_paths, is_complete, validate_final
-from workbench.io.publish_types import Publisher, is_temporary_path, temporary_path
-from workbench.io.read import CheckpointReader
-from workbench.io.write import write_safetensors
+from workbench.io.files import publish as publish_module
+from workbench.io.files.index import INDEX_NAME, read_checkpoint
+from workbench.io.files.ownership import MARKER_NAME
+from workbench.io.files.publish import AtomicRenamePublisher, exchange_paths, is_complete, validate_final
+from workbench.io.files.publish_types import Publisher, is_temporary_path, temporary_path
+from workbench.io.files.read import CheckpointReader
+from workbench.io.files.write import write_safetensors
 
 OLD = {"w": torch.full((4, 3), 1.0), "extra.weight": torch.zeros(100)}  # two files, one only in the old
 NEW = {"w": torch.full((4, 3), 2.0)}
@@ -208,7 +208,7 @@ CRASH = textwrap.dedent(
     import os, sys, torch
     from pathlib import Path
     from tests.io.support import save_checkpoint
-    from workbench.io.publish import AtomicRenamePublisher
+    from workbench.io.files.publish import AtomicRenamePublisher
 
     publisher = AtomicRenamePublisher(Path(sys.argv[1]))
     save_checkpoint(publisher.prepare(), {"w": torch.full((4, 3), 2.0)})
@@ -322,7 +322,7 @@ def test_abort_without_prepare_leaves_another_saves_live_directory(tmp_path) -> 
 def test_a_failed_finalize_lets_go_and_abort_removes_the_leftover(tmp_path) -> None:
     """After a refused publish the save is over: the directory (kept for inspection) is no longer held live, so
     clean_incomplete may remove it; abort does."""
-    from workbench.io.ownership import claimed_here, incomplete_save
+    from workbench.io.files.ownership import claimed_here, incomplete_save
 
     publisher = AtomicRenamePublisher(tmp_path / "ckpt")
     temporary = publisher.prepare()

@@ -7,7 +7,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 import workbench as wb
-from workbench.io.hf_load import replica_readers
+from workbench.io.hf.load import replica_readers
 
 MESH = wb.MeshSpec((2,), ("dp",))
 

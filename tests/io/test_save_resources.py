@@ -17,10 +17,10 @@ from torch.distributed.tensor import Shard
 import workbench as wb
 from tests.io.test_direct import _files_for
 from workbench.errors import CheckpointError
-from workbench.io import host_pool as pools
-from workbench.io.host_pool import HostPool
-from workbench.io.index import INDEX_NAME
-from workbench.io.snapshot import HostCopy
+from workbench.io.files import host_pool as pools
+from workbench.io.files.host_pool import HostPool
+from workbench.io.files.index import INDEX_NAME
+from workbench.io.files.snapshot import HostCopy
 
 MiB = 1 << 20
 
@@ -84,7 +84,7 @@ def test_a_failure_halfway_through_the_snapshot_gives_every_buffer_back(tmp_path
                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
     """An async direct save whose third tensor's copy fails: the copies already taken (in a batch not yet handed
     to a writer) go back to the pool, and a later bounded save on the same pool does not wait for them."""
-    from workbench.io import direct_queue
+    from workbench.io.hf import direct_queue
 
     state = {f"w{i}": torch.ones(256, 1024) for i in range(4)}  # 1 MiB each
     real, calls = direct_queue.take_step, []
@@ -110,7 +110,7 @@ def test_a_failure_between_the_pieces_of_one_tensor_gives_their_buffers_back(
 ) -> None:
     """A fused tensor whose keys are saved in two dtypes is copied piece by piece; the second piece's copy fails:
     the first piece's buffer (a copy of the model's own storage) goes back to the pool."""
-    from workbench.io.snapshot import Snapshotter
+    from workbench.io.files.snapshot import Snapshotter
 
     mesh = wb.MeshSpec((1,), ("world",))
     spec = wb.LoadSpec.from_placements("w", ["a", "b"], (2 * 512, 1024), mesh, [Shard(0)], fused_dim=0)
@@ -141,7 +141,7 @@ def test_an_error_closing_its_files_fails_the_save_and_closes_every_file(tmp_pat
     """A network filesystem may report a deferred write error only at close: the save fails through the status
     exchange (SaveFailed, as its peers would see it), not with a raw OSError before it; every descriptor is
     closed, and nothing is published."""
-    import workbench.io.direct as direct
+    import workbench.io.files.direct as direct
 
     state = {f"w{i}": torch.ones(64, 64) for i in range(3)}
     real_close, real_fd = os.close, direct.CheckpointFiles._fd
@@ -173,7 +173,7 @@ def test_an_error_closing_its_files_fails_the_save_and_closes_every_file(tmp_pat
 
 def test_checkpoint_files_close_every_descriptor_then_name_the_first_failure(tmp_path: Path,
                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
-    import workbench.io.direct as direct
+    import workbench.io.files.direct as direct
 
     mesh = wb.MeshSpec((1,), ("world",))
     specs = {n: wb.LoadSpec.from_placements(n, f"{n}.w", (64, 64), mesh, [Shard(0)]) for n in "abc"}
@@ -233,7 +233,7 @@ def test_blocks_are_allocated_for_whole_pages_before_a_store_into_the_map(tmp_pa
                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
     """A store dirties its whole page: where a page spans several blocks (64 KiB pages on 4 KiB blocks), every block
     of it must be allocated, or a full disk is a SIGBUS. Allocations are page-aligned, clipped to the file."""
-    import workbench.io.direct as direct
+    import workbench.io.files.direct as direct
 
     spec, files = _column_cut(tmp_path)
     asked: list[tuple[int, int]] = []

@@ -12,9 +12,9 @@ import pytest
 import torch
 
 import workbench as wb
-from workbench.io import save_session
-from workbench.io.save_timings import SaveClock, SaveTimings
-from workbench.io.writeback import WAIT, WritebackWindow
+from workbench.io.files.writeback import WAIT, WritebackWindow
+from workbench.io.hf import save_session
+from workbench.io.hf.save_timings import SaveClock, SaveTimings
 
 
 def _state(n: int = 8, rows: int = 64) -> dict[str, torch.Tensor]:

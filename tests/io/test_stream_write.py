@@ -11,8 +11,8 @@ from safetensors import safe_open
 from safetensors.torch import load_file, save_file
 
 from workbench.errors import CheckpointError
-from workbench.io.index import read_header
-from workbench.io.stream_write import StreamWriter
+from workbench.io.files.index import read_header
+from workbench.io.files.stream_write import StreamWriter
 
 TENSORS = {
     "z.bf16": torch.randn(3, 5).to(torch.bfloat16),  # narrow dtype first in plan order: must move after f32

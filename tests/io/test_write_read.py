@@ -12,9 +12,9 @@ from safetensors import safe_open
 
 from tests.io.support import bits, nbytes, random_tensor, save_checkpoint, small_model
 from workbench.errors import CheckpointError
-from workbench.io.index import read_checkpoint, read_header, safetensors_dtype
-from workbench.io.read import CheckpointReader
-from workbench.io.write import write_safetensors
+from workbench.io.files.index import read_checkpoint, read_header, safetensors_dtype
+from workbench.io.files.read import CheckpointReader
+from workbench.io.files.write import write_safetensors
 
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.int64, torch.bool, torch.float8_e4m3fn, torch.uint8]
 

@@ -13,10 +13,10 @@ from pathlib import Path
 import pytest
 import torch
 
-from workbench.io.direct import CheckpointFiles
-from workbench.io.file_plan import plan_files
-from workbench.io.stream_write import StreamWriter
-from workbench.io.writeback import START, WAIT, WritebackWindow, sync_file_range
+from workbench.io.files.direct import CheckpointFiles
+from workbench.io.files.file_plan import plan_files
+from workbench.io.files.stream_write import StreamWriter
+from workbench.io.files.writeback import START, WAIT, WritebackWindow, sync_file_range
 from workbench.layout.load_spec import KeyRegion
 
 

@@ -1,4 +1,4 @@
-"""The written-range record and rank 0's coverage proof (``workbench/io/written_ranges.py``), against brute force:
+"""The written-range record and rank 0's coverage proof (``workbench/io/files/written_ranges.py``), against brute force:
 a byte array counting every run of every record."""
 
 from __future__ import annotations
@@ -10,7 +10,7 @@ import pytest
 from hypothesis import given, settings
 from hypothesis import strategies as st
 
-from workbench.io.written_ranges import WrittenRanges, compact, pack, tiling_problems, unpack
+from workbench.io.files.written_ranges import WrittenRanges, compact, pack, tiling_problems, unpack
 
 
 def counts(records, size: int) -> np.ndarray:

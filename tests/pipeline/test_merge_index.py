@@ -10,8 +10,8 @@ from pathlib import Path
 import pytest
 
 from workbench.errors import CheckpointError
-from workbench.io.index import INDEX_NAME
-from workbench.io.pipeline_save import _merge
+from workbench.io.files.index import INDEX_NAME
+from workbench.io.pipeline.save import _merge
 from workbench.layout.model_layout import Layout
 from workbench.layout.pipeline import PipelineLayout
 from workbench.mesh import MeshSpec

@@ -113,7 +113,7 @@ def _ranks(root: str, names: list[str]) -> dict:
 
     import torch.distributed as dist
 
-    from workbench.io.pipeline_save import save_hf_pipeline
+    from workbench.io.pipeline.save import save_hf_pipeline
 
     rank = dist.get_rank()
     pipeline = _pipeline()
@@ -164,7 +164,7 @@ def _launch(root: Path, names: list[str], timeout: float) -> dict:
 
 
 def _read(path: Path) -> dict[str, torch.Tensor]:
-    from workbench.io.read import CheckpointReader
+    from workbench.io.files.read import CheckpointReader
 
     with CheckpointReader(path) as reader:
         keys = reader.keys()
@@ -177,7 +177,7 @@ def _same(got: dict[str, torch.Tensor], want: dict[str, torch.Tensor]) -> bool:
 
 
 def _check_failed(root: Path, results: dict, scenario: Scenario, cause: str) -> None:
-    from workbench.io.publish import validate_final
+    from workbench.io.files.publish import validate_final
 
     for rank, outcomes in results.items():
         got = outcomes[scenario.name]

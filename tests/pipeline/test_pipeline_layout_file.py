@@ -26,7 +26,7 @@ KEY = "model.layers.1.proj.weight"  # (12, 8) bfloat16, stage 1, Shard(0) over f
 def _save(root: str) -> int:
     import torch.distributed as dist
 
-    from workbench.io.pipeline_save import save_hf_pipeline
+    from workbench.io.pipeline.save import save_hf_pipeline
 
     pipeline = _pipeline()
     stage, local = pipeline.stage_of_rank(dist.get_rank())

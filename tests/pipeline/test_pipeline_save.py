@@ -23,7 +23,7 @@ def _ranks(ref: str, out: str) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
 
     from workbench import _compat
-    from workbench.io.pipeline_save import pipeline_layout_from_model, save_hf_pipeline
+    from workbench.io.pipeline.save import pipeline_layout_from_model, save_hf_pipeline
 
     mesh = init_device_mesh("cpu", (2, 2), mesh_dim_names=("pp", "fsdp"))
     stage = mesh.get_coordinate()[0]

@@ -211,7 +211,7 @@ def test_a_schedule_that_would_hang_is_reported_as_a_deadlock() -> None:
 
 
 def test_planning_lives_in_plan_and_run_simulated_re_exports_it() -> None:
-    # io/hf_save.py and older callers import plan_save, SavePlanSet, key_meta and key_sizes from here
+    # io/hf/save.py and older callers import plan_save, SavePlanSet, key_meta and key_sizes from here
     from workbench.plan import save_set
     from workbench.run import simulated
 

@@ -12,9 +12,9 @@ import numpy as np
 import pytest
 
 from tests.viz.support import SAMPLES, cases, expert_tp_16, owners_from_runs
-from workbench.io.hf_load import LoadReport
-from workbench.io.hf_save import SaveResult
-from workbench.io.save_timings import SaveTimings
+from workbench.io.hf.load import LoadReport
+from workbench.io.hf.save import SaveResult
+from workbench.io.hf.save_timings import SaveTimings
 from workbench.layout.layout_file import load_layout
 from workbench.plan.load_plan import plan_hf_load
 from workbench.plan.save_plan import plan_hf_save

@@ -11,7 +11,7 @@ from pathlib import Path
 
 from workbench.debug.findings import Finding
 from workbench.debug.source import Source
-from workbench.io.index import CheckpointIndex, read_header
+from workbench.io.files.index import CheckpointIndex, read_header
 
 __all__ = ["damaged_keys", "readable_keys"]
 

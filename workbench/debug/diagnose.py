@@ -16,7 +16,7 @@ from workbench.debug.provenance import held_by
 from workbench.debug.renames import find_renames, rename_hint
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, MemorySource
 from workbench.debug.transforms import chunk_shard
-from workbench.io.index import safetensors_dtype
+from workbench.io.files.index import safetensors_dtype
 from workbench.layout.chunking import local_sizes
 from workbench.layout.model_layout import Layout
 

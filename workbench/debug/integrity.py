@@ -1,6 +1,6 @@
 """Integrity of one checkpoint on disk, as findings: headers, index, files, unfinished saves.
 
-Builds on ``workbench.io.index.scan_checkpoint`` (which parses every header with its length and offsets
+Builds on ``workbench.io.files.index.scan_checkpoint`` (which parses every header with its length and offsets
 bounds-checked before anything is allocated) and adds what a debugger needs on top: index paths that
 would escape the folder (refused before any file is opened), keys the index does not list,
 ``metadata.total_size`` against the headers, and unfinished saves (``.NAME.incomplete``) beside the path.
@@ -13,9 +13,9 @@ from dataclasses import dataclass
 from pathlib import Path
 
 from workbench.debug.findings import Finding
-from workbench.io.complete import OLD_SUFFIX
-from workbench.io.index import INDEX_NAME, CheckpointIndex, KeyInfo, read_header, read_index, scan_checkpoint
-from workbench.io.publish_types import is_temporary_path, temporary_path
+from workbench.io.files.complete import OLD_SUFFIX
+from workbench.io.files.index import INDEX_NAME, CheckpointIndex, KeyInfo, read_header, read_index, scan_checkpoint
+from workbench.io.files.publish_types import is_temporary_path, temporary_path
 
 __all__ = ["ScanResult", "scan_for_findings"]
 

@@ -16,7 +16,7 @@ from typing import Any, Protocol
 
 import torch
 
-from workbench.io.index import CheckpointIndex, safetensors_dtype, torch_dtype
+from workbench.io.files.index import CheckpointIndex, safetensors_dtype, torch_dtype
 
 __all__ = ["CheckpointSource", "KeyMeta", "MemorySource", "Source", "rows_per_block"]
 

@@ -322,7 +322,7 @@ def layout_and_locals(
 def remembered_locals(model: Any, layout: Layout) -> dict[str, torch.Tensor] | None:
     """The local tensors of ``layout``'s parameters, from the tensors remembered for ``model`` when ``layout`` was
     derived (no walk of the model: not checked against what it holds now); None when that is not remembered or a
-    tensor is gone. For speculative work that is checked later (``io/early_snapshot.py``)."""
+    tensor is gone. For speculative work that is checked later (``io/hf/early_snapshot.py``)."""
     from workbench._compat import dtensor_local
 
     hit = _MODEL_LAYOUTS.get(id(model))

@@ -18,8 +18,8 @@ from typing import Any
 import numpy as np
 
 from workbench.display import register_html
-from workbench.io.hf_load import LoadReport
-from workbench.io.save_session import SaveResult
+from workbench.io.hf.load import LoadReport
+from workbench.io.hf.save_session import SaveResult
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
