@@ -455,18 +455,20 @@ class _Frozen:
 
     KEEP = 64
 
-    def __init__(self, *figs: Any) -> None:
+    def __init__(self, *figs: Any, framed: Sequence[int] = ()) -> None:
+        """``framed``: the figures (by index) drawn per rank as frames; their static pixels are kept."""
         from workbench.viz.png import BandEncoder
 
         self.figs = figs
         self.encoders = [BandEncoder() for _ in figs]
         self.base: list[bytes] = []
-        self._backgrounds = []
+        self._backgrounds: dict[int, Any] = {}
         for n, fig in enumerate(figs):
             fig.set_dpi(_style.DPI * _SCALE)
             fig.canvas.draw()
             fig.set_layout_engine("none")  # laid out for good: what is drawn later lands where the base has room
-            self._backgrounds.append(fig.canvas.copy_from_bbox(fig.bbox))
+            if n in framed:
+                self._backgrounds[n] = fig.canvas.copy_from_bbox(fig.bbox)
             self.base.append(self._encode(n))
         self.lock = threading.Lock()
         self._kept: OrderedDict[tuple, bytes] = OrderedDict()
@@ -525,7 +527,7 @@ class _OffsetsPicture(_Frozen):
         drawing = self.drawing
         for artist in drawing.dynamic:
             artist.set_visible(False)
-        super().__init__(*((drawing.fig, drawing.zoom_fig) if zoom else (drawing.fig,)))
+        super().__init__(*((drawing.fig, drawing.zoom_fig) if zoom else (drawing.fig,)), framed=(1,))
         self._shown: int | None = None
 
     @property
