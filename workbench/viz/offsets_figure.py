@@ -338,12 +338,6 @@ class OffsetsFigure:
             return [a for a in self.dynamic if a.axes is self.zoom] + spines
         return [a for a in self.dynamic if a.axes is not self.zoom]
 
-    def draw_dynamic(self) -> None:
-        """Draw only the rank's artists (after restoring each figure's static background)."""
-        for figure in {id(self.fig): self.fig, id(self.zoom_fig): self.zoom_fig}.values():
-            for artist in self.dynamic_on(figure):
-                figure.draw_artist(artist)
-
 
 def _edge_labels(ax: Any, axis: int, edges: list[int], window: tuple[int, int], length_pt: float) -> list[Any]:
     """Labels and tick marks along the right (rows) or bottom (columns) of the zoom panel: at the shown boxes'
