@@ -13,7 +13,8 @@ its peer sleeps at a line of the cell. A second kernel, installed with ``flight_
 torch's flight recorder, 2000 entries), reports the first hang with each rank's last collectives from the recorder
 (group, op, sequence number, state) and is still freed by the interrupt.
 
-Run on a 2-GPU machine: ``PYTHONPATH=. python -m pytest -q tests/gpu/test_kernel_nccl.py``. Set
+Run on a 2-GPU machine: ``PYTHONPATH=. python -m pytest -q -o addopts="" tests/gpu/test_kernel_nccl.py`` (the
+empty addopts drops ``--mpl``, for a machine without pytest-mpl). Set
 ``WORKBENCH_GPU_LOGS=DIR`` to keep the ranks' logs (torch's NCCL messages at INFO) there.
 """
 
