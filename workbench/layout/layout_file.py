@@ -261,6 +261,13 @@ def read_checkpoint_layout(directory: str | Path) -> Layout | None:
     Raises:
         LayoutFileError: the file is there but cannot be read or parsed (the message names it).
     """
+    path = checkpoint_layout_path(directory)
+    return None if path is None else load_layout(path)
+
+
+def checkpoint_layout_path(directory: str | Path) -> Path | None:
+    """The layout file of a checkpoint folder, or None when it has none; a file larger than
+    ``MAX_LAYOUT_FILE_BYTES`` is a ``LayoutFileError`` naming it (never read)."""
     path = Path(directory) / LAYOUT_FILE_NAME
     if not path.is_file():
         return None
@@ -268,7 +275,7 @@ def read_checkpoint_layout(directory: str | Path) -> Layout | None:
     if size > MAX_LAYOUT_FILE_BYTES:
         raise LayoutFileError(f"{path}: {size:,} bytes, more than a layout file may have (MAX_LAYOUT_FILE_BYTES, "
                               f"{MAX_LAYOUT_FILE_BYTES:,}); not read")
-    return load_layout(path)
+    return path
 
 
 def _write_atomically(path: Path, text: str, *, fsync: bool = False) -> None:

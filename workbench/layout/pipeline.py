@@ -278,15 +278,11 @@ def read_checkpoint_pipeline_layout(directory: str | Path) -> PipelineLayout | N
     Raises:
         LayoutFileError: the file is there but cannot be read or parsed (the message names it).
     """
-    from workbench.layout.layout_file import LAYOUT_FILE_NAME, MAX_LAYOUT_FILE_BYTES
+    from workbench.layout.layout_file import checkpoint_layout_path
 
-    path = Path(directory) / LAYOUT_FILE_NAME
-    if not path.is_file():
+    path = checkpoint_layout_path(directory)
+    if path is None:
         return None
-    size = path.stat().st_size
-    if size > MAX_LAYOUT_FILE_BYTES:
-        raise LayoutFileError(f"{path}: {size:,} bytes, more than a layout file may have (MAX_LAYOUT_FILE_BYTES, "
-                              f"{MAX_LAYOUT_FILE_BYTES:,}); not read")
     try:
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
