@@ -52,6 +52,7 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.files.index import CheckpointIndex, KeyInfo, torch_dtype
+from workbench.io.files.transfers import FileBox
 
 __all__ = ["BoxReader", "box_runs", "cached_share", "gap_pages"]
 
@@ -104,9 +105,14 @@ def gap_pages(shape: Sequence[int], itemsize: int, box: Box) -> int:
     k = len(shape) - 1
     while k > 0 and sizes[k] == shape[k]:
         k -= 1
-    run = sizes[k] * strides[k]
+    return _gap_pages(sizes[k] * strides[k], sizes[:k], strides[:k])
+
+
+def _gap_pages(run: int, sizes: Sequence[int], strides: Sequence[int]) -> int:
+    """``gap_pages`` of runs of ``run`` bytes at every index of the outer dims ``sizes`` (byte ``strides``, each at
+    least the extent of the dims inside it)."""
     total = inner = 0  # inner: from the first to the last run of one block of the dims inside d
-    for d in range(k - 1, -1, -1):
+    for d in range(len(sizes) - 1, -1, -1):
         gap = strides[d] - inner - run  # from the end of a block's last run to the next block's first
         total += (sizes[d] - 1) * math.prod(sizes[:d]) * (gap // ALIGN)
         inner += (sizes[d] - 1) * strides[d]
@@ -114,19 +120,33 @@ def gap_pages(shape: Sequence[int], itemsize: int, box: Box) -> int:
 
 
 @dataclass(frozen=True, slots=True)
+class _Runs:
+    """Runs of ``length`` bytes at ``start + sum(i[d] * strides[d])`` for every index ``i`` of ``sizes``, in order."""
+
+    length: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+
+    def offsets(self, start: int) -> np.ndarray:
+        out = np.full(1, start, dtype=np.int64)
+        for n, s in zip(self.sizes, self.strides):
+            out = (out[:, None] + np.arange(n, dtype=np.int64) * s).reshape(-1)
+        return out
+
+
+@dataclass(frozen=True, slots=True)
 class _Box:
     """One requested box: where its bytes are and how its tensor is made from the buffer they land in."""
 
-    key: str
-    box: Box
+    ident: object  # what the consumer asks for: ``(key, box)`` or a ``FileBox``
     file: str
-    start: int  # absolute file offset of the first byte read for it
+    start: int  # offset in the data section of the first byte read for it
     length: int  # bytes read for it (the span, or the runs packed)
-    runs: tuple[tuple[int, int], ...]  # absolute (offset, length) read into the buffer, packed in order
     sizes: tuple[int, ...]
     strides: tuple[int, ...]  # element strides of the box within its buffer
     dtype: torch.dtype
     compact: bool = False  # read as its span, handed out as a contiguous copy of the box
+    runs: _Runs | None = None  # read run by run, packed (None: one range, ``length`` bytes at ``start``)
 
 
 class _Request:
@@ -139,20 +159,22 @@ class _Request:
         self.remaining = len(boxes)  # boxes not handed out yet
         self.buffer: torch.Tensor | None = None
         self.futures: list[Future] = []
+        self.compacted: dict[int, torch.Tensor] = {}  # compact boxes (by position) copied out by the reading task
 
     @property
     def contiguous(self) -> bool:
         """Whether its bytes are one range of the file (spans one after the other), which O_DIRECT can read."""
-        return self.nbytes > 0 and all(len(b.runs) == 1 for b in self.boxes)
+        return self.nbytes > 0 and all(b.runs is None for b in self.boxes)
 
 
 class BoxReader:
-    """Serve ``read(key, box)`` from reads issued ahead, in the order ``expected`` lists them.
+    """Serve ``read(key, box)`` (or ``read(file_box)``) from reads issued ahead, in the order ``expected`` lists them.
 
     Args:
         index: the checkpoint's parsed index.
-        expected: every ``(key, box)`` the consumer will ask for, in order (``box`` None for the whole key). A
-            request that does not come next in this order is still served, by a read of its own.
+        expected: every ``(key, box)`` (``box`` None for the whole key) or ``FileBox`` (a strided box of a file's
+            bytes, ``transfers.plan_transfers``) the consumer will ask for, in order. A request that does not come
+            next in this order is still served, by a read of its own.
         threads: reader threads.
         budget_bytes: bytes of buffers read ahead and not yet handed out, at most (at least one request).
         pin_memory: allocate buffers in pinned memory (for host-to-device copies that overlap).
@@ -170,7 +192,7 @@ class BoxReader:
     def __init__(
         self,
         index: CheckpointIndex,
-        expected: Sequence[tuple[str, Box]],
+        expected: Sequence[tuple[str, Box] | FileBox],
         *,
         threads: int = 8,
         budget_bytes: int = 1 << 30,
@@ -194,16 +216,18 @@ class BoxReader:
         self._closing: list[int] = []  # direct fds a refusal retired: closed with the rest, no thread may hold one
         self._lock = threading.Lock()
         self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="wb-read")
-        requests = _merge([self._describe(key, box) for key, box in expected])
+        requests = _merge([self._describe(e) if isinstance(e, FileBox) else self._describe_key(*e) for e in expected])
         self._queue: deque[tuple[_Box, _Request]] = deque((b, r) for r in requests for b in r.boxes)
         self._pending: deque[_Request] = deque(requests)  # not issued yet, in order
         self._in_flight = 0  # bytes of issued requests whose boxes are not all handed out
 
     # -- the consumer's side ---------------------------------------------------------------------------------------
 
-    def read(self, key: str, box: Box = None) -> torch.Tensor:
-        """The tensor of ``key`` (or of ``box`` of it), read ahead when it was expected here."""
-        if self._queue and self._queue[0][0].key == key and self._queue[0][0].box == _normal(box):
+    def read(self, key: str | FileBox, box: Box = None) -> torch.Tensor:
+        """The tensor of ``key`` (or of ``box`` of it), or of a ``FileBox``, read ahead when it was expected here."""
+        ident = key if isinstance(key, FileBox) else (key, _normal(box))
+        head = self._queue[0][0].ident if self._queue else None
+        if head is not None and (head is ident or head == ident):
             item, request = self._queue.popleft()
             self._issue()
             if request.buffer is None:  # boxes asked out of order hold the budget: issue this one all the same
@@ -217,7 +241,7 @@ class BoxReader:
                 request.buffer = None  # the tensors handed out keep what they view
                 self._issue()
         else:  # not in the expected order: a read of its own
-            item = self._describe(key, box)
+            item = self._describe(key) if isinstance(key, FileBox) else self._describe_key(key, box)
             request = _Request(item.file, [item])
             self._start(request)
             tensor = self._take(item, request)
@@ -268,22 +292,26 @@ class BoxReader:
         pos = 0
         pieces: list[tuple[int, memoryview]] = []
         for item in request.boxes:
-            for offset, length in item.runs:
+            runs = item.runs
+            starts = [item.start] if runs is None else runs.offsets(item.start).tolist()
+            length = item.length if runs is None else runs.length
+            for offset in starts:
                 for at in range(0, length, CHUNK_BYTES):
                     n = min(CHUNK_BYTES, length - at)
                     pieces.append((data_start + offset + at, view[pos + at:pos + at + n]))
                 pos += length
         # one task per chunk-sized group of pieces, so a big request is read by several threads
-        group: list[tuple[int, memoryview]] = []
+        groups: list[list[tuple[int, memoryview]]] = [[]]
         size = 0
         for piece in pieces:
-            group.append(piece)
-            size += len(piece[1])
             if size >= CHUNK_BYTES:
-                request.futures.append(self._pool.submit(self._pread, fd, request.file, group))
-                group, size = [], 0
-        if group:
-            request.futures.append(self._pool.submit(self._pread, fd, request.file, group))
+                groups.append([])
+                size = 0
+            groups[-1].append(piece)
+            size += len(piece[1])
+        compact = self._compact_outputs(request) if len(groups) == 1 else None
+        for group in groups:
+            request.futures.append(self._pool.submit(self._pread, fd, request.file, group, request, compact))
 
     def _start_direct(self, request: _Request, fd: int, dfd: int, data_start: int) -> None:
         """Read the request's range rounded out to ``ALIGN`` into an aligned buffer; hand on the range itself."""
@@ -293,19 +321,47 @@ class BoxReader:
         cover = self._buffer(high - low, ALIGN)
         request.buffer = cover[begin - low:end - low]
         view = memoryview(cover.numpy())
+        compact = self._compact_outputs(request) if high - low <= CHUNK_BYTES else None
         for at in range(0, high - low, CHUNK_BYTES):  # CHUNK_BYTES is a multiple of ALIGN: every piece aligned
             piece = view[at:at + CHUNK_BYTES]
             needed = min(len(piece), end - (low + at))  # the cover's tail may lie past the end of the file
             request.futures.append(self._pool.submit(self._pread_direct, fd, dfd, request.file, low + at, piece,
-                                                     needed))
+                                                     needed, request, compact))
 
-    def _pread(self, fd: int, file: str, pieces: list[tuple[int, memoryview]]) -> None:
+    def _compact_outputs(self, request: _Request) -> dict[int, torch.Tensor] | None:
+        """Buffers for the request's compact boxes, made here (the slabs are not shared with the threads), for the
+        one task that reads the request to copy them out into (None: no compact box)."""
+        out = {i: self._buffer(math.prod(b.sizes) * b.dtype.itemsize, 64)
+               for i, b in enumerate(request.boxes) if b.compact}
+        return out or None
+
+    def _pread(self, fd: int, file: str, pieces: list[tuple[int, memoryview]], request: _Request,
+               compact: dict[int, torch.Tensor] | None) -> None:
         for offset, view in pieces:
             self._read_into(fd, file, offset, view)
         with self._lock:
             self.bytes_fetched += sum(len(v) for _, v in pieces)
+        if compact:
+            self._compact_all(request, compact)
 
-    def _pread_direct(self, fd: int, dfd: int, file: str, offset: int, view: memoryview, needed: int) -> None:
+    def _compact_all(self, request: _Request, outputs: dict[int, torch.Tensor]) -> None:
+        """Copy the request's compact boxes out of its buffer, on the thread that read all of it."""
+        assert request.buffer is not None
+        at = 0
+        for i, b in enumerate(request.boxes):
+            if i in outputs:
+                _compact_into(request.buffer[at:at + b.length], b, outputs[i])
+            at += b.length
+        request.compacted = outputs
+
+    def _pread_direct(self, fd: int, dfd: int, file: str, offset: int, view: memoryview, needed: int,
+                      request: _Request, compact: dict[int, torch.Tensor] | None) -> None:
+        """One aligned piece with O_DIRECT (then the compact boxes of a request read by this one task)."""
+        self._pread_direct_piece(fd, dfd, file, offset, view, needed)
+        if compact:
+            self._compact_all(request, compact)
+
+    def _pread_direct_piece(self, fd: int, dfd: int, file: str, offset: int, view: memoryview, needed: int) -> None:
         """One aligned piece with O_DIRECT; on ``EINVAL`` the rest of it, and the file from then on, buffered."""
         done = direct = 0
         try:
@@ -348,29 +404,22 @@ class BoxReader:
         for future in request.futures:
             future.result()
         assert request.buffer is not None
-        at = 0
+        i = at = 0  # the box's place in the request and in its buffer
         for b in request.boxes:
             if b is item:
                 break
+            i += 1
             at += b.length
-        raw = request.buffer[at:at + item.length]
         if item.compact:  # contiguous (and pinned) again, so that a copy to a GPU needs no staging and can overlap
-            return self._compact(raw, item)
+            out = request.compacted.get(i)
+            if out is None:  # read by several tasks: copied out here
+                out = self._buffer(math.prod(item.sizes) * item.dtype.itemsize, 64)
+                _compact_into(request.buffer[at:at + item.length], item, out)
+            return out.view(item.dtype).view(item.sizes)
+        raw = request.buffer[at:at + item.length]
         if raw.storage_offset() % item.dtype.itemsize:  # a key of another dtype before it left it unaligned
             raw = raw.clone()
         return raw.view(item.dtype).as_strided(item.sizes, item.strides)
-
-    def _compact(self, raw: torch.Tensor, item: _Box) -> torch.Tensor:
-        """The box's elements out of its span ``raw``, copied into a contiguous buffer byte by byte with numpy: one
-        thread, where torch's copy ran on its intra-op thread pool (on 2 ranks of 16 cores beside 32 reading threads
-        a 512 KiB copy could wait milliseconds for that pool)."""
-        size = item.dtype.itemsize
-        shape = (*item.sizes[:-1], item.sizes[-1] * size)  # the last dim is contiguous in a row-major tensor
-        strides = (*(s * size for s in item.strides[:-1]), 1)
-        source = np.lib.stride_tricks.as_strided(raw.numpy(), shape, strides, writeable=False)
-        out = self._buffer(math.prod(shape), 64)
-        np.copyto(out.numpy().reshape(shape), source)
-        return out.view(item.dtype).view(item.sizes)
 
     def _buffer(self, nbytes: int, align: int) -> torch.Tensor:
         """``nbytes`` of (pinned) memory starting at a multiple of ``align``: carved from the current slab of
@@ -436,29 +485,41 @@ class BoxReader:
 
     # -- describing boxes ------------------------------------------------------------------------------------------
 
-    def _describe(self, key: str, box: Box) -> _Box:
+    def _describe_key(self, key: str, box: Box) -> _Box:
         info = self._info(key)
         dtype = torch_dtype(info.dtype)
-        itemsize = dtype.itemsize
-        box = _normal(box)
-        index = _fit(info, box, self.index)
+        index = _fit(info, _normal(box), self.index)
+        size = dtype.itemsize
+        strides = tuple(size * math.prod(info.shape[d + 1:]) for d in range(len(info.shape)))
+        offset = info.data_offsets[0] + sum(s.start * st for s, st in zip(index, strides))
         sizes = tuple(s.stop - s.start for s in index)
-        runs = box_runs(info.shape, itemsize, index)
-        base = info.data_offsets[0]
-        needed = len(runs) * runs[0][1] if runs else 0  # every run of a box has one length
-        shape_strides = [math.prod(info.shape[d + 1:]) for d in range(len(info.shape))]
-        if not runs:
-            return _Box(key, box, info.file, base, 0, (), sizes, tuple(shape_strides), dtype)
-        span = runs[-1][0] + runs[-1][1] - runs[0][0]
+        return self._describe(FileBox(info.file, offset, sizes, strides, dtype), (key, _normal(box)))
+
+    def _describe(self, fb: FileBox, ident: object = None) -> _Box:
+        """How ``fb`` is read: its span (viewed with its strides, or copied out compact where its runs only touch
+        every page) or its runs packed one after the other."""
+        ident = fb if ident is None else ident
+        size = fb.dtype.itemsize
+        if len(fb.sizes) != len(fb.strides) or any(s <= 0 for s in fb.strides):
+            raise CheckpointError(f"{fb}: a box of a file needs one positive byte stride per dim")
+        if not fb.numel:
+            return _Box(ident, fb.file, fb.offset, 0, fb.sizes, _contiguous(fb.sizes), fb.dtype)
+        k, run = len(fb.sizes), size  # the longest run: the trailing dims contiguous in the file, folded
+        while k > 0 and fb.strides[k - 1] == run:
+            k -= 1
+            run *= fb.sizes[k]
+        outer, steps = fb.sizes[:k], fb.strides[:k]
+        needed = math.prod(outer) * run
+        span = fb.span
         dense = needed >= DENSE_FILL * span
-        if dense or gap_pages(info.shape, itemsize, index) <= (1 - DENSE_FILL) * span / ALIGN:
-            # one span, viewed with the tensor's own strides (copied out where the runs only touch every page)
-            return _Box(key, box, info.file, base + runs[0][0], span, ((base + runs[0][0], span),), sizes,
-                        tuple(shape_strides), dtype, compact=not dense)
+        viewable = all(s % size == 0 for s in fb.strides)
+        if viewable and (dense or _gap_pages(run, outer, steps) <= (1 - DENSE_FILL) * span / ALIGN):
+            # one span, viewed with its own strides (copied out where the runs only touch every page)
+            return _Box(ident, fb.file, fb.offset, span, fb.sizes, tuple(s // size for s in fb.strides), fb.dtype,
+                        compact=not dense)
         # runs packed one after the other: the box's own contiguous strides
-        packed = tuple(math.prod(sizes[d + 1:]) for d in range(len(sizes)))
-        return _Box(key, box, info.file, base + runs[0][0], needed, tuple((base + o, n) for o, n in runs), sizes,
-                    packed, dtype)
+        return _Box(ident, fb.file, fb.offset, needed, fb.sizes, _contiguous(fb.sizes), fb.dtype,
+                    runs=_Runs(run, tuple(outer), tuple(steps)))
 
     def _info(self, key: str) -> KeyInfo:
         try:
@@ -551,6 +612,21 @@ def _libc() -> ctypes.CDLL | None:
     return _LIBC[0]
 
 
+def _compact_into(raw: torch.Tensor, item: _Box, out: torch.Tensor) -> None:
+    """The box's elements out of its span ``raw`` into the contiguous bytes ``out``, copied with numpy on the calling
+    thread, where torch's copy ran on its intra-op thread pool (on 2 ranks of 16 cores beside 32 reading threads a
+    512 KiB copy could wait milliseconds for that pool); numpy lets go of the GIL while it copies."""
+    size = item.dtype.itemsize
+    shape = (*item.sizes[:-1], item.sizes[-1] * size)  # the last dim is contiguous in a row-major tensor
+    strides = (*(s * size for s in item.strides[:-1]), 1)
+    source = np.lib.stride_tricks.as_strided(raw.numpy(), shape, strides, writeable=False)
+    np.copyto(out.numpy().reshape(shape), source)
+
+
+def _contiguous(sizes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(math.prod(sizes[d + 1:]) for d in range(len(sizes)))
+
+
 def _direct_mode(direct: Direct | None) -> Direct:
     if direct is None:
         text = os.environ.get(DIRECT_ENV, "auto").strip().lower()
@@ -595,8 +671,8 @@ def _merge(boxes: list[_Box]) -> list[_Request]:
     for b in boxes:
         last = requests[-1] if requests else None
         prev = last.boxes[-1] if last is not None else None
-        if (last is not None and prev is not None and last.file == b.file and len(b.runs) == 1
-                and len(prev.runs) == 1 and b.length and prev.start + prev.length == b.start):
+        if (last is not None and prev is not None and last.file == b.file and b.runs is None
+                and prev.runs is None and b.length and prev.start + prev.length == b.start):
             last.boxes.append(b)
             last.nbytes += b.length
             last.remaining += 1

@@ -13,11 +13,12 @@ from typing import Any, Literal
 import torch
 
 from workbench.display import html_of
-from workbench.errors import CheckpointError
+from workbench.errors import CheckpointError, PlanError
 from workbench.faults import fault_point
 from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.direct import replicating_dims
 from workbench.io.files.read import CheckpointReader
+from workbench.io.files.transfers import Transfer, copy_transfers, plan_transfers
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, layout_and_locals
@@ -169,7 +170,8 @@ def load_hf(
                      for name, spec in wanted.items()}
             to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
             on_gpu = any(targets[n].device.type == "cuda" for n in to_read)
-            boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters), threads=read_threads,
+            transfers = _transfers(reader, plans, to_read, targets, adapters)
+            boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers), threads=read_threads,
                               budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct)
             for name, plan in plans.items():
                 nbytes = sum(
@@ -182,7 +184,10 @@ def load_hf(
                     received += nbytes
                     continue
                 fault_point("load.read", rank)
-                execute_load(plan, boxes.read, targets[name], adapters, cast=cast, non_blocking=on_gpu)
+                if name in transfers:
+                    _copy_planned(plan, transfers[name], boxes.read, targets[name], non_blocking=on_gpu)
+                else:
+                    execute_load(plan, boxes.read, targets[name], adapters, cast=cast, non_blocking=on_gpu)
             if on_gpu:  # the copies from pinned buffers were queued: they land before anyone reads the model
                 torch.cuda.synchronize()
         except BaseException as exc:  # an interrupt is this rank's problem first, raised after the agreement
@@ -222,13 +227,50 @@ def load_hf(
             reader.close()
 
 
+def _transfers(
+    reader: CheckpointReader,
+    plans: Mapping[str, HFLoadPlan],
+    names: list[str],
+    targets: Mapping[str, torch.Tensor],
+    adapters: Mapping[str, Adapter] | None,
+) -> dict[str, tuple[Transfer, ...]]:
+    """The coalesced transfers of every parameter read here whose keys have no adapter (those are read whole, key
+    by key, and canonicalized by ``execute_load``)."""
+    return {
+        name: plan_transfers(reader.index, plans[name].reads, targets[name].stride())
+        for name in names
+        if not (adapters and any(r.hf_key in adapters for r in plans[name].reads))
+    }
+
+
+def _copy_planned(
+    plan: HFLoadPlan, transfers: tuple[Transfer, ...], read: Any, out: torch.Tensor, *, non_blocking: bool
+) -> None:
+    """``execute_load`` for a parameter without adapters, one copy per coalesced transfer."""
+    if tuple(out.shape) != plan.target_shape:
+        raise PlanError(
+            f"parameter {plan.name!r}, rank {plan.rank}: local tensor has shape {tuple(out.shape)}, the plan "
+            f"expects {plan.target_shape}"
+        )
+    if plan.zero_fill:
+        out.zero_()
+    copy_transfers(transfers, read, out, non_blocking=non_blocking)
+
+
 def _reads_in_order(
-    plans: Mapping[str, HFLoadPlan], names: list[str], adapters: Mapping[str, Adapter] | None
-) -> list[tuple[str, tuple[slice, ...] | None]]:
-    """Every ``(key, box)`` ``execute_load`` will ask for, in its order: the owned box of each key, or the whole
-    key (once per parameter) where an adapter canonicalizes it."""
-    reads: list[tuple[str, tuple[slice, ...] | None]] = []
+    plans: Mapping[str, HFLoadPlan],
+    names: list[str],
+    adapters: Mapping[str, Adapter] | None,
+    transfers: Mapping[str, tuple[Transfer, ...]],
+) -> list[tuple[str, tuple[slice, ...] | None] | Any]:
+    """Every read the consumer will ask for, in its order: a parameter's coalesced transfers (``FileBox``-es), or,
+    for one with adapters, the owned box of each key, or the whole key (once per parameter) where an adapter
+    canonicalizes it."""
+    reads: list[Any] = []
     for name in names:
+        if name in transfers:
+            reads.extend(t.source for t in transfers[name])
+            continue
         whole: set[str] = set()
         for r in plans[name].reads:
             if adapters and r.hf_key in adapters:
