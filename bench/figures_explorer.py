@@ -1,8 +1,8 @@
 """Benchmark: the explorer's rank change on DeepSeek-V3 (or another sample layout), in Python and in Chromium.
 
 Python side (``Explorer.update_seconds``, from the slider's new value to the last view updated), three kinds:
-a jump to a rank far from any shown (drawn on the change: the overview's and the mesh's SVG marks and the
-zoom panel's PNG), a step to the next rank once the background thread had its quiet moment (drawn ahead),
+a jump to a rank far from any shown (drawn on the change: the SVG marks over the overview, the zoom panel and
+the mesh), a step to the next rank once the background thread had its quiet moment (drawn ahead),
 and a repeat visit. Also what a change sends (the changed images' bytes) and what a parameter change sends
 once (the static PNGs).
 
@@ -69,7 +69,7 @@ def python_side(path: Path, samples: int) -> list[str]:
     for rank in far_ranks(layout.mesh.size, set(shown), samples):
         ex.rank.value = rank
         jumps.append(ex.update_seconds * 1e3)
-        sent.append(sum(len(i.value) for i in (ex.offsets_marks, ex.mesh_marks, ex.zoom_image)))
+        sent.append(sum(len(i.value) for i in (ex.offsets_marks, ex.zoom_marks, ex.mesh_marks)))
         ex.settle()  # the ranks next to it are drawn ahead
         ex.rank.value = rank + 1 if rank + 1 < layout.mesh.size else rank - 1
         steps.append(ex.update_seconds * 1e3)
@@ -77,7 +77,7 @@ def python_side(path: Path, samples: int) -> list[str]:
         ex.rank.value = rank
         repeats.append(ex.update_seconds * 1e3)
         ex.settle()
-    base = sum(len(i.value) for i in (ex.offsets, ex.mesh_image))
+    base = sum(len(i.value) for i in (ex.offsets, ex.zoom_image, ex.mesh_image))
     return [
         f"| {layout.name} | {layout.mesh.size} | `{param}` {spec.global_shape} | {build:.2f} s "
         f"(+{background:.2f} s background) | {fmt(jumps)} | {fmt(steps)} | {fmt(repeats)} | "

@@ -15,7 +15,7 @@ from typing import Any
 
 __all__ = ["CHANGED", "JUMPS", "time_rank_changes"]
 
-CHANGED = ("offsets-marks", "zoom", "mesh-marks")  # what a rank change on a zoomed tensor redraws
+CHANGED = ("offsets-marks", "zoom-marks", "mesh-marks")  # what a rank change on a zoomed tensor redraws
 # DeepSeek-V3 (16 x 64 mesh) ranks never shown nor next to one shown (neighbours: +-1, +-64) when the
 # explorer starts at 512 and steps to 520 and back
 JUMPS = (100, 900, 300, 700, 40, 980, 250, 640)

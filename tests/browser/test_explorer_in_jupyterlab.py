@@ -91,8 +91,9 @@ def test_explorer_renders_and_follows_the_rank_slider(jupyterlab: JupyterLab, la
     try:
         app = _open_explorer(page, jupyterlab, name)
         images = app.locator("img")
-        # offsets overview and its marks, zoom (hidden: the toy needs none), mesh and its marks, heat, schedule
-        assert images.count() == 7
+        # offsets overview and its marks, zoom and its marks (hidden: the toy needs none), mesh and its marks,
+        # heat, schedule
+        assert images.count() == 8
         shown = {_role(images.nth(i)): images.nth(i) for i in range(images.count()) if images.nth(i).is_visible()}
         assert sorted(shown) == ["heat", "mesh", "mesh-marks", "offsets", "offsets-marks", "schedule"]
         for role, image in shown.items():

@@ -67,6 +67,9 @@ def _explorer_figures(name: str):
     ex = Explorer(layout, rank=layout.mesh.size // 2 + 1, background=False)
     spec = _largest(layout)
     picture = ex._offsets_picture(spec.name, None)
+    # the explorer shows the zoom's boxes and labels as an SVG drawn from the same scene as these artists
+    # (tests/viz/test_zoom_svg.py): drawn here by matplotlib on the explorer's figures, they are checked too
+    picture.drawing.show_rank(ex.rank.value)
     out = [(f"explorer {n}", f) for n, f in zip(("overview", "zoom"), picture.figs)]
     out.append(("explorer mesh", ex._mesh_picture(spec.name).figs[0]))
     from workbench.viz.html import _layout_bytes_per_rank

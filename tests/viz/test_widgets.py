@@ -227,49 +227,39 @@ def test_drawing_ahead_stops_when_a_control_moves(toy) -> None:
     assert not outlined & {(3,), (0,)}, outlined  # ... and the rest of that drawing ahead is dropped
 
 
-def test_a_zoom_drawn_ahead_gives_way_within_one_artist() -> None:
-    import threading
-    import time
-
+def test_a_rank_change_sends_the_zoom_as_marks_drawn_ahead() -> None:
     from torch.distributed.tensor import Shard
 
     from workbench.layout import LoadSpec
     from workbench.layout.model_layout import Layout
     from workbench.mesh import MeshSpec
+    from workbench.viz.offsets_figure import OffsetsFigure
 
     mesh = MeshSpec((32,), ("dp",))
     spec = LoadSpec.from_placements("w", "w", (64, 4), mesh, [Shard(0)])  # 2 of 64 rows a rank: zoomed
     layout = Layout(mesh, {"w": spec}, name="thin")
     ex = explore(layout, rank=10).explorer
     ex.settle()
-    offsets = ex._offsets_picture("w", None)
-    assert offsets.zoomed and ("zoom", 11) in offsets._kept  # the next rank was drawn ahead
-    zoom_fig = offsets.figs[1]
-    real = zoom_fig.draw_artist
-    started = threading.Event()
-    after_change: list[object] = []
+    frame = ex.zoom_image.value
+    assert ex.zoom_box.layout.display != "none"
+    assert b"r10 (dp=10)" in bytes(ex.zoom_marks.value)  # the rank's boxes and labels are an SVG over the frame
+    drawn: list[int | None] = []
+    real = OffsetsFigure.zoom_svg
 
-    def watched(artist):
-        if threading.current_thread() is not threading.main_thread():
-            if not started.is_set():  # the first artist of the drawing ahead waits for the change
-                generation = ex._generation
-                started.set()
-                deadline = time.monotonic() + 10
-                while ex._generation == generation and time.monotonic() < deadline:
-                    time.sleep(0.005)
-            elif ex._generation != generation_at_start[0]:
-                after_change.append(artist)
-        return real(artist)
+    def counted(self, rank):
+        drawn.append(rank)
+        return real(self, rank)
 
-    generation_at_start = [0]
-    zoom_fig.draw_artist = watched
-    ex.rank.value = 30  # drawn now; ahead, in order: 31 (the slider went up), 29
-    generation_at_start[0] = ex._generation
-    assert started.wait(10)  # rank 31's zoom is being drawn ahead
-    ex.rank.value = 5  # the refresh waits for the figure: the drawing ahead stops at its next artist
-    zoom_fig.draw_artist = real
-    ex.settle()
-    assert not after_change, f"{len(after_change)} artist(s) drawn ahead after the control moved"
-    assert ("zoom", 31) not in offsets._kept and ("zoom", 29) not in offsets._kept
-    fresh = explore(layout, rank=5, background=False).explorer
-    assert ex.zoom_image.value == fresh.zoom_image.value  # the refresh drew on a clean frame
+    OffsetsFigure.zoom_svg = counted
+    try:
+        ex.rank.value = 11  # drawn ahead: nothing drawn on the change
+        assert drawn == []
+        fresh = explore(layout, rank=11, background=False).explorer
+        assert ex.zoom_marks.value == fresh.zoom_marks.value
+        assert ex.zoom_image.value == frame == fresh.zoom_image.value  # the frame is sent once per parameter
+        ex.settle()
+        drawn.clear()
+        ex.rank.value = 25  # far from any rank shown: drawn on the change, as an SVG
+        assert drawn == [25] and b"r25 (dp=25)" in bytes(ex.zoom_marks.value) and ex.zoom_image.value == frame
+    finally:
+        OffsetsFigure.zoom_svg = real

@@ -20,6 +20,7 @@ from workbench.layout.model_layout import Layout
 from workbench.viz import _style
 from workbench.viz.colours import rank_colours
 from workbench.viz.views import ShardView, format_ranks, resolve_spec, shard_view, zoom_window
+from workbench.viz.zoom import ZoomScene, zoom_scene
 
 __all__ = ["OffsetsFigure", "needs_zoom", "plot_shard_offsets"]
 
@@ -104,6 +105,7 @@ class OffsetsFigure:
         self.overview.set_label("overview")
         self.zoom_fig = fig
         self.zoom = None
+        self._last_scene: ZoomScene | None = None
         if beside:
             self.zoom = fig.add_subplot(grid[0, 1])
         elif zoom_panel == "separate":
@@ -236,8 +238,11 @@ class OffsetsFigure:
         self._notes.set_text("\n".join(_fit(n, room, _style.MIN_PT) for n in notes))
 
     # -- per rank ----------------------------------------------------------------------------------------
-    def show_rank(self, rank: int | None) -> list[Any]:
-        """Draw what depends on ``rank`` (replacing the last rank's): outline, window, zoom panel, notes."""
+    def show_rank(self, rank: int | None, *, zoom: bool = True) -> list[Any]:
+        """Draw what depends on ``rank`` (replacing the last rank's): outline, window, zoom panel, notes.
+
+        ``zoom=False`` leaves the zoom panel empty (the explorer shows it as ``zoom_svg``) but still outlines
+        its window on the overview."""
         for artist in self.dynamic:
             artist.remove()
         self.dynamic = []
@@ -246,7 +251,11 @@ class OffsetsFigure:
         for b in mine:
             self._add_outline(self.overview, b, rank)
         if self.zoom is not None:
-            self._draw_zoom(rank, zoom_window(view, rank, readable=_READABLE) if rank is not None else None, mine)
+            scene = self.zoom_scene(rank)
+            if zoom:
+                self._draw_zoom(scene)
+            elif scene.window is not None:
+                self.dynamic.append(self._window_marker(scene))
         if self.rank_note:
             self._set_notes(rank, mine)
         return self.dynamic
@@ -260,71 +269,70 @@ class OffsetsFigure:
         line = ax.add_artist(Rectangle(xy, w, h, fill=False, edgecolor="black", linewidth=1.8, gid=f"rank-{rank}"))
         self.dynamic += [halo, line]
 
-    def _draw_zoom(self, rank: int | None, window: Any, mine: list[Any]) -> None:
+    def zoom_scene(self, rank: int | None) -> ZoomScene:
+        """What the zoom panel shows for ``rank`` (only for a figure with a zoom panel)."""
+        if self.zoom is None:
+            raise ValueError(f"OffsetsFigure of {self.view.name}: no zoom panel (zoom_panel=False)")
+        last = self._last_scene  # the overview's window marker and the zoom panel ask for the same rank
+        if last is not None and last.rank == rank:
+            return last
+        view = self.view
+        mesh = self.spec.mesh
+        scene = self._last_scene = zoom_scene(
+            view, rank, zoom_window(view, rank, readable=_READABLE) if rank is not None else None,
+            size_pt=_axes_size_pt(self.zoom), colour=self.colours,
+            coordinate=lambda r: ", ".join(f"{n}={c}" for n, c in zip(mesh.dim_names, mesh.coordinate(r))),
+            columns_fixed=self.columns_fixed, fit=_fit,
+        )
+        return scene
+
+    def zoom_svg(self, rank: int | None) -> bytes:
+        """The zoom panel's part that depends on ``rank`` as an SVG of ``zoom_fig``'s size, to show over the
+        panel drawn without it (``zoom_scene`` drawn by ``zoom_svg.scene_svg``)."""
+        from workbench.viz.zoom_svg import panel_frame, scene_svg
+
+        return scene_svg(self.zoom_scene(rank), panel_frame(self.zoom))
+
+    def _draw_zoom(self, scene: ZoomScene) -> None:
         from matplotlib.patches import ConnectionPatch, Rectangle
 
-        ax, view = self.zoom, self.view
-        rows, cols = view.shape
-        if rank is None or not mine:
-            what = view.hf_key or view.name
-            held = f"rank {rank} holds none of\n{_fit(what, 180, _style.LABEL_PT)}"
-            text = "no rank chosen" if rank is None else held
+        ax = self.zoom
+        if scene.window is None:
             if not self.columns_fixed:
                 ax.set_xlim(0, 1)
             ax.set_ylim(1, 0)
-            self.dynamic.append(ax.text(0.5, 0.5, text, ha="center", va="center", fontsize=_style.LABEL_PT,
-                                        transform=ax.transAxes, gid="zoom-message"))
+            self.dynamic.append(ax.text(0.5, 0.5, scene.message, ha="center", va="center",
+                                        fontsize=_style.LABEL_PT, transform=ax.transAxes, gid="zoom-message"))
             return
-        if window is None:  # readable already: the zoom shows the rank's first box with its neighbours
-            first = min(mine, key=lambda b: (b.row0, b.col0))
-            window = (_widen(first.row0, first.row1, rows), _widen(first.col0, first.col1, cols))
-        (r0, r1), (c0, c1) = window
-        if self.columns_fixed:
-            c0, c1 = 0, cols
+        (r0, r1), (c0, c1) = scene.window
         ax.set_xlim(c0, c1)
         ax.set_ylim(r1, r0)
-        shown = [b for b in view.boxes if b.row1 > r0 and b.row0 < r1 and b.col1 > c0 and b.col0 < c1]
-        width_pt, height_pt = _axes_size_pt(ax)
-        # replicas of one region are drawn once: the chosen rank's if it holds it, else the lowest, marked xK
-        holders: dict[tuple[int, int, int, int], list[int]] = {}
-        for b in shown:
-            holders.setdefault((b.row0, b.row1, b.col0, b.col1), []).append(b.rank)
-        for (row0, row1, col0, col1), ranks in holders.items():
-            drawn = rank if rank in ranks else min(ranks)
-            x0, x1, y0, y1 = max(col0, c0), min(col1, c1), max(row0, r0), min(row1, r1)
-            fill = self.colours(drawn)
-            self.dynamic.append(ax.add_artist(Rectangle((x0, y0), x1 - x0, y1 - y0, facecolor=fill,
+        for box in scene.boxes:
+            x0, x1, y0, y1 = box.x0, box.x1, box.y0, box.y1
+            self.dynamic.append(ax.add_artist(Rectangle((x0, y0), x1 - x0, y1 - y0, facecolor=box.fill,
                                                         edgecolor="white", linewidth=0.8)))
-            w = (x1 - x0) / (c1 - c0) * width_pt
-            h = (y1 - y0) / (r1 - r0) * height_pt
-            text = f"r{drawn}" + (f" x{len(ranks)}" if len(ranks) > 1 else "")
-            if drawn == rank:
-                mesh = self.spec.mesh
-                coord = ", ".join(f"{n}={c}" for n, c in zip(mesh.dim_names, mesh.coordinate(rank)))
-                for candidate in (f"{text} ({coord})", f"{text}\n({coord})"):
-                    lines = candidate.count("\n") + 1
-                    if _style.text_width_pt(candidate) + 6 <= w and (lines + 0.5) * 1.2 * _style.MIN_PT <= h:
-                        text = candidate
-                        break
-            if _style.text_width_pt(text) + 6 <= w and (text.count("\n") + 1.5) * 1.2 * _style.MIN_PT <= h:
-                self.dynamic.append(ax.text((x0 + x1) / 2, (y0 + y1) / 2, text, ha="center", va="center",
-                                            fontsize=_style.MIN_PT, color=_style.text_on(fill), clip_on=True))
-        for b in mine:
-            if b.row1 > r0 and b.row0 < r1 and b.col1 > c0 and b.col0 < c1:
-                self._add_outline(ax, b, rank)
-        self.dynamic += _edge_labels(ax, 0, [e for b in shown for e in (b.row0, b.row1)], (r0, r1), height_pt)
-        if not self.columns_fixed:
-            self.dynamic += _edge_labels(ax, 1, [e for b in shown for e in (b.col0, b.col1)], (c0, c1), width_pt)
+            if box.label is not None:
+                self.dynamic.append(ax.text((x0 + x1) / 2, (y0 + y1) / 2, box.label, ha="center", va="center",
+                                            fontsize=_style.MIN_PT, color=box.label_colour, clip_on=True))
+        for b in scene.outlines:
+            self._add_outline(ax, b, scene.rank)
+        self.dynamic += _edge_labels(ax, 0, scene.row_values)
+        self.dynamic += _edge_labels(ax, 1, scene.col_values)
         # the window on the overview, linked to the zoom panel when both are in one figure
-        marker = self.overview.add_artist(Rectangle((c0, r0), c1 - c0, r1 - r0, fill=False, edgecolor="black",
-                                                    linewidth=1.2, linestyle="--", gid="zoom-window"))
-        self.dynamic.append(marker)
+        self.dynamic.append(self._window_marker(scene))
         if self.zoom_fig is self.fig:
             for (xa, ya), (xb, yb) in (((c1, r0), (0, 1)), ((c1, r1), (0, 0))):
                 link = ConnectionPatch(xyA=(xa, ya), coordsA=self.overview.transData, xyB=(xb, yb),
                                        coordsB=ax.transAxes, color="0.35", linewidth=0.8, linestyle=":")
                 link.set_in_layout(False)
                 self.dynamic.append(self.fig.add_artist(link))
+
+    def _window_marker(self, scene: ZoomScene) -> Any:
+        from matplotlib.patches import Rectangle
+
+        (r0, r1), (c0, c1) = scene.window  # type: ignore[misc]
+        return self.overview.add_artist(Rectangle((c0, r0), c1 - c0, r1 - r0, fill=False, edgecolor="black",
+                                                  linewidth=1.2, linestyle="--", gid="zoom-window"))
 
     def dynamic_on(self, figure: Any) -> list[Any]:
         """The rank's artists that ``figure`` (``fig`` or ``zoom_fig``) shows, in drawing order, with the zoom
@@ -339,27 +347,11 @@ class OffsetsFigure:
         return [a for a in self.dynamic if a.axes is not self.zoom]
 
 
-def _edge_labels(ax: Any, axis: int, edges: list[int], window: tuple[int, int], length_pt: float) -> list[Any]:
-    """Labels and tick marks along the right (rows) or bottom (columns) of the zoom panel: at the shown boxes'
-    edges (where the rank's region starts and stops) when they are few and far enough apart, else round."""
+def _edge_labels(ax: Any, axis: int, values: Sequence[int]) -> list[Any]:
+    """Labels and tick marks at ``values`` along the right (rows) or bottom (columns) of the zoom panel."""
     from matplotlib.lines import Line2D
-    from matplotlib.ticker import MaxNLocator
     from matplotlib.transforms import blended_transform_factory, offset_copy
 
-    lo, hi = window
-    per = length_pt / max(hi - lo, 1)
-
-    def room(v: float) -> float:
-        return (_style.text_width_pt(f"{int(v):,}") + 8) if axis == 1 else 1.6 * _style.MIN_PT
-
-    def spaced(values: list[float]) -> bool:
-        return all((b - a) * per >= (room(a) + room(b)) / 2 for a, b in itertools.pairwise(values))
-
-    values: list[float] = sorted({e for e in edges if lo <= e <= hi})
-    if not (2 <= len(values) <= 8 and spaced(values)):
-        values = [v for v in MaxNLocator(nbins=4, integer=True).tick_values(lo, hi) if lo <= v <= hi]
-        while len(values) > 2 and not spaced(values):
-            values = values[::2]
     fig = ax.figure
     out: list[Any] = []
     if axis == 0:
@@ -368,7 +360,7 @@ def _edge_labels(ax: Any, axis: int, edges: list[int], window: tuple[int, int], 
         for v in values:
             out.append(ax.add_artist(Line2D([1.0], [v], transform=base, marker=1, markersize=3.5, color="black",
                                             clip_on=False)))
-            out.append(ax.text(1.0, v, f"{int(v):,}", transform=place, ha="left", va="center",
+            out.append(ax.text(1.0, v, f"{v:,}", transform=place, ha="left", va="center",
                                fontsize=_style.MIN_PT, clip_on=False))
     else:
         base = blended_transform_factory(ax.transData, ax.transAxes)
@@ -376,16 +368,9 @@ def _edge_labels(ax: Any, axis: int, edges: list[int], window: tuple[int, int], 
         for v in values:
             out.append(ax.add_artist(Line2D([v], [0.0], transform=base, marker=3, markersize=3.5, color="black",
                                             clip_on=False)))
-            out.append(ax.text(v, 0.0, f"{int(v):,}", transform=place, ha="center", va="top",
+            out.append(ax.text(v, 0.0, f"{v:,}", transform=place, ha="center", va="top",
                                fontsize=_style.MIN_PT, clip_on=False))
     return out
-
-
-def _widen(lo: int, hi: int, n: int) -> tuple[int, int]:
-    size = hi - lo
-    span = min(n, size * 3)
-    start = min(max(lo - (span - size) // 2, 0), n - span)
-    return start, start + span
 
 
 def _laid_out(fig: Any) -> None:

@@ -3,8 +3,8 @@
 Standard widgets only (Combobox, IntSlider, Dropdown, Image, HTML, boxes), so it works in JupyterLab, classic
 Notebook and VS Code. Figures are PNGs rendered at twice their CSS size (sharp on hi-dpi screens) into
 ``Image`` widgets of that CSS width. A rank change sends little: each view's static part is drawn and sent
-once per parameter; what the rank adds to the overview and the mesh (outlines, the zoom window) is a small SVG
-shown over it, and the zoom panel a PNG of its own. Pictures of the last ranks are kept, and those one step
+once per parameter; what the rank adds to it (the overview's outline and zoom window, the zoom panel's boxes and
+labels, the mesh's outlines) is a small SVG shown over it. Pictures of the last ranks are kept, and those one step
 away on the rank or a coordinate slider are drawn ahead in a background thread while nobody moves a control.
 Schedules are planned once per (policy, budget) for every rank where ranks of one shape class share one (drawn
 once per class, in the background right after the explorer opens), or per rank in the background for policies
@@ -97,13 +97,14 @@ class Explorer:
         # static PNGs (drawn once per parameter) and, over each, the SVG of what the chosen rank adds to it
         self.offsets = w.Image(format="png")
         self.offsets_marks = w.Image(format="svg+xml")  # the rank's outline and zoom window
-        self.zoom_image = w.Image(format="png")  # drawn per rank
+        self.zoom_image = w.Image(format="png")  # the zoom panel's frame
+        self.zoom_marks = w.Image(format="svg+xml")  # the boxes and labels around the rank
         self.mesh_image = w.Image(format="png")
         self.mesh_marks = w.Image(format="svg+xml")  # the outlined ranks
         self.schedule_image = w.Image(format="png")
         self.heat = w.Image(format="png")
         for image, role in ((self.offsets, "offsets"), (self.offsets_marks, "offsets-marks"),
-                            (self.zoom_image, "zoom"),
+                            (self.zoom_image, "zoom"), (self.zoom_marks, "zoom-marks"),
                             (self.mesh_image, "mesh"), (self.mesh_marks, "mesh-marks"),
                             (self.schedule_image, "schedule"), (self.heat, "heat")):
             image.add_class(f"workbench-{role}")  # names each image in the page (browser tests, styling)
@@ -127,8 +128,9 @@ class Explorer:
             w.HBox([self.group, self.policy, self.budget], layout=w.Layout(flex_flow="row wrap")),
             self.message, self.info,
         ])
+        self.zoom_box = _stacked(w, self.zoom_image, self.zoom_marks)
         left = w.VBox([w.HTML("<b>shard offsets</b>"),
-                       w.HBox([_stacked(w, self.offsets, self.offsets_marks), self.zoom_image])])
+                       w.HBox([_stacked(w, self.offsets, self.offsets_marks), self.zoom_box])])
         right = w.VBox([w.HTML("<b>mesh</b> (elements of the parameter held)"),
                         _stacked(w, self.mesh_image, self.mesh_marks),
                         w.HTML("<b>bytes per rank</b>, whole layout"), self.heat])
@@ -210,15 +212,15 @@ class Explorer:
         name = self._param_value
         spec = self.layout.specs[name]
         key = None if self.key.value in (_WHOLE, "") or self.key.value not in spec.hf_keys else self.key.value
-        # the pictures first (every message waits for the one before it); the zoom, the largest, leads so the
-        # browser decodes it while the marks follow. The base images change only with the parameter: a rank
-        # change sends the small marks over them
+        # the pictures first (every message waits for the one before it). The base images change only with
+        # the parameter: a rank change sends the small marks over them
         offsets = self._offsets_picture(name, key)
         if offsets.zoomed:
-            self._set_image(self.zoom_image, offsets.zoom(rank))
-            self.zoom_image.layout.display = None
+            self._set_image(self.zoom_image, offsets.base[1])
+            self._set_marks(self.zoom_marks, offsets.zoom(rank), self.zoom_image)
+            self.zoom_box.layout.display = None
         else:
-            self.zoom_image.layout.display = "none"
+            self.zoom_box.layout.display = "none"
         self._set_image(self.offsets, offsets.base[0])
         self._set_marks(self.offsets_marks, offsets.marks(rank), self.offsets)
         mesh = self._mesh_picture(name)
@@ -272,7 +274,7 @@ class Explorer:
 
         steps: list[Callable[[], Any]] = []
         for r in near:
-            if offsets.zoomed:  # the costly one first
+            if offsets.zoomed:
                 steps.append(lambda r=r: offsets.zoom(r, dropped))
             steps.append(lambda r=r: offsets.marks(r, dropped))
             group = self._group(r)
@@ -447,29 +449,21 @@ class _Dropped(Exception):
 
 class _Frozen:
     """Figures laid out and drawn once at ``_SCALE`` x their CSS size, without what depends on the rank: their
-    PNGs are ``base``, sent once per parameter. What depends on the rank is drawn either as ``marks`` (an SVG
-    of only those artists, of the figure's size, shown over the unchanged base image: a few KiB to draw, send
-    and paint) or, for a figure that changes all over, as a ``frame`` (its static pixels with the artists
-    drawn over them, as a PNG). The last ``KEEP`` of each are kept; ``lock`` is held while drawing (the
-    background thread draws the ranks next to the chosen one ahead)."""
+    PNGs are ``base``, sent once per parameter. What depends on the rank is drawn as marks: an SVG of the
+    figure's size shown over the unchanged base image (a few KiB to draw, send and paint). The last ``KEEP``
+    are kept; ``lock`` is held while drawing (the background thread draws the ranks next to the chosen one
+    ahead)."""
 
     KEEP = 64
 
-    def __init__(self, *figs: Any, framed: Sequence[int] = ()) -> None:
-        """``framed``: the figures (by index) drawn per rank as frames; their static pixels are kept."""
-        from workbench.viz.png import BandEncoder
-
+    def __init__(self, *figs: Any) -> None:
         self.figs = figs
-        self.encoders = [BandEncoder() for _ in figs]
         self.base: list[bytes] = []
-        self._backgrounds: dict[int, Any] = {}
-        for n, fig in enumerate(figs):
+        for fig in figs:
             fig.set_dpi(_style.DPI * _SCALE)
             fig.canvas.draw()
             fig.set_layout_engine("none")  # laid out for good: what is drawn later lands where the base has room
-            if n in framed:
-                self._backgrounds[n] = fig.canvas.copy_from_bbox(fig.bbox)
-            self.base.append(self._encode(n))
+            self.base.append(_png(fig))
         self.lock = threading.Lock()
         self._kept: OrderedDict[tuple, bytes] = OrderedDict()
 
@@ -492,29 +486,12 @@ class _Frozen:
     def _svg(self, n: int, artists: Sequence[Any]) -> bytes:
         return _style.artists_svg(self.figs[n], artists)
 
-    def _frame(self, n: int, artists: Sequence[Any], dropped: Callable[[], bool] = bool) -> bytes:
-        """PNG of figure ``n``'s static pixels with ``artists`` drawn over them; ``_Dropped`` between two
-        artists once ``dropped()`` says so (a drawing ahead gives way to a refresh within one artist)."""
-        fig = self.figs[n]
-        fig.canvas.restore_region(self._backgrounds[n])
-        for artist in artists:
-            if dropped():
-                raise _Dropped
-            fig.draw_artist(artist)
-        if dropped():
-            raise _Dropped
-        return self._encode(n)
-
-    def _encode(self, n: int) -> bytes:
-        import numpy as np
-
-        return self.encoders[n].encode(np.asarray(self.figs[n].canvas.buffer_rgba()))
-
 
 class _OffsetsPicture(_Frozen):
     """The offsets figure of one parameter (or HF key): the overview is static and the rank's outline and zoom
-    window are its marks; a zoomed tensor gets a second figure, the zoom panel, drawn per rank as a frame (its
-    labels are many small texts: a PNG shows them faster than an SVG of their outlines)."""
+    window are its marks; a zoomed tensor gets a second figure, the zoom panel, whose frame is static and whose
+    boxes, outlines and labels around the rank are its marks (``OffsetsFigure.zoom_svg``: written directly, the
+    browser draws the text)."""
 
     def __init__(self, spec: Any, key: str | None) -> None:
         from workbench.viz.offsets_figure import OffsetsFigure, needs_zoom
@@ -527,7 +504,7 @@ class _OffsetsPicture(_Frozen):
         drawing = self.drawing
         for artist in drawing.dynamic:
             artist.set_visible(False)
-        super().__init__(*((drawing.fig, drawing.zoom_fig) if zoom else (drawing.fig,)), framed=(1,))
+        super().__init__(*((drawing.fig, drawing.zoom_fig) if zoom else (drawing.fig,)))
         self._shown: int | None = None
 
     @property
@@ -541,18 +518,18 @@ class _OffsetsPicture(_Frozen):
                              lambda: self._svg(0, self._show(rank, dropped).dynamic_on(self.drawing.fig)))
 
     def zoom(self, rank: int, dropped: Callable[[], bool] = bool) -> bytes:
-        """PNG of the zoom panel around the rank (only when ``zoomed``); ``dropped`` as in ``_frame``."""
+        """SVG of the zoom panel around the rank (over ``base[1]``; only when ``zoomed``)."""
         if not self.zoomed:
             raise ValueError(f"explorer: {self.drawing.view.name} has no zoom panel (every part is readable)")
-        return self._kept_or(("zoom", rank),
-                             lambda: self._frame(1, self._show(rank, dropped).dynamic_on(self.drawing.zoom_fig),
-                                                 dropped))
+        if dropped():
+            raise _Dropped
+        return self._kept_or(("zoom", rank), lambda: self.drawing.zoom_svg(rank))
 
     def _show(self, rank: int, dropped: Callable[[], bool] = bool) -> Any:
         if self._shown != rank:
             if dropped():
                 raise _Dropped
-            self.drawing.show_rank(rank)
+            self.drawing.show_rank(rank, zoom=False)
             self._shown = rank
         return self.drawing
 
@@ -659,6 +636,15 @@ def _stacked(w: Any, base: Any, marks: Any) -> Any:
 
 def _class_key(schedule: Any) -> tuple:
     return (id(schedule.calls), schedule.peak_bytes)  # ranks of one shape class share their calls
+
+
+def _png(fig: Any) -> bytes:
+    """PNG of what ``fig``'s canvas holds (drawn already), RGBA as drawn."""
+    import numpy as np
+
+    from workbench.viz.png import BandEncoder
+
+    return BandEncoder().encode(np.asarray(fig.canvas.buffer_rgba()))
 
 
 def _png_width(png: bytes) -> int:
