@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import errno
 import json
+import math
 import mmap
 import os
 import shutil
@@ -23,6 +24,7 @@ from workbench.errors import CheckpointError
 from workbench.io.files import box_reads
 from workbench.io.files.box_reads import BoxReader, box_runs, cached_share, gap_pages
 from workbench.io.files.index import read_checkpoint
+from workbench.io.files.transfers import FileBox
 
 DTYPES = (torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.uint8, torch.float8_e4m3fn)
 
@@ -338,3 +340,61 @@ def test_small_requests_share_slabs_and_direct_buffers_follow_the_file_alignment
                 assert (got[k].data_ptr() - data - header[k]["data_offsets"][0]) % 4096 == 0, k
         assert r.bytes_direct == (r.bytes_fetched if direct else 0)
     assert len({t.untyped_storage().data_ptr() for t in got.values()}) == 1  # 200 buffers, one allocation
+
+
+def _file_box(folder: Path, key: str, box: tuple[slice, ...]) -> FileBox:
+    """The FileBox of ``box`` of ``key``, from the header parsed here."""
+    _, header = _data_start(folder / "model.safetensors")
+    meta = header[key]
+    dtype = {"F32": torch.float32, "BF16": torch.bfloat16}[meta["dtype"]]
+    shape = meta["shape"]
+    strides = [dtype.itemsize * math.prod(shape[d + 1:]) for d in range(len(shape))]
+    offset = meta["data_offsets"][0] + sum(s.start * st for s, st in zip(box, strides))
+    return FileBox("model.safetensors", offset, tuple(s.stop - s.start for s in box), tuple(strides), dtype)
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("strided", [False, True])
+@pytest.mark.parametrize(("shape", "box"), [
+    ((8, 65536), (slice(1, 7), slice(0, 32768))),  # 128 KiB runs: read straight into the tensor
+    ((64, 4096), (slice(3, 60), slice(0, 4096))),  # whole rows: one run (O_DIRECT can read it), or 16 KiB ones
+    ((1024, 256), (slice(0, 1024), slice(0, 128))),  # 512-byte runs: the span into a buffer, then copied
+])
+def test_boxes_read_into_a_tensor_land_in_it_bit_for_bit(disk: Path, direct: bool, strided: bool, shape, box,
+                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    folder = disk / f"into-{direct}-{strided}-{shape[0]}"
+    folder.mkdir()
+    full = _tensor(shape, torch.float32, 11)
+    save_file({"pad": torch.ones(3, dtype=torch.int8), "w": full}, str(folder / "model.safetensors"))
+    sizes = tuple(s.stop - s.start for s in box)
+    # the tensor it lands in: a view into a larger one (every other column block), NaN elsewhere
+    holder = torch.full((sizes[0], 2 * sizes[1]) if strided else sizes, float("nan"))
+    into = holder[:, sizes[1]:] if strided else holder
+    fb = _file_box(folder, "w", box)
+    real = os.preadv
+    targets = []  # whether each read landed in the tensor's storage
+    low = holder.data_ptr()
+    high = low + holder.numel() * 4
+
+    def preadv(fd, bufs, off, *a):
+        address = torch.frombuffer(bufs[0], dtype=torch.uint8).data_ptr() if len(bufs[0]) else 0
+        targets.append(low <= address < high)
+        return real(fd, bufs, off, *a)
+
+    monkeypatch.setattr(box_reads.os, "preadv", preadv)
+    with BoxReader(read_checkpoint(folder), [(fb, into)], direct=direct) as r:
+        got = r.read(fb)
+        assert got is into
+        assert torch.equal(_bytes(into), _bytes(full[box]))
+        if strided:
+            assert holder[:, :sizes[1]].isnan().all()  # nothing written beside the box
+        solid = sizes[1] == shape[1]  # whole rows: one range of the file
+        run = sizes[1] * 4 * (sizes[0] if solid and not strided else 1)  # contiguous in the file and in the tensor
+        lands = run >= 64 << 10
+        if direct and (solid or not lands):  # one range of the file: O_DIRECT into an aligned buffer, copied in
+            assert r.bytes_direct > 0 and not any(targets)
+        else:
+            assert r.bytes_direct == 0
+            assert all(targets) if lands else not any(targets), targets
+            span = (sizes[0] - 1) * shape[1] * 4 + sizes[1] * 4
+            assert r.bytes_fetched == (full[box].numel() * 4 if lands else span)

@@ -76,9 +76,11 @@ def _expected(full: dict[str, torch.Tensor], experts: int, ep: int, etp: int, ra
     }
 
 
-def _load(path: Path, layout: wb.Layout, rank: int, monkeypatch: pytest.MonkeyPatch) -> tuple[dict, int, int]:
-    """Load ``rank``'s locals; returns them, the ``preadv`` calls and the torch copies into them the load made."""
-    targets = {name: torch.full(spec.local_shape(rank), float("nan"), dtype=torch.bfloat16)
+def _load(path: Path, layout: wb.Layout, rank: int, monkeypatch: pytest.MonkeyPatch,
+          dtype: torch.dtype = torch.bfloat16) -> tuple[dict, int, int]:
+    """Load ``rank``'s locals (of ``dtype``: float32 is a cast, so the bytes cannot land in them as read); returns
+    them, the ``preadv`` calls and the torch copies into them the load made."""
+    targets = {name: torch.full(spec.local_shape(rank), float("nan"), dtype=dtype)
                for name, spec in layout.specs.items()}
     storages = {t.untyped_storage().data_ptr() for t in targets.values()}
     preads, copies = [], []
@@ -93,35 +95,43 @@ def _load(path: Path, layout: wb.Layout, rank: int, monkeypatch: pytest.MonkeyPa
         patch.setattr(box_reads.os, "preadv", lambda fd, bufs, off, *a: preads.append(off) or real_preadv(
             fd, bufs, off, *a))
         patch.setattr(torch.Tensor, "copy_", copy_)
-        report = wb.load_hf(targets, path, layout=layout, rank=rank, read_direct=False)
+        report = wb.load_hf(targets, path, layout=layout, rank=rank, read_direct=False, cast=dtype != torch.bfloat16)
     assert report.ok and report.bytes_owned == sum(t.numel() * 2 for t in targets.values())
     return targets, len(preads), len(copies)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("ep", "etp"), [(1, 2), (2, 1), (2, 2)])
-def test_fused_experts_load_bit_for_bit_on_every_rank(tmp_path: Path, ep: int, etp: int,
+def test_fused_experts_load_bit_for_bit_on_every_rank(tmp_path: Path, ep: int, etp: int, dtype: torch.dtype,
                                                       monkeypatch: pytest.MonkeyPatch) -> None:
     experts = 8
     full = _checkpoint(tmp_path / "ck", experts)
     layout = _layout(experts, ep, etp)
     for rank in range(ep * etp):
-        got, _, _ = _load(tmp_path / "ck", layout, rank, monkeypatch)
+        got, _, _ = _load(tmp_path / "ck", layout, rank, monkeypatch, dtype)
         want = _expected(full, experts, ep, etp, rank)
         for name in want:
             assert got[name].shape == want[name].shape, (name, rank)
-            assert torch.equal(got[name].view(torch.int16), want[name].view(torch.int16)), (name, rank)
+            if dtype == torch.bfloat16:
+                assert torch.equal(got[name].view(torch.int16), want[name].view(torch.int16)), (name, rank)
+            else:  # bf16 -> float32 is exact (NaNs stay NaNs)
+                assert torch.equal(got[name].nan_to_num(7.0), want[name].float().nan_to_num(7.0)), (name, rank)
 
 
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
 @pytest.mark.parametrize(("ep", "etp"), [(1, 2), (2, 1)])
 def test_reads_and_copies_of_fused_experts_do_not_grow_with_the_expert_count(
-        tmp_path: Path, ep: int, etp: int, monkeypatch: pytest.MonkeyPatch) -> None:
+        tmp_path: Path, ep: int, etp: int, dtype: torch.dtype, monkeypatch: pytest.MonkeyPatch) -> None:
     counts = {}
     for experts in (8, 32):
-        _checkpoint(tmp_path / f"ck{experts}", experts)
-        _, preads, copies = _load(tmp_path / f"ck{experts}", _layout(experts, ep, etp), 0, monkeypatch)
+        if not (tmp_path / f"ck{experts}").exists():
+            _checkpoint(tmp_path / f"ck{experts}", experts)
+        _, preads, copies = _load(tmp_path / f"ck{experts}", _layout(experts, ep, etp), 0, monkeypatch, dtype)
         counts[experts] = (preads, copies)
-    # one copy per (parameter, run of keys one step apart in the file): gate_proj's keys, up_proj's, down_proj's
-    assert counts[32][1] == counts[8][1] <= 3, counts
+    if dtype == torch.bfloat16:  # the checkpoint's dtype on the CPU: the bytes land in the tensors, no torch copy
+        assert counts[32][1] == counts[8][1] == 0, counts
+    else:  # one copy (a cast) per run of keys one step apart in the file: gate_proj's keys, up_proj's, down_proj's
+        assert counts[32][1] == counts[8][1] <= 3, counts
     if etp == 2:  # each gate/up half is its own run (the other half is the peer's); the down_proj halves of every
         # row touch every page: they are read as one span, not key by key
         assert counts[32][0] <= 2 * 32 + 1, counts

@@ -42,9 +42,9 @@ import mmap
 import os
 import threading
 from collections import deque
-from collections.abc import Sequence
-from concurrent.futures import Future, ThreadPoolExecutor
-from dataclasses import dataclass
+from collections.abc import Callable, Sequence
+from concurrent.futures import Future, ThreadPoolExecutor, wait
+from dataclasses import dataclass, field
 from typing import Literal
 
 import numpy as np
@@ -65,6 +65,7 @@ SLAB_BYTES = 64 << 20  # buffers up to a quarter of this are carved from slabs o
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses are multiples of this (a page, >= a block)
 DIRECT_MIN_BYTES = 1 << 20  # auto: smaller requests go through the page cache (alignment costs up to 8 KiB each)
 DIRECT_COLD_SHARE = 0.1  # auto: O_DIRECT when at most this share of a request's sampled pages are cached
+LANDING_RUN_BYTES = 64 << 10  # a box given a tensor lands there run by run when its runs are this long
 DIRECT_ENV = "WORKBENCH_READ_DIRECT"  # the default of ``direct``: auto, 1 (True) or 0 (False)
 _SAMPLES = 32  # pages of a request that auto asks mincore about
 
@@ -147,6 +148,9 @@ class _Box:
     dtype: torch.dtype
     compact: bool = False  # read as its span, handed out as a contiguous copy of the box
     runs: _Runs | None = None  # read run by run, packed (None: one range, ``length`` bytes at ``start``)
+    into: torch.Tensor | None = field(default=None, compare=False)  # the consumer's tensor it lands in, if given
+    landing: tuple[int, tuple[int, ...]] | None = None  # runs read straight into ``into``: its byte offset, steps
+    solid: bool = False  # its runs are one range of the file (O_DIRECT can read it into a buffer)
 
 
 class _Request:
@@ -160,11 +164,18 @@ class _Request:
         self.buffer: torch.Tensor | None = None
         self.futures: list[Future] = []
         self.compacted: dict[int, torch.Tensor] = {}  # compact boxes (by position) copied out by the reading task
+        self.started = False
+        self.landed = False  # every box's runs were read straight into its ``into``
 
     @property
     def contiguous(self) -> bool:
         """Whether its bytes are one range of the file (spans one after the other), which O_DIRECT can read."""
-        return self.nbytes > 0 and all(b.runs is None for b in self.boxes)
+        return self.nbytes > 0 and all(b.runs is None or b.solid for b in self.boxes)
+
+    @property
+    def lands(self) -> bool:
+        """Whether every box can be read run by run straight into the tensor it goes to."""
+        return all(b.landing is not None for b in self.boxes)
 
 
 class BoxReader:
@@ -173,8 +184,10 @@ class BoxReader:
     Args:
         index: the checkpoint's parsed index.
         expected: every ``(key, box)`` (``box`` None for the whole key) or ``FileBox`` (a strided box of a file's
-            bytes, ``transfers.plan_transfers``) the consumer will ask for, in order. A request that does not come
-            next in this order is still served, by a read of its own.
+            bytes, ``transfers.plan_transfers``) the consumer will ask for, in order, or ``(FileBox, tensor)``: a
+            box read into that CPU tensor of its shape and dtype (a view of the consumer's own tensor), which
+            ``read`` then hands back, so no copy follows. A request that does not come next in this order is still
+            served, by a read of its own.
         threads: reader threads.
         budget_bytes: bytes of buffers read ahead and not yet handed out, at most (at least one request).
         pin_memory: allocate buffers in pinned memory (for host-to-device copies that overlap).
@@ -184,6 +197,10 @@ class BoxReader:
     ``bytes_read`` counts the bytes of every box handed out; ``bytes_fetched`` the bytes ``pread`` asked the files
     for (more when a dense span held bytes outside its box, or an O_DIRECT read its aligned cover), of which
     ``bytes_direct`` with O_DIRECT. ``direct_refused`` maps a file that refused O_DIRECT to the reason.
+
+    A box read into a tensor lands there straight from the file where its runs (contiguous in the file and in the
+    tensor alike) are at least ``LANDING_RUN_BYTES`` long and it is not read with O_DIRECT; else it is read into a
+    buffer as any box and copied into the tensor by the thread that read it (numpy, byte for byte).
 
     Buffers of small requests are views of shared slabs of ``SLAB_BYTES`` (pinning memory costs about a millisecond
     per allocation), so the memory a load holds is ``budget_bytes`` plus the largest request plus one slab.
@@ -215,8 +232,9 @@ class BoxReader:
         self._slab_used = 0
         self._closing: list[int] = []  # direct fds a refusal retired: closed with the rest, no thread may hold one
         self._lock = threading.Lock()
-        self._pool = ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="wb-read")
-        requests = _merge([self._describe(e) if isinstance(e, FileBox) else self._describe_key(*e) for e in expected])
+        self._pool = _pool(max(1, threads))
+        self._futures: list[Future] = []  # every task this reader submitted to the shared pool
+        requests = _merge([self._expected(e) for e in expected])
         self._queue: deque[tuple[_Box, _Request]] = deque((b, r) for r in requests for b in r.boxes)
         self._pending: deque[_Request] = deque(requests)  # not issued yet, in order
         self._in_flight = 0  # bytes of issued requests whose boxes are not all handed out
@@ -230,7 +248,7 @@ class BoxReader:
         if head is not None and (head is ident or head == ident):
             item, request = self._queue.popleft()
             self._issue()
-            if request.buffer is None:  # boxes asked out of order hold the budget: issue this one all the same
+            if not request.started:  # boxes asked out of order hold the budget: issue this one all the same
                 self._pending.remove(request)
                 self._start(request)
                 self._in_flight += request.nbytes
@@ -250,8 +268,11 @@ class BoxReader:
         return tensor
 
     def close(self) -> None:
-        """Wait for reads in flight, then close every file."""
-        self._pool.shutdown(wait=True, cancel_futures=True)
+        """Cancel the reads not started, wait for those in flight, then close every file."""
+        futures, self._futures = self._futures, []
+        for future in futures:
+            future.cancel()
+        wait(futures)
         fds, self._fds = self._fds, {}
         direct, self._direct_fds = self._direct_fds, {}
         closing, self._closing = self._closing, []
@@ -280,26 +301,38 @@ class BoxReader:
             self._in_flight += request.nbytes
 
     def _start(self, request: _Request) -> None:
+        request.started = True
         fd, data_start = self._fd(request.file)
         if request.contiguous and self._wants_direct(request, fd, data_start):
             dfd = self._direct_fd(request.file)
             if dfd is not None:
                 self._start_direct(request, fd, dfd, data_start)
                 return
-        buffer = self._buffer(request.nbytes, 64)
-        request.buffer = buffer
-        view = memoryview(buffer.numpy())
-        pos = 0
         pieces: list[tuple[int, memoryview]] = []
-        for item in request.boxes:
-            runs = item.runs
-            starts = [item.start] if runs is None else runs.offsets(item.start).tolist()
-            length = item.length if runs is None else runs.length
-            for offset in starts:
-                for at in range(0, length, CHUNK_BYTES):
-                    n = min(CHUNK_BYTES, length - at)
-                    pieces.append((data_start + offset + at, view[pos + at:pos + at + n]))
-                pos += length
+        if request.lands:  # straight into the consumer's tensors: no buffer, no copy
+            request.landed = True
+            for item in request.boxes:
+                assert item.runs is not None and item.landing is not None and item.into is not None
+                target = memoryview(_storage_bytes(item.into))
+                length = item.runs.length
+                at = _Runs(length, item.runs.sizes, item.landing[1]).offsets(item.landing[0]).tolist()
+                for offset, to in zip(item.runs.offsets(item.start).tolist(), at):
+                    for k in range(0, length, CHUNK_BYTES):
+                        n = min(CHUNK_BYTES, length - k)
+                        pieces.append((data_start + offset + k, target[to + k:to + k + n]))
+        else:
+            request.buffer = self._buffer(request.nbytes, 64)
+            view = memoryview(request.buffer.numpy())
+            pos = 0
+            for item in request.boxes:
+                runs = item.runs
+                starts = [item.start] if runs is None else runs.offsets(item.start).tolist()
+                length = item.length if runs is None else runs.length
+                for offset in starts:
+                    for at in range(0, length, CHUNK_BYTES):
+                        n = min(CHUNK_BYTES, length - at)
+                        pieces.append((data_start + offset + at, view[pos + at:pos + at + n]))
+                    pos += length
         # one task per chunk-sized group of pieces, so a big request is read by several threads
         groups: list[list[tuple[int, memoryview]]] = [[]]
         size = 0
@@ -311,7 +344,7 @@ class BoxReader:
             size += len(piece[1])
         compact = self._compact_outputs(request) if len(groups) == 1 else None
         for group in groups:
-            request.futures.append(self._pool.submit(self._pread, fd, request.file, group, request, compact))
+            request.futures.append(self._submit(self._pread, fd, request.file, group, request, compact))
 
     def _start_direct(self, request: _Request, fd: int, dfd: int, data_start: int) -> None:
         """Read the request's range rounded out to ``ALIGN`` into an aligned buffer; hand on the range itself."""
@@ -325,14 +358,20 @@ class BoxReader:
         for at in range(0, high - low, CHUNK_BYTES):  # CHUNK_BYTES is a multiple of ALIGN: every piece aligned
             piece = view[at:at + CHUNK_BYTES]
             needed = min(len(piece), end - (low + at))  # the cover's tail may lie past the end of the file
-            request.futures.append(self._pool.submit(self._pread_direct, fd, dfd, request.file, low + at, piece,
+            request.futures.append(self._submit(self._pread_direct, fd, dfd, request.file, low + at, piece,
                                                      needed, request, compact))
 
+    def _submit(self, fn: Callable[..., None], *args: object) -> Future:
+        future = self._pool.submit(fn, *args)
+        self._futures.append(future)
+        return future
+
     def _compact_outputs(self, request: _Request) -> dict[int, torch.Tensor] | None:
-        """Buffers for the request's compact boxes, made here (the slabs are not shared with the threads), for the
-        one task that reads the request to copy them out into (None: no compact box)."""
-        out = {i: self._buffer(math.prod(b.sizes) * b.dtype.itemsize, 64)
-               for i, b in enumerate(request.boxes) if b.compact}
+        """Where the request's compact boxes and boxes with a tensor to land in go, for the one task that reads the
+        request to copy them into: that tensor, or a buffer made here (the slabs are not shared with the threads).
+        None: no such box."""
+        out = {i: b.into if b.into is not None else self._buffer(math.prod(b.sizes) * b.dtype.itemsize, 64)
+               for i, b in enumerate(request.boxes) if b.compact or b.into is not None}
         return out or None
 
     def _pread(self, fd: int, file: str, pieces: list[tuple[int, memoryview]], request: _Request,
@@ -345,12 +384,15 @@ class BoxReader:
             self._compact_all(request, compact)
 
     def _compact_all(self, request: _Request, outputs: dict[int, torch.Tensor]) -> None:
-        """Copy the request's compact boxes out of its buffer, on the thread that read all of it."""
+        """Copy the request's compact boxes (and those with a tensor to land in) out of its buffer, on the thread
+        that read all of it."""
+        if request.landed:
+            return
         assert request.buffer is not None
         at = 0
         for i, b in enumerate(request.boxes):
             if i in outputs:
-                _compact_into(request.buffer[at:at + b.length], b, outputs[i])
+                _copy_out(request.buffer[at:at + b.length], b, outputs[i])
             at += b.length
         request.compacted = outputs
 
@@ -403,6 +445,9 @@ class BoxReader:
     def _take(self, item: _Box, request: _Request) -> torch.Tensor:
         for future in request.futures:
             future.result()
+        if request.landed:
+            assert item.into is not None
+            return item.into
         assert request.buffer is not None
         i = at = 0  # the box's place in the request and in its buffer
         for b in request.boxes:
@@ -410,12 +455,13 @@ class BoxReader:
                 break
             i += 1
             at += b.length
-        if item.compact:  # contiguous (and pinned) again, so that a copy to a GPU needs no staging and can overlap
-            out = request.compacted.get(i)
+        if item.compact or item.into is not None:  # contiguous (and pinned) again, so that a copy to a GPU needs no
+            out = request.compacted.get(i)  # staging and can overlap; or in the consumer's tensor
             if out is None:  # read by several tasks: copied out here
-                out = self._buffer(math.prod(item.sizes) * item.dtype.itemsize, 64)
-                _compact_into(request.buffer[at:at + item.length], item, out)
-            return out.view(item.dtype).view(item.sizes)
+                out = item.into if item.into is not None else self._buffer(
+                    math.prod(item.sizes) * item.dtype.itemsize, 64)
+                _copy_out(request.buffer[at:at + item.length], item, out)
+            return out if item.into is not None else out.view(item.dtype).view(item.sizes)
         raw = request.buffer[at:at + item.length]
         if raw.storage_offset() % item.dtype.itemsize:  # a key of another dtype before it left it unaligned
             raw = raw.clone()
@@ -485,6 +531,15 @@ class BoxReader:
 
     # -- describing boxes ------------------------------------------------------------------------------------------
 
+    def _expected(self, entry: tuple[str, Box] | FileBox | tuple[FileBox, torch.Tensor]) -> _Box:
+        if isinstance(entry, FileBox):
+            return self._describe(entry)
+        if isinstance(entry[0], FileBox):
+            fb, into = entry
+            return self._describe(fb, into=_checked_into(fb, into))
+        key, box = entry
+        return self._describe_key(key, box)
+
     def _describe_key(self, key: str, box: Box) -> _Box:
         info = self._info(key)
         dtype = torch_dtype(info.dtype)
@@ -495,10 +550,26 @@ class BoxReader:
         sizes = tuple(s.stop - s.start for s in index)
         return self._describe(FileBox(info.file, offset, sizes, strides, dtype), (key, _normal(box)))
 
-    def _describe(self, fb: FileBox, ident: object = None) -> _Box:
-        """How ``fb`` is read: its span (viewed with its strides, or copied out compact where its runs only touch
-        every page) or its runs packed one after the other."""
+    def _describe(self, fb: FileBox, ident: object = None, into: torch.Tensor | None = None) -> _Box:
+        """How ``fb`` is read: straight into ``into`` run by run where the runs are long, else its span (viewed with
+        its strides, or copied out compact where its runs only touch every page) or its runs packed one after the
+        other."""
         ident = fb if ident is None else ident
+        if into is not None and fb.numel:
+            size = fb.dtype.itemsize
+            steps = tuple(s * size for s in into.stride())
+            k, run = len(fb.sizes), size  # runs contiguous in the file and in the tensor
+            while k > 0 and fb.strides[k - 1] == run and (steps[k - 1] == run or fb.sizes[k - 1] == 1):
+                k -= 1
+                run *= fb.sizes[k]
+            if run >= LANDING_RUN_BYTES:
+                needed = math.prod(fb.sizes[:k]) * run
+                return _Box(ident, fb.file, fb.offset, needed, fb.sizes, _contiguous(fb.sizes), fb.dtype,
+                            runs=_Runs(run, fb.sizes[:k], fb.strides[:k]), into=into,
+                            landing=(into.storage_offset() * size, steps[:k]), solid=needed == fb.span)
+            box = self._describe(fb, ident)
+            return _Box(box.ident, box.file, box.start, box.length, box.sizes, box.strides, box.dtype, box.compact,
+                        box.runs, into=into)
         size = fb.dtype.itemsize
         if len(fb.sizes) != len(fb.strides) or any(s <= 0 for s in fb.strides):
             raise CheckpointError(f"{fb}: a box of a file needs one positive byte stride per dim")
@@ -546,6 +617,30 @@ class BoxReader:
                 got = (fd, 8 + int.from_bytes(head, "little"))
                 self._fds[file] = got
             return got
+
+
+_POOLS: dict[int, ThreadPoolExecutor] = {}  # reading threads by count, shared by every reader of this process
+_POOLS_LOCK = threading.Lock()
+
+
+def _pool(threads: int) -> ThreadPoolExecutor:
+    """The process's pool of ``threads`` reading threads, made once: a load of a few hundred requests started 16
+    threads each time, which cost up to a third of a warm load on a loaded 2-core machine."""
+    with _POOLS_LOCK:
+        pool = _POOLS.get(threads)
+        if pool is None:
+            pool = _POOLS[threads] = ThreadPoolExecutor(max_workers=threads, thread_name_prefix="wb-read")
+        return pool
+
+
+def _forget_pools() -> None:  # a forked child has the pools but not their threads
+    global _POOLS_LOCK
+    _POOLS.clear()
+    _POOLS_LOCK = threading.Lock()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pools)
 
 
 def cached_share(fd: int, offset: int, length: int, samples: int = _SAMPLES) -> float | None:
@@ -612,15 +707,40 @@ def _libc() -> ctypes.CDLL | None:
     return _LIBC[0]
 
 
-def _compact_into(raw: torch.Tensor, item: _Box, out: torch.Tensor) -> None:
-    """The box's elements out of its span ``raw`` into the contiguous bytes ``out``, copied with numpy on the calling
-    thread, where torch's copy ran on its intra-op thread pool (on 2 ranks of 16 cores beside 32 reading threads a
-    512 KiB copy could wait milliseconds for that pool); numpy lets go of the GIL while it copies."""
+def _copy_out(raw: torch.Tensor, item: _Box, out: torch.Tensor) -> None:
+    """The box's elements out of its bytes ``raw`` (its buffer, with the box's strides) into ``out``: a contiguous
+    buffer of its bytes, or a tensor of its shape with any strides. Copied with numpy on the calling thread, where
+    torch's copy ran on its intra-op thread pool (on 2 ranks of 16 cores beside 32 reading threads a 512 KiB copy
+    could wait milliseconds for that pool); numpy lets go of the GIL while it copies."""
     size = item.dtype.itemsize
-    shape = (*item.sizes[:-1], item.sizes[-1] * size)  # the last dim is contiguous in a row-major tensor
-    strides = (*(s * size for s in item.strides[:-1]), 1)
-    source = np.lib.stride_tricks.as_strided(raw.numpy(), shape, strides, writeable=False)
-    np.copyto(out.numpy().reshape(shape), source)
+    if out.dtype == torch.uint8 and out.dim() == 1:  # a buffer: the box's contiguous bytes
+        target, start, steps = out.numpy(), 0, tuple(s * size for s in _contiguous(item.sizes))
+    else:
+        target, start, steps = _storage_bytes(out), out.storage_offset() * size, tuple(s * size for s in out.stride())
+    shape, src, dst = list(item.sizes), [s * size for s in item.strides], list(steps)
+    if src[-1] == size and dst[-1] == size:  # the last dim is contiguous on both sides: copied as bytes
+        shape[-1] *= size
+        src[-1] = dst[-1] = 1
+    else:
+        shape.append(size)
+        src.append(1)
+        dst.append(1)
+    source = np.lib.stride_tricks.as_strided(raw.numpy(), shape, src, writeable=False)
+    np.copyto(np.lib.stride_tricks.as_strided(target[start:], shape, dst), source)
+
+
+def _storage_bytes(t: torch.Tensor) -> np.ndarray:
+    """Every byte of the storage under ``t`` (a CPU tensor), as numpy sees them."""
+    return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+
+
+def _checked_into(fb: FileBox, into: torch.Tensor) -> torch.Tensor:
+    if into.device.type != "cpu" or into.dtype != fb.dtype or tuple(into.shape) != fb.sizes:
+        raise ValueError(f"a box of {fb.dtype} {list(fb.sizes)} cannot be read into a {into.device.type} tensor of "
+                         f"{into.dtype} {list(into.shape)}: the same shape and dtype on the CPU are needed")
+    if any(s < 0 for s in into.stride()):
+        raise ValueError(f"a box cannot be read into a tensor of strides {into.stride()}")
+    return into
 
 
 def _contiguous(sizes: Sequence[int]) -> tuple[int, ...]:

@@ -25,7 +25,7 @@ from workbench.errors import CheckpointError
 from workbench.io.files.index import CheckpointIndex, torch_dtype
 from workbench.plan.load_plan import KeyRead
 
-__all__ = ["FileBox", "Transfer", "copy_transfers", "plan_transfers"]
+__all__ = ["FileBox", "Transfer", "copy_transfers", "landing_views", "plan_transfers"]
 
 PIECE_BYTES = 8 << 20  # a transfer is cut into pieces spanning at most this many file bytes (at least one row)
 
@@ -216,11 +216,19 @@ def copy_transfers(
     non_blocking: bool = False,
 ) -> torch.Tensor:
     """Copy each transfer's box, as ``read`` hands it out, into its place in ``out`` (one copy per transfer: a
-    cast where ``out`` has another dtype; queued on the current stream from pinned memory when ``non_blocking``)."""
-    base = out.storage_offset()
-    for t in transfers:
+    cast where ``out`` has another dtype; queued on the current stream from pinned memory when ``non_blocking``).
+    A box ``read`` hands out in its very place (read there, ``landing_views``) is not copied again."""
+    for t, place in zip(transfers, landing_views(transfers, out)):
         piece = read(t.source)
         if tuple(piece.shape) != t.source.sizes:
             raise CheckpointError(f"reading {t.source} (from key {t.key!r}) gave shape {tuple(piece.shape)}")
-        out.as_strided(t.source.sizes, t.strides, base + t.offset).copy_(piece, non_blocking=non_blocking)
+        if not (piece.data_ptr() == place.data_ptr() and piece.stride() == place.stride()
+                and piece.device == place.device):
+            place.copy_(piece, non_blocking=non_blocking)
     return out
+
+
+def landing_views(transfers: Iterable[Transfer], out: torch.Tensor) -> list[torch.Tensor]:
+    """Each transfer's place in ``out``: a view of the transfer's shape."""
+    base = out.storage_offset()
+    return [out.as_strided(t.source.sizes, t.strides, base + t.offset) for t in transfers]

@@ -18,7 +18,7 @@ from workbench.faults import fault_point
 from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.direct import replicating_dims
 from workbench.io.files.read import CheckpointReader
-from workbench.io.files.transfers import Transfer, copy_transfers, plan_transfers
+from workbench.io.files.transfers import Transfer, copy_transfers, landing_views, plan_transfers
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, layout_and_locals
@@ -171,8 +171,8 @@ def load_hf(
             to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
             on_gpu = any(targets[n].device.type == "cuda" for n in to_read)
             transfers = _transfers(reader, plans, to_read, targets, adapters)
-            boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers), threads=read_threads,
-                              budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct)
+            boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets),
+                              threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct)
             for name, plan in plans.items():
                 nbytes = sum(
                     r.numel * reader.dtype(r.hf_key).itemsize for r in plan.reads
@@ -262,14 +262,21 @@ def _reads_in_order(
     names: list[str],
     adapters: Mapping[str, Adapter] | None,
     transfers: Mapping[str, tuple[Transfer, ...]],
+    targets: Mapping[str, torch.Tensor],
 ) -> list[tuple[str, tuple[slice, ...] | None] | Any]:
-    """Every read the consumer will ask for, in its order: a parameter's coalesced transfers (``FileBox``-es), or,
-    for one with adapters, the owned box of each key, or the whole key (once per parameter) where an adapter
-    canonicalizes it."""
+    """Every read the consumer will ask for, in its order: a parameter's coalesced transfers (``FileBox``-es; with
+    the place in the local tensor where that is a CPU tensor of the checkpoint's dtype with no padding to zero
+    first, so the bytes land there), or, for one with adapters, the owned box of each key, or the whole key (once
+    per parameter) where an adapter canonicalizes it."""
     reads: list[Any] = []
     for name in names:
         if name in transfers:
-            reads.extend(t.source for t in transfers[name])
+            out = targets[name]
+            if out.device.type == "cpu" and not plans[name].zero_fill and all(
+                    t.source.dtype == out.dtype for t in transfers[name]):
+                reads.extend(zip((t.source for t in transfers[name]), landing_views(transfers[name], out)))
+            else:
+                reads.extend(t.source for t in transfers[name])
             continue
         whole: set[str] = set()
         for r in plans[name].reads:
