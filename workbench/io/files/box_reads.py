@@ -61,6 +61,7 @@ Direct = bool | Literal["auto"]
 
 DENSE_FILL = 0.9  # a box is read as one span when its bytes (or the pages they touch) fill this share of the span
 CHUNK_BYTES = 16 << 20  # requests are split into pieces of this size, read by the threads in parallel
+MERGE_BYTES = 8 << 20  # neighbouring boxes are merged into requests of at most this many bytes
 SLAB_BYTES = 64 << 20  # buffers up to a quarter of this are carved from slabs of this size (one allocation each)
 ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses are multiples of this (a page, >= a block)
 DIRECT_MIN_BYTES = 1 << 20  # auto: smaller requests go through the page cache (alignment costs up to 8 KiB each)
@@ -786,13 +787,16 @@ def _fit(info: KeyInfo, box: Box, index: CheckpointIndex) -> tuple[slice, ...]:
 
 
 def _merge(boxes: list[_Box]) -> list[_Request]:
-    """Group consecutive boxes of one file whose bytes touch into one request (packed boxes stay alone)."""
+    """Group consecutive boxes of one file whose bytes touch into one request of at most ``MERGE_BYTES`` (packed
+    boxes stay alone): many small keys in few reads, while the pieces of a large transfer stay requests of their
+    own, each in one buffer of the slabs."""
     requests: list[_Request] = []
     for b in boxes:
         last = requests[-1] if requests else None
         prev = last.boxes[-1] if last is not None else None
         if (last is not None and prev is not None and last.file == b.file and b.runs is None
-                and prev.runs is None and b.length and prev.start + prev.length == b.start):
+                and prev.runs is None and b.length and prev.start + prev.length == b.start
+                and last.nbytes + b.length <= MERGE_BYTES):
             last.boxes.append(b)
             last.nbytes += b.length
             last.remaining += 1
