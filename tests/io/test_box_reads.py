@@ -398,3 +398,23 @@ def test_boxes_read_into_a_tensor_land_in_it_bit_for_bit(disk: Path, direct: boo
             assert all(targets) if lands else not any(targets), targets
             span = (sizes[0] - 1) * shape[1] * 4 + sizes[1] * 4
             assert r.bytes_fetched == (full[box].numel() * 4 if lands else span)
+
+
+def test_auto_reads_a_cold_span_shared_with_a_peer_through_the_page_cache(disk: Path) -> None:
+    # half of each 1 KiB row of a 4 MiB key: the span is 4 MiB, cold, and holds the other half, a peer's box
+    folder = disk / "auto-compact"
+    folder.mkdir()
+    full = _tensor((4096, 512), torch.bfloat16, 12)
+    path = folder / "model.safetensors"
+    save_file({"w": full}, str(path))
+    _evict(path)
+    box = (slice(0, 4096), slice(0, 256))
+    with BoxReader(read_checkpoint(folder), [("w", box)], direct="auto") as r:
+        assert torch.equal(_bytes(r.read("w", box)), _bytes(full[box]))
+        assert r.bytes_direct == 0  # through the page cache, where the peer's read of the same pages is free
+    data, header = _data_start(path)
+    fd = os.open(path, os.O_RDONLY)
+    try:
+        assert _cached(fd, data + header["w"]["data_offsets"][0] + 2048 * 1024)
+    finally:
+        os.close(fd)

@@ -26,10 +26,13 @@ buffer handed on starts at the range's first byte, so a request reads at most ``
 ``direct`` picks the path: ``False`` never; ``True`` every contiguous request; ``"auto"`` (the default, or the
 ``WORKBENCH_READ_DIRECT`` environment variable: ``auto``, ``1``, ``0``) a contiguous request of at least
 ``DIRECT_MIN_BYTES`` of which at most ``DIRECT_COLD_SHARE`` of the pages are in the page cache (``mincore`` on
-sampled pages): cold and large. A warm page cache is faster than any disk, and a cold read with ``O_DIRECT`` leaves
-the cache as cold as it found it: a second load of the same files reads the disk again. Requests of runs far apart
-(a column cut of wide rows) go through the page cache. A file or filesystem that refuses ``O_DIRECT`` (``EINVAL``
-when opened or read) is read through the page cache from then on, and ``direct_refused`` says why.
+sampled pages): cold and large. Not a request with a box read as its span and compacted: its pages hold a peer's
+bytes too (the other half of each row of an expert-TP ``down_proj``), and through the page cache the disk reads
+them once for both ranks, where O_DIRECT read them once for each. A warm page cache is faster than any disk, and a
+cold read with ``O_DIRECT`` leaves the cache as cold as it found it: a second load of the same files reads the disk
+again. Requests of runs far apart (a column cut of wide rows) go through the page cache. A file or filesystem that
+refuses ``O_DIRECT`` (``EINVAL`` when opened or read) is read through the page cache from then on, and
+``direct_refused`` says why.
 """
 
 from __future__ import annotations
@@ -492,8 +495,8 @@ class BoxReader:
             return False
         if self.direct is True:
             return True
-        if request.nbytes < DIRECT_MIN_BYTES:
-            return False
+        if request.nbytes < DIRECT_MIN_BYTES or any(b.compact for b in request.boxes):
+            return False  # small; or a span that shares its pages with a peer's box: one read of them serves both
         pages = self._maps.get(request.file)
         if pages is None:
             pages = self._maps[request.file] = _PageMap(fd)

@@ -101,11 +101,13 @@ def load_hf(
     """Load a HuggingFace checkpoint into a model whose parameters are DTensors (or plain tensors), in place.
 
     Each rank reads exactly the slices of each key its local tensors own, with positional reads (``pread``) from
-    ``read_threads`` threads ahead of the copies, neighbouring slices of a file in one read (``BoxReader``),
-    runs the per-key canonical ``adapters`` (whole keys) first where given, copies into its local shards and
-    zeroes tail (FP8) padding. The ranks agree twice over the load's own gloo group (within ``timeout``):
-    after checking the checkpoint against the layout, and at the end, so a failure on one rank is an error on
-    every rank.
+    ``read_threads`` threads ahead of the copies, neighbouring slices of a file in one read (``BoxReader``). A
+    parameter's slices that repeat with one step in a file and in the local tensor (the experts of a fused MoE
+    tensor) are one strided box (``transfers.plan_transfers``), read in pieces of 8 MiB and copied by one op each;
+    into a CPU tensor of the checkpoint's dtype the bytes land in place, with no copy. Per-key canonical
+    ``adapters`` (whole keys) run first where given; tail (FP8) padding is zeroed. The ranks agree twice over the
+    load's own gloo group (within ``timeout``): after checking the checkpoint against the layout, and at the end,
+    so a failure on one rank is an error on every rank.
 
     Args:
         strict: every missing, unexpected, mis-shaped or differently typed key is an error (else those
