@@ -43,11 +43,11 @@ def test_rank_slider_moves_the_outline(toy) -> None:
     app = explore(toy, param=W13, rank=4, background=False)
     assert isinstance(app, ipywidgets.Widget)
     ex = app.explorer
-    base, at4 = ex.offsets.value, ex.offsets_marks.value
+    base, at4 = ex.offsets.value, ex.marks["offsets"]
     ex.rank.value = 5
     assert [s.value for s in ex.coords] == list(toy.mesh.coordinate(5))
     assert ex.offsets.value == base  # the static picture stays; only its marks change
-    at5 = ex.offsets_marks.value
+    at5 = ex.marks["offsets"]
     assert at5 != at4
     # rank 5 holds rows 6:8 of 16, every column: its outline sits there on the overview's axes (point units,
     # y down, from the axes' place in the figure)
@@ -63,20 +63,70 @@ def test_rank_slider_moves_the_outline(toy) -> None:
     assert points[:, 0].max() == pytest.approx(width * box.x1, abs=0.01)
     assert _svg(at5).find(".//{http://www.w3.org/2000/svg}g[@id='rank-4']") is None
     ex.rank.value = 4
-    assert ex.offsets_marks.value == at4  # deterministic: back to the same picture
+    assert ex.marks["offsets"] == at4  # deterministic: back to the same picture
 
 
-def test_marks_cover_their_base_image_exactly(toy) -> None:
-    ex = explore(toy, param=W13, rank=3, background=False).explorer
-    for base, marks in ((ex.offsets, ex.offsets_marks), (ex.mesh_image, ex.mesh_marks)):
-        assert base.format == "png" and marks.format == "svg+xml"
-        png_width, png_height = Image.open(io.BytesIO(base.value)).size
-        svg = _svg(marks.value)
-        # the SVG is in points (72 per inch), the PNG has 2 pixels per CSS pixel at 100 CSS pixels per inch
-        svg_width, svg_height = (float(svg.get(k).removesuffix("pt")) for k in ("width", "height"))
-        assert (svg_width * 100 / 72, svg_height * 100 / 72) == pytest.approx((png_width / 2, png_height / 2))
-        assert int(base.width) == int(marks.width) == png_width // 2
-        assert svg.find(".//{http://www.w3.org/2000/svg}rect[@width='100%']") is None  # no opaque background
+def _overlay(ex) -> dict[str, dict[str, str]]:
+    """The inline ``<svg>`` elements of the explorer's overlay, by picture: their attributes and style."""
+    from html.parser import HTMLParser
+
+    found: dict[str, dict[str, str]] = {}
+
+    class Parser(HTMLParser):
+        def handle_starttag(self, tag, attrs):
+            attrs = dict(attrs)
+            if tag == "svg":
+                style = dict(p.split(":", 1) for p in attrs["style"].split(";") if p)
+                found[attrs["data-picture"]] = {**attrs, **style}
+
+    Parser().feed(ex.rank_view.value)
+    return found
+
+
+def _px(value: str) -> float:
+    return float(value.removesuffix("px"))
+
+
+def test_marks_lie_exactly_over_their_pictures(toy) -> None:
+    deepseek = load_layout(next(p for p in SAMPLES if p.stem == "deepseek_v3_671b"))
+    for ex, names in ((explore(toy, param=W13, rank=3, background=False).explorer, ("offsets", "mesh")),
+                      (explore(deepseek, rank=777, background=False).explorer, ("offsets", "zoom", "mesh"))):
+        grid = ex.pictures.layout
+        rows = grid.grid_template_rows.split()
+        assert rows[0] == "auto"  # the text's row: the overlay's text sets its height
+        rows = [0.0, *(_px(r) for r in rows[1:])]
+        columns = [_px(c) for c in grid.grid_template_columns.split()]
+        assert ex.rank_view.layout.grid_area == f"1 / 1 / {len(rows) + 1} / {len(columns) + 1}"  # over every cell
+        images = {"offsets": ex.offsets, "zoom": ex.zoom_image, "mesh": ex.mesh_image}
+        overlay = _overlay(ex)
+        assert sorted(overlay) == sorted(names)
+        for name in names:
+            image, svg = images[name], overlay[name]
+            assert image.layout.margin == ex.rank_view.layout.margin == "0"
+            row, column = (int(v) for v in image.layout.grid_area.split(" / ")[:2])
+            # the picture's cell starts where its marks do, and the PNG (2 pixels per CSS pixel) fills that size
+            assert (_px(svg["left"]), _px(svg["top"])) == (sum(columns[:column - 1]), sum(rows[1:row - 1]))
+            png_width, png_height = Image.open(io.BytesIO(image.value)).size
+            assert (_px(svg["width"]), _px(svg["height"])) == (png_width / 2, png_height / 2)
+            assert int(image.width) == png_width // 2
+            assert columns[column - 1] >= png_width / 2 and rows[row - 1] >= png_height / 2
+            # the SVG in points (72 per inch) over a figure of 100 CSS pixels per inch
+            view = [float(v) for v in svg["viewbox"].split()]
+            assert (view[2] * 100 / 72, view[3] * 100 / 72) == pytest.approx((png_width / 2, png_height / 2))
+        text = ex.rank_view.value
+        assert "<?xml" not in text and "<metadata" not in text and "<style" not in text  # nothing page-wide
+        assert "fill: #ffffff" not in text  # no opaque background under the marks
+
+
+def test_a_rank_change_from_the_page_sends_one_message(toy, monkeypatch) -> None:
+    ex = explore(toy, param=W13, rank=4, background=False).explorer
+    sent: list[tuple[ipywidgets.Widget, object]] = []
+    monkeypatch.setattr(ipywidgets.Widget, "send_state", lambda self, key=None: sent.append((self, key)))
+    ex.rank.set_state({"value": 5})  # as the page sends it: (fsdp=1, ep=0, tp=0) -> (1, 0, 1)
+    coordinate = [(s, k) for s, k in sent if s in ex.coords]
+    assert coordinate == [(ex.coords[2], "value")]  # the tp slider follows the rank
+    assert [(s, k) for s, k in sent if s not in ex.coords] == [(ex.rank_view, "value")]
+    assert "rank 5 (fsdp=1, ep=0, tp=1)" in ex.rank_view.value and 'data-picture="offsets"' in ex.rank_view.value
 
 
 def test_coordinate_sliders_pick_the_rank(toy) -> None:
@@ -84,9 +134,9 @@ def test_coordinate_sliders_pick_the_rank(toy) -> None:
     fsdp, ep, tp = ex.coords
     fsdp.value, ep.value, tp.value = 1, 1, 0
     assert ex.rank.value == toy.mesh.rank_at((1, 1, 0)) == 6
-    assert "rank 6 (fsdp=1, ep=1, tp=0)" in ex.info.value
+    assert "rank 6 (fsdp=1, ep=1, tp=0)" in ex.rank_view.value
     for region in toy[ex.param.value].key_regions(6):
-        assert html.escape(str(region), quote=False) in ex.info.value
+        assert html.escape(str(region), quote=False) in ex.rank_view.value
 
 
 def test_parameter_and_key_choice(toy) -> None:
@@ -120,16 +170,16 @@ def test_policy_and_budget_give_the_planned_schedule(toy, policy: str, budget: s
 
 def test_group_outline_changes_the_mesh(toy) -> None:
     ex = explore(toy, rank=5, background=False).explorer
-    base, alone = ex.mesh_image.value, ex.mesh_marks.value
+    base, alone = ex.mesh_image.value, ex.marks["mesh"]
     ex.group.value = "tp"
-    assert ex.mesh_image.value == base and ex.mesh_marks.value != alone
+    assert ex.mesh_image.value == base and ex.marks["mesh"] != alone
     # rank 5's group along tp is ranks 4 and 5: one thin outline per cell and a bold one around the block
     assert toy.mesh.group_ranks(5, "tp") == (4, 5)
-    groups = _svg(ex.mesh_marks.value).findall(".//{http://www.w3.org/2000/svg}g[@id='highlight']")
+    groups = _svg(ex.marks["mesh"]).findall(".//{http://www.w3.org/2000/svg}g[@id='highlight']")
     assert len(groups) == 1 and len(groups[0].findall("{http://www.w3.org/2000/svg}path")) == 2
-    assert len(_svg(ex.mesh_marks.value).findall(".//{http://www.w3.org/2000/svg}g[@id='group']")) == 2
+    assert len(_svg(ex.marks["mesh"]).findall(".//{http://www.w3.org/2000/svg}g[@id='group']")) == 2
     ex.group.value = "(rank only)"
-    assert ex.mesh_marks.value == alone
+    assert ex.marks["mesh"] == alone
 
 
 def test_pickers_are_searchable(toy) -> None:
@@ -147,9 +197,9 @@ def test_a_rank_holding_none_of_the_key_says_so(toy) -> None:
     ex.key.value = key
     holders = {r for r in toy.mesh.all_ranks() if any(reg.hf_key == key for reg in toy[W13].key_regions(r))}
     assert 0 not in holders and holders
-    assert f"rank 0 holds none of {key}" in ex.message.value
+    assert f"rank 0 holds none of {key}" in ex.rank_view.value
     ex.rank.value = min(holders)
-    assert ex.message.value == ""
+    assert "holds none" not in ex.rank_view.value
 
 
 def test_deepseek_rank_change_draws_the_zoom_and_never_waits_for_a_schedule() -> None:
@@ -164,7 +214,7 @@ def test_deepseek_rank_change_draws_the_zoom_and_never_waits_for_a_schedule() ->
     ex.policy.value = "minimal"  # schedules now planned per rank, in the background
     before = ex.schedule_image.value
     ex.rank.value = 778
-    assert "rank 778 (dp=12, ep=10)" in ex.info.value and "planning" in ex.schedule_note.value
+    assert "rank 778 (dp=12, ep=10)" in ex.rank_view.value and "planning" in ex.schedule_note.value
     assert ex.schedule_image.value == before  # the refresh returned without the schedule
     gate.set()
     ex.settle()
@@ -186,8 +236,8 @@ def test_ranks_next_to_the_chosen_one_are_drawn_ahead(toy, monkeypatch) -> None:
         ex.rank.value = rank
         assert not drawn, f"rank {rank} was drawn on the change, not ahead"
         fresh = explore(toy, param=W13, rank=rank, background=False).explorer
-        assert ex.offsets_marks.value == fresh.offsets_marks.value  # what was drawn ahead is that rank's
-        assert ex.mesh_marks.value == fresh.mesh_marks.value
+        assert ex.marks["offsets"] == fresh.marks["offsets"]  # what was drawn ahead is that rank's
+        assert ex.marks["mesh"] == fresh.marks["mesh"]
         drawn.clear()
         ex.rank.value = 5
         ex.settle()
@@ -218,7 +268,7 @@ def test_drawing_ahead_stops_when_a_control_moves(toy) -> None:
     ex.rank.value = 2  # ahead, in order: 1 (kept already), 3's marks and mesh outline, then 6's and 0's
     assert started.wait(10)
     ex.group.value = "tp"  # a control moves while rank 3 is drawn ahead (the refresh does not wait for it)
-    assert ex.mesh_marks.value == mesh._kept[(2, 3)]
+    assert ex.marks["mesh"] == mesh._kept[(2, 3)]
     offsets._svg = real
     release.set()
     ex.settle()
@@ -241,8 +291,8 @@ def test_a_rank_change_sends_the_zoom_as_marks_drawn_ahead() -> None:
     ex = explore(layout, rank=10).explorer
     ex.settle()
     frame = ex.zoom_image.value
-    assert ex.zoom_box.layout.display != "none"
-    assert b"r10 (dp=10)" in bytes(ex.zoom_marks.value)  # the rank's boxes and labels are an SVG over the frame
+    assert ex.zoom_image.layout.display != "none" and 'data-picture="zoom"' in ex.rank_view.value
+    assert b"r10 (dp=10)" in bytes(ex.marks["zoom"])  # the rank's boxes and labels are an SVG over the frame
     drawn: list[int | None] = []
     real = OffsetsFigure.zoom_svg
 
@@ -255,11 +305,11 @@ def test_a_rank_change_sends_the_zoom_as_marks_drawn_ahead() -> None:
         ex.rank.value = 11  # drawn ahead: nothing drawn on the change
         assert drawn == []
         fresh = explore(layout, rank=11, background=False).explorer
-        assert ex.zoom_marks.value == fresh.zoom_marks.value
+        assert ex.marks["zoom"] == fresh.marks["zoom"]
         assert ex.zoom_image.value == frame == fresh.zoom_image.value  # the frame is sent once per parameter
         ex.settle()
         drawn.clear()
         ex.rank.value = 25  # far from any rank shown: drawn on the change, as an SVG
-        assert drawn == [25] and b"r25 (dp=25)" in bytes(ex.zoom_marks.value) and ex.zoom_image.value == frame
+        assert drawn == [25] and b"r25 (dp=25)" in bytes(ex.marks["zoom"]) and ex.zoom_image.value == frame
     finally:
         OffsetsFigure.zoom_svg = real

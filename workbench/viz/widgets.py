@@ -2,10 +2,11 @@
 
 Standard widgets only (Combobox, IntSlider, Dropdown, Image, HTML, boxes), so it works in JupyterLab, classic
 Notebook and VS Code. Figures are PNGs rendered at twice their CSS size (sharp on hi-dpi screens) into
-``Image`` widgets of that CSS width. A rank change sends little: each view's static part is drawn and sent
-once per parameter; what the rank adds to it (the overview's outline and zoom window, the zoom panel's boxes and
-labels, the mesh's outlines) is a small SVG shown over it. Pictures of the last ranks are kept, and those one step
-away on the rank or a coordinate slider are drawn ahead in a background thread while nobody moves a control.
+``Image`` widgets of that CSS width. A rank change sends one message: each view's static part is drawn and sent
+once per parameter, and what the rank adds to them (its text, the overview's outline and zoom window, the zoom
+panel's boxes and labels, the mesh's outlines) is one HTML value of inline SVGs laid over the pictures
+(``workbench.viz.stage``). Pictures of the last ranks are kept, and those one step away on the rank or a
+coordinate slider are drawn ahead in a background thread while nobody moves a control.
 Schedules are planned once per (policy, budget) for every rank where ranks of one shape class share one (drawn
 once per class, in the background right after the explorer opens), or per rank in the background for policies
 whose plans depend on each rank's keys; a rank change never waits for them.
@@ -32,6 +33,10 @@ __all__ = ["Explorer", "explore"]
 _BUDGETS = ("unbounded", "1/64", "1/16", "1/4", "1/2")  # fractions of the largest tensor's gathered bytes
 _WHOLE = "(whole tensor)"
 _SCALE = _style.HIDPI  # PNG pixels per CSS pixel
+# once, in the title (a <style> in the per-rank value would restyle the page on every change): the overlay lets
+# clicks through to the pictures under it, except on its text
+_OVERLAY_STYLE = ("<style>.workbench-rank{pointer-events:none}.workbench-rank .wb-text{pointer-events:auto;"
+                  "line-height:1.5}</style>")
 
 
 def explore(layout: Layout, *, param: str | None = None, rank: int = 0, background: bool = True) -> Any:
@@ -94,21 +99,19 @@ class Explorer:
         refs = [f"preserve({n})" for n in mesh.dim_names]
         self.policy = w.Dropdown(options=["full", "minimal", *refs], value="full", description="policy")
         self.budget = w.Dropdown(options=list(_BUDGETS), value="unbounded", description="budget")
-        # static PNGs (drawn once per parameter) and, over each, the SVG of what the chosen rank adds to it
-        self.offsets = w.Image(format="png")
-        self.offsets_marks = w.Image(format="svg+xml")  # the rank's outline and zoom window
-        self.zoom_image = w.Image(format="png")  # the zoom panel's frame
-        self.zoom_marks = w.Image(format="svg+xml")  # the boxes and labels around the rank
-        self.mesh_image = w.Image(format="png")
-        self.mesh_marks = w.Image(format="svg+xml")  # the outlined ranks
+        # static PNGs (drawn once per parameter) on a grid, and over them one HTML value: what the chosen rank
+        # adds (its text, and the SVG marks of each picture: outlines, the zoom window, the zoom's boxes and labels)
+        flat = w.Layout(margin="0")  # the overlay's positions count from the grid's tracks
+        self.offsets = w.Image(format="png", layout=flat)
+        self.zoom_image = w.Image(format="png", layout=w.Layout(margin="0"))  # the zoom panel's frame
+        self.mesh_image = w.Image(format="png", layout=w.Layout(margin="0"))
+        self.rank_view = w.HTML(layout=w.Layout(margin="0"))
+        self.marks: dict[str, bytes] = {}  # the SVG marks shown over each picture, by picture
         self.schedule_image = w.Image(format="png")
         self.heat = w.Image(format="png")
-        for image, role in ((self.offsets, "offsets"), (self.offsets_marks, "offsets-marks"),
-                            (self.zoom_image, "zoom"), (self.zoom_marks, "zoom-marks"),
-                            (self.mesh_image, "mesh"), (self.mesh_marks, "mesh-marks"),
-                            (self.schedule_image, "schedule"), (self.heat, "heat")):
-            image.add_class(f"workbench-{role}")  # names each image in the page (browser tests, styling)
-        self.info = w.HTML()
+        for widget, role in ((self.offsets, "offsets"), (self.zoom_image, "zoom"), (self.mesh_image, "mesh"),
+                             (self.rank_view, "rank"), (self.schedule_image, "schedule"), (self.heat, "heat")):
+            widget.add_class(f"workbench-{role}")  # names each part in the page (browser tests, styling)
         self.message = w.HTML()
         self.schedule_note = w.HTML()
         self.progress = w.HTML()
@@ -123,18 +126,16 @@ class Explorer:
         self.budget.observe(lambda _: self.refresh(), names="value")
 
         controls = w.VBox([
-            w.HTML(f"<b>{layout.name}</b>: {mesh!r}, {len(layout)} parameters, {len(layout.hf_keys)} HF keys"),
+            w.HTML(f"<b>{layout.name}</b>: {mesh!r}, {len(layout)} parameters, {len(layout.hf_keys)} HF keys"
+                   + _OVERLAY_STYLE),
             self.param, self.key, self.rank, w.HBox(self.coords, layout=w.Layout(flex_flow="row wrap")),
             w.HBox([self.group, self.policy, self.budget], layout=w.Layout(flex_flow="row wrap")),
-            self.message, self.info,
+            self.message,
         ])
-        self.zoom_box = _stacked(w, self.zoom_image, self.zoom_marks)
-        left = w.VBox([w.HTML("<b>shard offsets</b>"),
-                       w.HBox([_stacked(w, self.offsets, self.offsets_marks), self.zoom_box])])
-        right = w.VBox([w.HTML("<b>mesh</b> (elements of the parameter held)"),
-                        _stacked(w, self.mesh_image, self.mesh_marks),
-                        w.HTML("<b>bytes per rank</b>, whole layout"), self.heat])
-        self.widget = w.VBox([controls, w.HBox([left, right], layout=w.Layout(flex_flow="row wrap")),
+        self.pictures = w.GridBox([self.offsets, self.zoom_image, self.mesh_image, self.rank_view],
+                                  layout=w.Layout(overflow="visible"))
+        self._stage: Any = None
+        self.widget = w.VBox([controls, self.pictures, w.HTML("<b>bytes per rank</b>, whole layout"), self.heat,
                               w.HTML("<b>unshard schedule</b> of the rank"), self.schedule_note,
                               self.schedule_image, self.progress])
         self.widget.explorer = self
@@ -212,37 +213,29 @@ class Explorer:
         name = self._param_value
         spec = self.layout.specs[name]
         key = None if self.key.value in (_WHOLE, "") or self.key.value not in spec.hf_keys else self.key.value
-        # the pictures first (every message waits for the one before it). The base images change only with
-        # the parameter: a rank change sends the small marks over them
+        # the static pictures change only with the parameter (no message otherwise); a rank change sends one
+        # message: the rank's text and every picture's SVG marks, as one HTML value over them
         offsets = self._offsets_picture(name, key)
-        if offsets.zoomed:
-            self._set_image(self.zoom_image, offsets.base[1])
-            self._set_marks(self.zoom_marks, offsets.zoom(rank), self.zoom_image)
-            self.zoom_box.layout.display = None
-        else:
-            self.zoom_box.layout.display = "none"
-        self._set_image(self.offsets, offsets.base[0])
-        self._set_marks(self.offsets_marks, offsets.marks(rank), self.offsets)
         mesh = self._mesh_picture(name)
-        self._set_image(self.mesh_image, mesh.base[0])
-        self._set_marks(self.mesh_marks, mesh.marks(self._group(rank)), self.mesh_image)
+        self._set_stage(offsets, mesh)
+        marks = {"offsets": offsets.marks(rank), "mesh": mesh.marks(self._group(rank))}
+        if offsets.zoomed:
+            marks["zoom"] = offsets.zoom(rank)
+        self.marks = marks
         self._show_schedule(rank)
         coord = ", ".join(f"{n}={c}" for n, c in zip(self.layout.mesh.dim_names, self.layout.mesh.coordinate(rank)))
         regions = [r for r in spec.key_regions(rank) if key is None or r.hf_key == key]
         shown = "<br>".join(_escape(str(r)) for r in regions[:6])
         if len(regions) > 6:
             shown += f"<br>... {len(regions) - 6} more"
-        if not regions:
-            what = key or name
-            self.message.value = _warn(f"rank {rank} holds none of {what}")
-        else:
-            self.message.value = ""
-        info = (f"<code>rank {rank} ({coord}): local {spec.local_shape(rank)} of {spec.global_shape}, "
+        warning = "" if regions else _warn(f"rank {rank} holds none of {key or name}")
+        self.message.value = ""  # a warning about typed text is answered (no message when there was none)
+        info = (f"{warning}<code>rank {rank} ({coord}): local {spec.local_shape(rank)} of {spec.global_shape}, "
                 f"{_escape(spec.describe_shards())}<br>{shown or 'holds no HF key region here'}</code>")
         self._last_refresh = time.perf_counter()
         self.update_seconds = self._last_refresh - start
-        # one message for the text and the time (each message costs the kernel, the server and the page)
-        self.info.value = f"{info}<br><small>updated in {self.update_seconds * 1000:.0f} ms</small>"
+        text = f"{info}<br><small>updated in {self.update_seconds * 1000:.0f} ms</small>"
+        self.rank_view.value = self._stage.overlay(text, marks, rank=rank)
         self._draw_ahead(offsets, mesh, rank)
 
     def _group(self, rank: int) -> tuple[int, ...]:
@@ -297,10 +290,29 @@ class Explorer:
             image.width = width
         image.value = png
 
-    def _set_marks(self, image: Any, svg: bytes, base: Any) -> None:
-        if image.width != base.width:
-            image.width = base.width
-        image.value = svg
+    def _set_stage(self, offsets: Any, mesh: Any) -> None:
+        """Show the parameter's static pictures on a grid laid out for them (messages only when they change)."""
+        from workbench.viz.stage import stage
+
+        pngs = {"offsets": offsets.base[0], "mesh": mesh.base[0]}
+        if offsets.zoomed:
+            pngs["zoom"] = offsets.base[1]
+        top = [n for n in ("offsets", "zoom") if n in pngs]
+        placed = stage([("<b>shard offsets</b>", [(n, *_css_size(pngs[n])) for n in top]),
+                        ("<b>mesh</b> (elements of the parameter held)", [("mesh", *_css_size(pngs["mesh"]))])])
+        images = {"offsets": self.offsets, "zoom": self.zoom_image, "mesh": self.mesh_image}
+        for slot in placed.slots:
+            image = images[slot.name]
+            self._set_image(image, pngs[slot.name])
+            image.layout.grid_area = slot.grid_area
+            image.layout.display = None
+        if not offsets.zoomed:
+            self.zoom_image.layout.display = "none"
+        grid = self.pictures.layout
+        grid.grid_template_columns = placed.grid_template_columns
+        grid.grid_template_rows = placed.grid_template_rows
+        self.rank_view.layout.grid_area = placed.overlay_area
+        self._stage = placed
 
     def _offsets_picture(self, name: str, key: str | None) -> Any:
         cache = ("offsets", name, key)
@@ -627,13 +639,6 @@ def _stop_workers() -> None:
         worker.stop(timeout=10.0)
 
 
-def _stacked(w: Any, base: Any, marks: Any) -> Any:
-    """A grid of one cell holding ``marks`` (a transparent image of the same size) over ``base``."""
-    for image in (base, marks):
-        image.layout.grid_area = "picture"
-    return w.GridBox([base, marks], layout=w.Layout(grid_template_areas='"picture"', width="max-content"))
-
-
 def _class_key(schedule: Any) -> tuple:
     return (id(schedule.calls), schedule.peak_bytes)  # ranks of one shape class share their calls
 
@@ -649,6 +654,11 @@ def _png(fig: Any) -> bytes:
 
 def _png_width(png: bytes) -> int:
     return int.from_bytes(png[16:20], "big")
+
+
+def _css_size(png: bytes) -> tuple[float, float]:
+    """The CSS size a PNG drawn at ``_SCALE`` is shown at."""
+    return int.from_bytes(png[16:20], "big") / _SCALE, int.from_bytes(png[20:24], "big") / _SCALE
 
 
 def _escape(text: str) -> str:

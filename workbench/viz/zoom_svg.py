@@ -65,9 +65,12 @@ def scene_svg(scene: ZoomScene, frame: PanelFrame) -> bytes:
     """``scene`` drawn in ``frame`` as a transparent SVG of the figure's size (deterministic bytes)."""
     x0, y0, x1, y1 = frame.box
     w, h = frame.width, frame.height
+    # the clip's id names its box: the explorer puts this SVG inline in the page, where ids are the page's (two
+    # explorers' panels share an id only where they share the box)
+    clip = "zoom-panel-" + "-".join(_n(v).replace(".", "_") for v in frame.box)
     out = [f'<svg xmlns="http://www.w3.org/2000/svg" width="{_n(w)}pt" height="{_n(h)}pt" '
            f'viewBox="0 0 {_n(w)} {_n(h)}" font-family={quoteattr(frame.font)}>',
-           f'<defs><clipPath id="zoom-panel"><rect x="{_n(x0)}" y="{_n(y0)}" width="{_n(x1 - x0)}" '
+           f'<defs><clipPath id="{clip}"><rect x="{_n(x0)}" y="{_n(y0)}" width="{_n(x1 - x0)}" '
            f'height="{_n(y1 - y0)}"/></clipPath></defs>']
     frame_rect = (f'<rect x="{_n(x0)}" y="{_n(y0)}" width="{_n(x1 - x0)}" height="{_n(y1 - y0)}" fill="none" '
                   f'stroke="{frame.spine_colour}" stroke-width="{_n(frame.spine_width)}"/>')
@@ -84,7 +87,7 @@ def scene_svg(scene: ZoomScene, frame: PanelFrame) -> bytes:
     def py(row: float) -> float:
         return y0 + (row - r0) / (r1 - r0) * (y1 - y0)
 
-    out.append('<g clip-path="url(#zoom-panel)">')
+    out.append(f'<g clip-path="url(#{clip})">')
     for box in scene.boxes:
         left, top, right, bottom = px(box.x0), py(box.y0), px(box.x1), py(box.y1)
         out.append(f'<rect x="{_n(left)}" y="{_n(top)}" width="{_n(right - left)}" height="{_n(bottom - top)}" '
