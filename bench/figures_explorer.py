@@ -3,12 +3,13 @@
 Python side (``Explorer.update_seconds``, from the slider's new value to the last view updated), three kinds:
 a jump to a rank far from any shown (drawn on the change: the SVG marks over the overview, the zoom panel and
 the mesh), a step to the next rank once the background thread had its quiet moment (drawn ahead),
-and a repeat visit. Also what a change sends (the changed images' bytes) and what a parameter change sends
-once (the static PNGs).
+and a repeat visit. Also what a change sends (its one HTML value: the rank's text and every picture's inline
+SVG marks) and what a parameter change sends once (the static PNGs).
 
 Browser (``--browser``): the explorer in JupyterLab in headless Chromium (``tests/browser`` harness), from the
-key press to the last changed image decoded, for steps right to new ranks, steps back and typed jumps, with the
-kernel's own time and the machine's load (2-core machines shared with other jobs: read the load).
+key press to the change painted, for steps right to new ranks, steps back and typed jumps, with the kernel's own
+time and the machine's load (2-core machines shared with other jobs: read the load); and the floor, the same key
+press on a bare slider whose kernel-side observer writes its value into an HTML widget, in the same page.
 
     .venv/bin/python bench/figures_explorer.py [sample_meshes/deepseek_v3_671b.toml] [--samples 12] [--browser]
 """
@@ -69,7 +70,7 @@ def python_side(path: Path, samples: int) -> list[str]:
     for rank in far_ranks(layout.mesh.size, set(shown), samples):
         ex.rank.value = rank
         jumps.append(ex.update_seconds * 1e3)
-        sent.append(sum(len(i.value) for i in (ex.offsets_marks, ex.zoom_marks, ex.mesh_marks)))
+        sent.append(len(ex.rank_view.value.encode()))
         ex.settle()  # the ranks next to it are drawn ahead
         ex.rank.value = rank + 1 if rank + 1 < layout.mesh.size else rank - 1
         steps.append(ex.update_seconds * 1e3)
@@ -90,7 +91,7 @@ def browser(path: Path) -> list[str]:
     from nbformat.v4 import new_code_cell, new_notebook
 
     sys.path.insert(0, str(ROOT))  # the tests/browser harness
-    from tests.browser.explorer_timing import JUMPS, time_rank_changes
+    from tests.browser.explorer_timing import FLOOR_CELL, JUMPS, time_floor, time_rank_changes
     from tests.browser.harness import JupyterLab, chromium_page, missing_reason
     from tests.browser.test_explorer_in_jupyterlab import _open_explorer
 
@@ -104,7 +105,7 @@ def browser(path: Path) -> list[str]:
     param = max(layout.specs, key=lambda n: math.prod(layout.specs[n].global_shape))
     source = ("import workbench as wb\nimport workbench.viz\n"
               f"app = wb.viz.explore(wb.load_layout({str(path)!r}), param={param!r}, rank=512)\napp")
-    notebook = new_notebook(cells=[new_code_cell(source)])
+    notebook = new_notebook(cells=[new_code_cell(source), new_code_cell(FLOOR_CELL)])
     notebook.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
     nbformat.write(notebook, root / "explore.ipynb")
     load_before = os.getloadavg()[0]
@@ -115,11 +116,14 @@ def browser(path: Path) -> list[str]:
         steps += [("step back, shown before", r, "left") for r in range(519, 511, -1)]
         steps += [("typed jump, far from any shown", r, "type") for r in JUMPS]
         timed = time_rank_changes(page, app, steps)
+        floor = time_floor(page, 9)
     load_after = os.getloadavg()[0]
     rows = []
     for kind, got in timed.items():
         rows.append(f"| {layout.name} | {kind} | {fmt(got['browser_ms'])} | {fmt(got['kernel_ms'])} | "
                     f"{load_before:.1f} -> {load_after:.1f} |")
+    rows.append(f"| {layout.name} | floor: a bare slider writing an HTML widget | {fmt(floor)} | - | "
+                f"{load_before:.1f} -> {load_after:.1f} |")
     return rows
 
 

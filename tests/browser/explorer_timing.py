@@ -1,10 +1,15 @@
 """Timing an explorer's rank changes in a real page (used by the browser test and ``bench/figures_explorer.py``).
 
 A change is timed from the key press that changes the rank (the ``keydown`` event, seen by a listener on the
-page's document before the slider gets it) until the last of the images it redraws is loaded and decoded
-(``img.decode()``: ready to paint), with ``performance.now()``: the time a person waits, without the test
-driver's own latency in sending the key. The images a rank change redraws are named by their
-``workbench-<role>`` class.
+page's document before the slider gets it) until the last of the parts it redraws is ready to paint, with
+``performance.now()``: the time a person waits, without the test driver's own latency in sending the key. The
+parts a rank change redraws are named by their ``workbench-<role>`` class: an image is ready once loaded and
+decoded (``img.decode()``), any other element (an HTML widget) at the first animation frame after its content
+changed (the frame that paints it).
+
+The floor (``time_floor``): the same key press on a bare ``IntSlider`` whose kernel-side observer writes its
+value into an ``HTML`` widget (``FLOOR_CELL``), timed the same way: the cheapest widget update a key can make
+in that page, kernel and browser, against which the explorer's times are read.
 """
 
 from __future__ import annotations
@@ -13,9 +18,18 @@ import json
 from collections.abc import Callable, Sequence
 from typing import Any
 
-__all__ = ["CHANGED", "JUMPS", "time_rank_changes"]
+__all__ = ["CHANGED", "FLOOR_CELL", "JUMPS", "time_floor", "time_rank_changes"]
 
-CHANGED = ("offsets-marks", "zoom-marks", "mesh-marks")  # what a rank change on a zoomed tensor redraws
+CHANGED = ("rank",)  # what a rank change redraws: one HTML overlay (the rank's text and every picture's marks)
+# a notebook cell of the cheapest update a key press can make: a slider whose value the kernel writes into HTML
+FLOOR_CELL = (
+    "import ipywidgets as _w\n"
+    "floor_slider = _w.IntSlider(value=0, min=0, max=1000, description='floor', continuous_update=False)\n"
+    "floor_html = _w.HTML('0')\n"
+    "floor_html.add_class('workbench-floor')\n"
+    "floor_slider.observe(lambda change: setattr(floor_html, 'value', str(change['new'])), names='value')\n"
+    "_w.VBox([floor_slider, floor_html])"
+)
 # DeepSeek-V3 (16 x 64 mesh) ranks never shown nor next to one shown (neighbours: +-1, +-64) when the
 # explorer starts at 512 and steps to 520 and back
 JUMPS = (100, 900, 300, 700, 40, 980, 250, 640)
@@ -26,13 +40,21 @@ _WATCH = """() => {
     document.addEventListener('keydown', () => {
         if (window.__wbArmed) { window.__wbStart = performance.now(); window.__wbArmed = false; }
     }, true);
+    const roleOf = e => [...e.classList].find(c => c.startsWith('workbench-')).slice('workbench-'.length);
     for (const img of document.querySelectorAll('.workbench-explorer img')) {
-        const role = [...img.classList].find(c => c.startsWith('workbench-')).slice('workbench-'.length);
+        const role = roleOf(img);
         img.addEventListener('load', () => {
             const src = img.src;
             img.decode().then(() => { if (img.src === src) window.__wbReady.push([role, performance.now()]); },
                               () => {});
         });
+    }
+    const others = [...document.querySelectorAll('.workbench-explorer [class*="workbench-"], .workbench-floor')]
+        .filter(e => e.tagName !== 'IMG');
+    for (const element of others) {
+        const role = roleOf(element);
+        new MutationObserver(() => requestAnimationFrame(() => window.__wbReady.push([role, performance.now()])))
+            .observe(element, {childList: true, subtree: true, characterData: true});
     }
 }"""
 
@@ -70,10 +92,7 @@ def time_rank_changes(page: Any, app: Any, steps: Sequence[tuple[str, int, str]]
             start_and(lambda: page.keyboard.press("Enter"))
         else:
             raise ValueError(f"time_rank_changes: how must be 'right', 'left' or 'type', got {how!r}")
-        page.wait_for_function(f"() => {wanted}.every(r => window.__wbReady.some(([role]) => role === r))",
-                               timeout=30_000)
-        elapsed = page.evaluate(
-            f"Math.max(...window.__wbReady.filter(([r]) => {wanted}.includes(r)).map(([, t]) => t)) - window.__wbStart")
+        elapsed = _wait_ready(page, wanted)
         app.locator(".widget-html-content", has_text=f"rank {rank} (").wait_for(timeout=30_000)
         kernel = app.locator(".widget-html-content", has_text="updated in").last.inner_text()
         got = out.setdefault(kind, {"browser_ms": [], "kernel_ms": []})
@@ -81,3 +100,29 @@ def time_rank_changes(page: Any, app: Any, steps: Sequence[tuple[str, int, str]]
         got["kernel_ms"].append(float(kernel.split("updated in")[1].split("ms")[0]))
         page.wait_for_timeout(pause_ms)
     return out
+
+
+def time_floor(page: Any, count: int, *, pause_ms: int = 400) -> list[float]:
+    """Time ``count`` steps (right, then left, alternately) of the ``FLOOR_CELL`` slider, each from its key press
+    to its HTML's change painted; call after ``time_rank_changes`` or after installing the watch
+    (``time_rank_changes(page, app, [])``). Returns the milliseconds of each."""
+    slider = page.locator(".widget-slider", has_text="floor").first
+    handle = slider.locator(".noUi-handle")
+    handle.scroll_into_view_if_needed()
+    out = []
+    for i in range(count):
+        page.evaluate("window.__wbReady = []")
+        handle.focus()
+        page.evaluate("window.__wbArmed = true")
+        handle.press("ArrowRight" if i % 2 == 0 else "ArrowLeft")
+        out.append(round(_wait_ready(page, '["floor"]'), 1))
+        page.wait_for_timeout(pause_ms)
+    return out
+
+
+def _wait_ready(page: Any, wanted: str) -> float:
+    """Milliseconds from the armed key press until every role in ``wanted`` (a JSON list) is ready."""
+    page.wait_for_function(f"() => {wanted}.every(r => window.__wbReady.some(([role]) => role === r))",
+                           timeout=30_000)
+    return page.evaluate(
+        f"Math.max(...window.__wbReady.filter(([r]) => {wanted}.includes(r)).map(([, t]) => t)) - window.__wbStart")

@@ -1,13 +1,14 @@
 """The explorer in a real JupyterLab and a real Chromium: it renders sharp images, follows the rank slider, and on
 DeepSeek-V3 (1,024 ranks) a rank change reaches the screen quickly, first visits included.
 
-Timing: from the key press that changes the rank (its ``keydown`` in the page) until the last
-of the images a rank change redraws (the SVG marks over the offsets overview, over the zoom panel and over the
-mesh) is loaded and decoded (``img.decode()``: ready to paint), measured in the page with
-``performance.now()``. Three kinds of change: a step right on the slider to a rank never shown (drawn ahead in
-the background while the page waits, as a person looks at the last one), a step back to a rank shown before,
-and a jump typed into the slider's readout to a rank far from any shown (drawn on the change). The numbers,
-with the kernel's own time and the machine's load, go to ``tests/artifacts/explorer_timing.json``.
+Timing: from the key press that changes the rank (its ``keydown`` in the page) until what a rank change
+redraws (one HTML overlay: the rank's text and the inline SVG marks over the offsets overview, the zoom panel and
+the mesh) is painted (the first animation frame after it changed), measured in the page with
+``performance.now()``; and the floor, the same key press on a bare slider whose value the kernel writes into an
+HTML widget, timed the same way in the same page. Three kinds of change: a step right on the slider to a rank
+never shown (drawn ahead in the background while the page waits, as a person looks at the last one), a step back
+to a rank shown before, and a jump typed into the slider's readout to a rank far from any shown (drawn on the
+change). The numbers, with the kernel's own time and the machine's load, go to ``tests/artifacts/explorer_timing.json``.
 """
 
 from __future__ import annotations
@@ -21,7 +22,7 @@ import nbformat
 import pytest
 from nbformat.v4 import new_code_cell, new_notebook
 
-from tests.browser.explorer_timing import JUMPS, time_rank_changes
+from tests.browser.explorer_timing import FLOOR_CELL, JUMPS, time_floor, time_rank_changes
 from tests.browser.harness import JupyterLab, run_all_cells
 
 pytestmark = pytest.mark.slow
@@ -30,13 +31,13 @@ PlaywrightTimeout = pytest.importorskip("playwright.sync_api").TimeoutError
 ROOT = Path(__file__).resolve().parents[2]
 TOY = ROOT / "sample_meshes" / "toy_expert_tp.toml"
 DEEPSEEK = ROOT / "sample_meshes" / "deepseek_v3_671b.toml"
-# the browser's budget for a rank change, median per kind. Issue 23 asks <= 100 ms. Every change now sends only
-# SVG marks (the overview's outline and zoom window, the zoom panel's boxes and labels, the mesh's outline): a step
-# costs the kernel 2-6 ms (drawn ahead), a typed jump 6 ms of Python on an idle core (20-40 ms in a kernel sharing
-# the 2 cores with Chromium). Measured on this 2-core machine shared with other jobs, 9 runs at load 2.3-11: medians
-# 58-89 ms for steps to new ranks, 65-111 ms for steps back, 79-123 ms for typed jumps (<= 100 ms in 5 of the 9).
-# The rest is Jupyter's messages and Chromium on the same two cores. Bounds: the worst median seen + 17-22%
-UPDATE_LIMIT_MS = {"first visit": 130, "repeat visit": 130, "jump": 150}
+# the browser's budget for a rank change, median per kind. Issue 23 asks <= 100 ms. A rank change is one widget
+# message (one HTML value: the rank's text and every picture's inline SVG marks over the static PNGs): the kernel
+# spends 1-4 ms on a step (drawn ahead), 13-41 ms on a typed jump (drawn on the change). Measured on this 2-core
+# machine shared with other jobs, 8 runs at load 0.8-4.4: medians 30-46 ms for steps to new ranks, 27-47 ms for
+# steps back, 39-68 ms for typed jumps, against a floor (a bare slider writing an HTML widget, same page) of 25-42 ms.
+# Bounds: the worst median seen + ~50-70% (the load here often climbs to 8-11)
+UPDATE_LIMIT_MS = {"first visit": 80, "repeat visit": 80, "jump": 100}
 
 
 def _write_notebook(root: Path, name: str, layout: Path, param: str, rank: int) -> str:
@@ -47,7 +48,7 @@ def _write_notebook(root: Path, name: str, layout: Path, param: str, rank: int) 
         f"app = wb.viz.explore(layout, param={param!r}, rank={rank})\n"
         "app"
     )
-    notebook = new_notebook(cells=[new_code_cell(source)])
+    notebook = new_notebook(cells=[new_code_cell(source), new_code_cell(FLOOR_CELL)])
     notebook.metadata["kernelspec"] = {"display_name": "Python 3", "language": "python", "name": "python3"}
     nbformat.write(notebook, root / name)
     return name
@@ -92,17 +93,19 @@ def test_explorer_renders_and_follows_the_rank_slider(jupyterlab: JupyterLab, la
     try:
         app = _open_explorer(page, jupyterlab, name)
         images = app.locator("img")
-        # offsets overview and its marks, zoom and its marks (hidden: the toy needs none), mesh and its marks,
-        # heat, schedule
-        assert images.count() == 8
+        # offsets overview, zoom (hidden: the toy needs none), mesh, heat, schedule
+        assert images.count() == 5
         shown = {_role(images.nth(i)): images.nth(i) for i in range(images.count()) if images.nth(i).is_visible()}
-        assert sorted(shown) == ["heat", "mesh", "mesh-marks", "offsets", "offsets-marks", "schedule"]
-        for role, image in shown.items():
-            if role.endswith("-marks"):  # the SVG lies exactly over its PNG
-                assert image.bounding_box() == shown[role.removesuffix("-marks")].bounding_box()
-                continue
+        assert sorted(shown) == ["heat", "mesh", "offsets", "schedule"]
+        for image in shown.values():
             natural, css = image.evaluate("i => [i.naturalWidth, i.getBoundingClientRect().width]")
             assert natural == pytest.approx(2 * css, abs=2)  # hi-dpi: two image pixels per CSS pixel
+        marks = app.locator(".workbench-rank svg")
+        assert marks.count() == 2
+        for i in range(marks.count()):  # each picture's inline SVG marks lie exactly over it
+            svg = marks.nth(i)
+            box, under = svg.bounding_box(), shown[svg.get_attribute("data-picture")].bounding_box()
+            assert box == pytest.approx(under, abs=0.01), svg.get_attribute("data-picture")
         offsets = shown["offsets"]
         offsets.scroll_into_view_if_needed()
         before = offsets.screenshot()  # the page where the overview is: its marks included
@@ -135,11 +138,15 @@ def test_deepseek_rank_change_reaches_the_screen_quickly(jupyterlab: JupyterLab,
         steps += [("repeat visit", rank, "left") for rank in range(519, 511, -1)]  # back over ranks shown
         steps += [("jump", rank, "type") for rank in JUMPS]  # far from any rank shown: drawn on the change
         timed = time_rank_changes(page, app, steps)
+        floor = time_floor(page, 9)
         timings = {kind: got["browser_ms"] for kind, got in timed.items()}
         kernel_ms = {kind: got["kernel_ms"] for kind, got in timed.items()}
         summary = {k: {"median_ms": statistics.median(v), "max_ms": max(v), "n": len(v), "all_ms": v,
                        "kernel_median_ms": statistics.median(kernel_ms[k]), "kernel_all_ms": kernel_ms[k]}
                    for k, v in timings.items()}
+        # the cheapest widget update a key press makes in this page: the explorer's times read against it
+        summary["floor"] = {"median_ms": statistics.median(floor), "max_ms": max(floor), "n": len(floor),
+                            "all_ms": floor}
         summary["machine"] = {"cpus": os.cpu_count(), "load_average_before": load_before,
                               "load_average_after": os.getloadavg()}
         (artifacts / "explorer_timing.json").write_text(json.dumps(summary, indent=1))
