@@ -142,7 +142,7 @@ def main() -> None:
         for row in python_side(path, args.samples):
             print(row, flush=True)
     if args.browser:
-        print("\n| layout | change | key press to images decoded (Chromium) | kernel's own time | load average |")
+        print("\n| layout | change | key press to change painted (Chromium) | kernel's own time | load average |")
         print("|---|---|---|---|---|")
         for row in browser(paths[0]):
             print(row, flush=True)
