@@ -55,6 +55,7 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.files.index import CheckpointIndex, KeyInfo, torch_dtype
+from workbench.io.files.staging import Slot, StagingRing, staging_ring
 from workbench.io.files.transfers import FileBox
 
 __all__ = ["BoxReader", "box_runs", "cached_share", "gap_pages"]
@@ -71,7 +72,9 @@ DIRECT_MIN_BYTES = 1 << 20  # auto: smaller requests go through the page cache (
 DIRECT_COLD_SHARE = 0.1  # auto: O_DIRECT when at most this share of a request's sampled pages are cached
 LANDING_RUN_BYTES = 64 << 10  # a box given a tensor lands there run by run when its runs are this long
 DIRECT_ENV = "WORKBENCH_READ_DIRECT"  # the default of ``direct``: auto, 1 (True) or 0 (False)
-_SAMPLES = 32  # pages of a request that auto asks mincore about
+_SAMPLES = 32  # pages of a range cached_share asks mincore about
+_AUTO_SAMPLES = 8  # pages of a request that auto asks about (one mincore call each, ~4 us: 32 cost a warm load of
+# 8 MiB requests a quarter of its time)
 
 
 def box_runs(shape: Sequence[int], itemsize: int, box: Box) -> list[tuple[int, int]]:
@@ -170,6 +173,10 @@ class _Request:
         self.compacted: dict[int, torch.Tensor] = {}  # compact boxes (by position) copied out by the reading task
         self.started = False
         self.landed = False  # every box's runs were read straight into its ``into``
+        self.staged = False  # read through the staging ring into a device buffer, piece by piece
+        self.pieces: list[_Piece] = []
+        self.cover: torch.Tensor | None = None  # an O_DIRECT request's device buffer: its range rounded out
+        self.copied = 0  # pieces whose copy into the device buffer is queued
 
     @property
     def contiguous(self) -> bool:
@@ -180,6 +187,20 @@ class _Request:
     def lands(self) -> bool:
         """Whether every box can be read run by run straight into the tensor it goes to."""
         return all(b.landing is not None for b in self.boxes)
+
+
+@dataclass(eq=False)
+class _Piece:
+    """At most a staging slot of a staged request: the runs read one after the other into a slot (or, ``direct``,
+    one aligned piece of the request's cover), and where the slot's first ``nbytes`` go in the request's buffer."""
+
+    request: _Request
+    at: int  # the first byte's place in the request's device buffer (its cover, for O_DIRECT)
+    nbytes: int
+    runs: list[tuple[int, int]] | None = None  # (absolute file offset, bytes), read back to back into the slot
+    direct: tuple[int, int] | None = None  # (aligned absolute file offset, aligned bytes) read with O_DIRECT
+    slot: Slot | None = None
+    future: Future | None = None
 
 
 class BoxReader:
@@ -195,8 +216,12 @@ class BoxReader:
         threads: reader threads.
         budget_bytes: bytes of buffers read ahead and not yet handed out, at most (at least one request).
         pin_memory: allocate buffers in pinned memory (for host-to-device copies that overlap).
-        direct: read contiguous requests with ``O_DIRECT``: ``True``, ``False``, or ``"auto"`` (cold and at least
-            ``DIRECT_MIN_BYTES``); None takes ``WORKBENCH_READ_DIRECT`` from the environment, else ``"auto"``.
+        device: a CUDA device to read into: requests in the expected order are read through the process's pinned
+            staging ring (``staging.py``, 16 slots of 8 MiB pinned once per process) in slot-sized pieces, in
+            order, as far ahead as the ring's free slots allow; when the consumer asks for a box, the pieces of its
+            request are copied, on the current stream, into a buffer on this device, and ``read`` hands out a device
+            tensor. ``budget_bytes`` then bounds device buffers; pinned memory is the ring's whatever the load.
+            Boxes read into a CPU tensor, and boxes asked out of the expected order, are read without the ring.
 
     ``bytes_read`` counts the bytes of every box handed out; ``bytes_fetched`` the bytes ``pread`` asked the files
     for (more when a dense span held bytes outside its box, or an O_DIRECT read its aligned cover), of which
@@ -206,8 +231,9 @@ class BoxReader:
     tensor alike) are at least ``LANDING_RUN_BYTES`` long and it is not read with O_DIRECT; else it is read into a
     buffer as any box and copied into the tensor by the thread that read it (numpy, byte for byte).
 
-    Buffers of small requests are views of shared slabs of ``SLAB_BYTES`` (pinning memory costs about a millisecond
-    per allocation), so the memory a load holds is ``budget_bytes`` plus the largest request plus one slab.
+    Without ``device``, buffers of small requests are views of shared slabs of ``SLAB_BYTES`` (pinning memory costs
+    about a millisecond per allocation), so the memory a load holds is ``budget_bytes`` plus the largest request plus
+    one slab.
     """
 
     def __init__(
@@ -219,9 +245,23 @@ class BoxReader:
         budget_bytes: int = 1 << 30,
         pin_memory: bool = False,
         direct: Direct | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         self.index = index
+        self.device = torch.device(device) if device is not None else None
+        if self.device is not None and self.device.type != "cuda":
+            raise ValueError(f"BoxReader stages reads into a CUDA device, not {self.device}")
+        self._ring: StagingRing | None = staging_ring() if self.device is not None else None
+        self._unissued: deque[_Piece] = deque()  # pieces of started staged requests without a slot yet, in order
+        self._held: dict[int, Slot] = {}  # slots this reader holds (by id), given back by close() at the latest
+        self._fds_of: dict[int, tuple[int, int | None]] = {}  # a staged request's file descriptors, by id
+        if self.device is not None:
+            pin_memory = False  # pinned memory is the ring's: buffers read without it (out of order) are pageable
         self.budget_bytes = budget_bytes
+        # staged, requests started (device buffers allocated) further ahead than the ring can read would only hold
+        # device memory: twice the ring's bytes keep every slot busy
+        ring_bytes = self._ring.slots * self._ring.slot_bytes if self._ring is not None else budget_bytes
+        self._ahead_bytes = min(budget_bytes, 2 * ring_bytes)
         self.pin_memory = pin_memory
         self.direct = _direct_mode(direct)
         self.bytes_read = 0
@@ -262,11 +302,13 @@ class BoxReader:
                 self._in_flight -= request.nbytes
                 request.buffer = None  # the tensors handed out keep what they view
                 self._issue()
-        else:  # not in the expected order: a read of its own
+        else:  # not in the expected order: a read of its own (not through the ring, whose slots are read ahead)
             item = self._describe(key) if isinstance(key, FileBox) else self._describe_key(key, box)
             request = _Request(item.file, [item])
-            self._start(request)
+            self._start(request, staged=False)
             tensor = self._take(item, request)
+            if self.device is not None and item.into is None:
+                tensor = tensor.to(self.device)
         self.bytes_read += tensor.numel() * tensor.element_size()
         self.reads += 1
         return tensor
@@ -277,6 +319,11 @@ class BoxReader:
         for future in futures:
             future.cancel()
         wait(futures)
+        held, self._held = self._held, {}
+        for slot in held.values():  # pieces read ahead and never copied: their slots go back to the process's ring
+            assert self._ring is not None
+            self._ring.give(slot)
+        self._unissued.clear()
         fds, self._fds = self._fds, {}
         direct, self._direct_fds = self._direct_fds, {}
         closing, self._closing = self._closing, []
@@ -295,23 +342,49 @@ class BoxReader:
     # -- issuing and taking ----------------------------------------------------------------------------------------
 
     def _issue(self) -> None:
-        """Issue pending requests in order while the bytes in flight stay within the budget (one at least)."""
+        """Issue pending requests in order while the bytes in flight stay within the budget (one at least); staged,
+        give their pieces slots in order while the ring has free ones."""
+        if self._ring is not None:
+            self._issue_pieces()
         while self._pending:
             request = self._pending[0]
-            if self._in_flight and self._in_flight + request.nbytes > self.budget_bytes:
+            if self._in_flight and self._in_flight + request.nbytes > self._ahead_bytes:
                 return
             self._pending.popleft()
             self._start(request)
             self._in_flight += request.nbytes
+            if self._ring is not None:
+                self._issue_pieces()
 
-    def _start(self, request: _Request) -> None:
+    def _issue_pieces(self) -> None:
+        """Give the next pieces slots while the ring has free ones, and start their reads."""
+        assert self._ring is not None
+        while self._unissued:
+            slot = self._ring.try_take()
+            if slot is None:
+                return
+            self._issue_piece(self._unissued.popleft(), slot)
+
+    def _issue_piece(self, piece: _Piece, slot: Slot) -> None:
+        self._held[id(slot)] = slot
+        piece.slot = slot
+        piece.future = self._submit(self._fill, piece)
+
+    def _start(self, request: _Request, staged: bool = True) -> None:
         request.started = True
         fd, data_start = self._fd(request.file)
+        staged = staged and self._ring is not None and all(b.into is None for b in request.boxes)
         if request.contiguous and self._wants_direct(request, fd, data_start):
             dfd = self._direct_fd(request.file)
             if dfd is not None:
-                self._start_direct(request, fd, dfd, data_start)
+                if staged:
+                    self._start_staged_direct(request, fd, dfd, data_start)
+                else:
+                    self._start_direct(request, fd, dfd, data_start)
                 return
+        if staged:
+            self._start_staged(request, fd, data_start)
+            return
         pieces: list[tuple[int, memoryview]] = []
         if request.lands:  # straight into the consumer's tensors: no buffer, no copy
             request.landed = True
@@ -364,6 +437,99 @@ class BoxReader:
             needed = min(len(piece), end - (low + at))  # the cover's tail may lie past the end of the file
             request.futures.append(self._submit(self._pread_direct, fd, dfd, request.file, low + at, piece,
                                                      needed, request, compact))
+
+    def _start_staged(self, request: _Request, fd: int, data_start: int) -> None:
+        """Cut the request's runs into pieces of at most a slot (runs back to back), for ``_issue_pieces``."""
+        assert self._ring is not None and self.device is not None
+        slot = self._ring.slot_bytes
+        request.staged = True
+        request.buffer = torch.empty(request.nbytes, dtype=torch.uint8, device=self.device)
+        runs: list[tuple[int, int]] = []
+        first = pos = size = 0  # the piece's first byte in the buffer; the next run's; the piece's bytes
+        for item in request.boxes:
+            starts = [item.start] if item.runs is None else item.runs.offsets(item.start).tolist()
+            length = item.length if item.runs is None else item.runs.length
+            for offset in starts:
+                for at in range(0, length, slot):
+                    n = min(slot, length - at)
+                    if size + n > slot:
+                        request.pieces.append(_Piece(request, first, size, runs=runs))
+                        runs, first, size = [], pos, 0
+                    runs.append((data_start + offset + at, n))
+                    pos += n
+                    size += n
+        if runs:
+            request.pieces.append(_Piece(request, first, size, runs=runs))
+        self._unissued.extend(request.pieces)
+        self._fds_of[id(request)] = (fd, None)
+
+    def _start_staged_direct(self, request: _Request, fd: int, dfd: int, data_start: int) -> None:
+        """``_start_direct`` in slot-sized pieces: the aligned cover read piece by piece with O_DIRECT into slots
+        (page-aligned), each piece's part of the cover copied into a device buffer of the cover."""
+        assert self._ring is not None and self.device is not None
+        begin = data_start + request.boxes[0].start
+        end = begin + request.nbytes
+        low, high = begin // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN
+        request.staged = True
+        cover = torch.empty(high - low, dtype=torch.uint8, device=self.device)
+        request.buffer = cover[begin - low:end - low]
+        slot = self._ring.slot_bytes  # a multiple of ALIGN: every piece aligned
+        for at in range(0, high - low, slot):
+            n = min(slot, high - low - at)
+            needed = min(n, end - (low + at))  # the cover's tail may lie past the end of the file
+            request.pieces.append(_Piece(request, at, needed, direct=(low + at, n)))
+        request.cover = cover
+        self._unissued.extend(request.pieces)
+        self._fds_of[id(request)] = (fd, dfd)
+
+    def _fill(self, piece: _Piece) -> None:
+        """On a reader thread: wait for the slot's last copy, then read the piece into it."""
+        assert piece.slot is not None
+        piece.slot.ready()
+        view = memoryview(piece.slot.buffer.numpy())
+        request = piece.request
+        fd, dfd = self._fds_of[id(request)]
+        if piece.direct is not None:
+            assert dfd is not None
+            offset, n = piece.direct
+            self._pread_direct_piece(fd, dfd, request.file, offset, view[:n], piece.nbytes)
+            return
+        assert piece.runs is not None
+        at = 0
+        for offset, n in piece.runs:
+            self._read_into(fd, request.file, offset, view[at:at + n])
+            at += n
+        with self._lock:
+            self.bytes_fetched += piece.nbytes
+
+    def _copy_pieces(self, request: _Request) -> None:
+        """Queue the copies of the request's pieces into its device buffer on the current stream, in order (a piece
+        not issued yet takes a slot first: every slot this reader held went to earlier pieces, copied by now), and
+        give each slot back with its copy's event."""
+        assert self._ring is not None
+        target = request.cover if request.cover is not None else request.buffer
+        assert target is not None
+        stream = torch.cuda.current_stream(self.device)
+        while request.copied < len(request.pieces):
+            piece = request.pieces[request.copied]
+            if piece.future is None:
+                assert self._unissued and self._unissued[0] is piece
+                self._issue_piece(self._unissued.popleft(), self._ring.take())
+            assert piece.slot is not None and piece.future is not None
+            slot, event = piece.slot, None
+            try:
+                piece.future.result()  # an interrupt here leaves the slot to close(), once its read has ended
+                target[piece.at:piece.at + piece.nbytes].copy_(slot.buffer[:piece.nbytes], non_blocking=True)
+                event = torch.cuda.Event()
+                event.record(stream)
+            finally:
+                if piece.future.done():
+                    del self._held[id(slot)]
+                    piece.slot = None
+                    self._ring.give(slot, event)
+            request.copied += 1
+            self._issue_pieces()
+        self._fds_of.pop(id(request), None)
 
     def _submit(self, fn: Callable[..., None], *args: object) -> Future:
         future = self._pool.submit(fn, *args)
@@ -447,6 +613,8 @@ class BoxReader:
             done += n
 
     def _take(self, item: _Box, request: _Request) -> torch.Tensor:
+        if request.staged:
+            self._copy_pieces(request)
         for future in request.futures:
             future.result()
         if request.landed:
@@ -459,8 +627,10 @@ class BoxReader:
                 break
             i += 1
             at += b.length
-        if item.compact or item.into is not None:  # contiguous (and pinned) again, so that a copy to a GPU needs no
-            out = request.compacted.get(i)  # staging and can overlap; or in the consumer's tensor
+        # a compact box: contiguous (and pinned) again, so that a copy to a GPU needs no staging and can overlap
+        # (staged, it is on the device already: handed out with its strides); or in the consumer's tensor
+        if (item.compact and not request.staged) or item.into is not None:
+            out = request.compacted.get(i)
             if out is None:  # read by several tasks: copied out here
                 out = item.into if item.into is not None else self._buffer(
                     math.prod(item.sizes) * item.dtype.itemsize, 64)
@@ -500,7 +670,7 @@ class BoxReader:
         pages = self._maps.get(request.file)
         if pages is None:
             pages = self._maps[request.file] = _PageMap(fd)
-        share = pages.share(data_start + request.boxes[0].start, request.nbytes)
+        share = pages.share(data_start + request.boxes[0].start, request.nbytes, _AUTO_SAMPLES)
         return share is not None and share <= DIRECT_COLD_SHARE  # unknown: the page cache is the safe side
 
     def _direct_fd(self, file: str) -> int | None:
@@ -675,6 +845,8 @@ class _PageMap:
             return None
         page = mmap.PAGESIZE
         first, last = offset // page, (min(offset + length, self.size) - 1) // page
+        if last - first >= 2:  # the edge pages may hold a neighbour's bytes (the header, the box read before)
+            first, last = first + 1, last - 1
         count = last - first + 1
         picks = sorted({first + i * (count - 1) // max(1, samples - 1) for i in range(min(samples, count))})
         vec = ctypes.c_ubyte()

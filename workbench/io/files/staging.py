@@ -3,20 +3,17 @@
 A read from a file lands in host memory; a copy to a GPU overlaps the next read only from pinned memory, and
 pinning is slow (about half a second per GB on the machines measured, ``bench/warm_limits.py``). A buffer per
 request, pinned afresh, made the first load of a process spend most of its time pinning. The ring pins
-``slots x slot_bytes`` once (128 MiB by default) and every load of the process reuses it: a reader thread takes a
-slot, reads into it, queues the slot's copy to the GPU on a copy stream and gives the slot back with the copy's
-event; the next thread to take that slot waits for the event before writing into it. Sixteen slots of 8 MiB reach
-the page cache's copy limit on the H200 hosts measured (27 GB/s per GPU with two GPUs reading at once).
-
-Nothing waits for the consumer: a slot is given back as soon as its copy is queued, so threads that hold no slot
-never block a thread that holds one (no deadlock however many requests are in flight).
+``slots x slot_bytes`` once (128 MiB by default) and every load of the process reuses it: the loader takes a slot
+for the next piece it reads ahead, a reader thread waits for the slot's last copy to have run and reads into it, and
+the loader, when it needs the piece, queues the slot's copy to the GPU and gives the slot back with that copy's
+event. Sixteen slots of 8 MiB reach the page cache's copy limit on the H200 hosts measured (27 GB/s per GPU with two
+GPUs reading at once, 40 GB/s with one; ``bench/warm_limits.py``).
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Callable
 from dataclasses import dataclass
 
 import torch
@@ -30,18 +27,24 @@ _ALIGN = 4096  # slots start on a page: O_DIRECT reads land in them
 
 @dataclass(eq=False)
 class Slot:
-    """One slot: ``buffer`` (uint8, ``slot_bytes``) and the event of the last copy out of it (None: free now)."""
+    """One slot: ``buffer`` (uint8, ``slot_bytes``) and the event of the last copy out of it (None: none pending)."""
 
     buffer: torch.Tensor
     event: torch.cuda.Event | None = None
+
+    def ready(self) -> None:
+        """Wait until the last copy out of the slot has run: then it may be written. On the thread that fills it."""
+        event, self.event = self.event, None
+        if event is not None:
+            event.synchronize()  # a failed copy (a broken device) raises here; the slot stays usable
 
 
 class StagingRing:
     """``slots`` host buffers of ``slot_bytes``, pinned when ``pinned``, from one allocation; thread-safe.
 
-    ``acquire`` blocks until a slot is free and its last copy has run; ``release`` gives it back with the event of
-    the copy just queued out of it. ``allocations`` counts allocations (one per ring): a process's later loads
-    pin nothing.
+    ``take`` hands out a slot (``try_take``: None when none is free), whose copy may still be running: the thread
+    that fills it calls ``Slot.ready`` first. ``give`` puts it back with the event of the copy just queued out of
+    it. ``allocations`` counts allocations (one per ring): a process's later loads pin nothing.
     """
 
     def __init__(self, slots: int = SLOTS, slot_bytes: int = SLOT_BYTES, *, pinned: bool = True) -> None:
@@ -58,44 +61,22 @@ class StagingRing:
             self._free.put(Slot(whole[skip + i * slot_bytes:skip + (i + 1) * slot_bytes]))
         self.allocations = 1
 
-    def acquire(self) -> Slot:
-        """A free slot whose last copy has finished (waits for both)."""
-        slot = self._free.get()
-        if slot.event is not None:
-            try:
-                slot.event.synchronize()
-            except BaseException:  # the copy failed (a broken device) or the wait was interrupted
-                slot.event = None  # the caller sees the error; the slot goes back, not lost to the ring
-                self._free.put(slot)
-                raise
-            slot.event = None
-        return slot
+    def take(self) -> Slot:
+        """A slot, waiting until one is given back."""
+        return self._free.get()
 
-    def release(self, slot: Slot, event: torch.cuda.Event | None = None) -> None:
-        """Give ``slot`` back; ``event`` is recorded after the last copy out of it (None: nothing in flight)."""
-        slot.event = event
-        self._free.put(slot)
-
-    def stage(
-        self, fill: Callable[[memoryview], None], nbytes: int, out: torch.Tensor, stream: torch.cuda.Stream
-    ) -> torch.cuda.Event:
-        """Fill a slot's first ``nbytes`` with ``fill`` (a read into the view it is given), queue their copy into
-        ``out`` (``nbytes`` of uint8 on a GPU) on ``stream`` and give the slot back; returns the copy's event,
-        which a consumer of ``out`` waits for."""
-        if nbytes > self.slot_bytes:
-            raise ValueError(f"{nbytes} bytes do not fit a staging slot of {self.slot_bytes}")
-        slot = self.acquire()
-        event = None
+    def try_take(self) -> Slot | None:
+        """A slot if one is free now, else None."""
         try:
-            source = slot.buffer[:nbytes]
-            fill(memoryview(source.numpy()))
-            with torch.cuda.stream(stream):
-                out.copy_(source, non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
-        finally:
-            self.release(slot, event)
-        return event
+            return self._free.get_nowait()
+        except queue.Empty:
+            return None
+
+    def give(self, slot: Slot, event: torch.cuda.Event | None = None) -> None:
+        """Give ``slot`` back; ``event`` is recorded after the copy queued out of it (None: nothing in flight)."""
+        if event is not None:
+            slot.event = event
+        self._free.put(slot)
 
 
 _RING: StagingRing | None = None

@@ -119,8 +119,10 @@ def load_hf(
         timeout: seconds to wait for a peer at an agreement before failing.
         rank: the rank to load for (default: this process's rank).
         read_threads: threads reading the files.
-        budget_bytes: host memory for slices read ahead of their copies; the load holds at most this much plus
-            the largest single read (pinned memory when the model is on a GPU).
+        budget_bytes: memory for slices read ahead of their copies; the load holds at most this much plus the
+            largest single read. Into a GPU model this is device memory: reads go through the process's pinned
+            staging ring (128 MiB, pinned once per process, ``io/files/staging.py``), so a first load pins no more
+            than that, and adapters receive the key on the device.
         read_direct: ``"auto"`` reads a request of 1 MiB or more with ``O_DIRECT`` (4 KiB-aligned, around the page
             cache) when almost none of its pages are cached, ``True`` always, ``False`` never (a filesystem that
             refuses ``O_DIRECT`` is read through the page cache). None: ``WORKBENCH_READ_DIRECT`` (``auto|1|0``),
@@ -171,10 +173,12 @@ def load_hf(
             plans = {name: spec.memo(("load_plan", rank), lambda spec=spec: plan_hf_load(spec, rank))
                      for name, spec in wanted.items()}
             to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
-            on_gpu = any(targets[n].device.type == "cuda" for n in to_read)
+            device = next((targets[n].device for n in to_read if targets[n].device.type == "cuda"), None)
+            on_gpu = device is not None
             transfers = _transfers(reader, plans, to_read, targets, adapters)
             boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets),
-                              threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct)
+                              threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
+                              device=device)
             for name, plan in plans.items():
                 nbytes = sum(
                     r.numel * reader.dtype(r.hf_key).itemsize for r in plan.reads
@@ -190,7 +194,7 @@ def load_hf(
                     _copy_planned(plan, transfers[name], boxes.read, targets[name], non_blocking=on_gpu)
                 else:
                     execute_load(plan, boxes.read, targets[name], adapters, cast=cast, non_blocking=on_gpu)
-            if on_gpu:  # the copies from pinned buffers were queued: they land before anyone reads the model
+            if on_gpu:  # the copies were queued: they land before anyone reads the model
                 torch.cuda.synchronize()
         except BaseException as exc:  # an interrupt is this rank's problem first, raised after the agreement
             problem = problem_from(exc, rank, "reading its slices")
