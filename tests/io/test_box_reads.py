@@ -107,10 +107,13 @@ def _data_start(path: Path) -> tuple[int, dict]:
         return 8 + n, json.loads(f.read(n))
 
 
+DEVICES = [None, "cuda"] if torch.cuda.is_available() else [None]  # "cuda": through the staging ring (on a GPU)
+
+
 @settings(max_examples=80, deadline=None, suppress_health_check=[HealthCheck.function_scoped_fixture])
 @given(case=_boxes(), dtypes=st.lists(st.sampled_from(DTYPES), min_size=3, max_size=3), order=st.randoms(),
-       direct=st.sampled_from([False, True]))
-def test_boxes_match_safetensors_bit_for_bit(disk: Path, case, dtypes, order, direct) -> None:
+       direct=st.sampled_from([False, True]), device=st.sampled_from(DEVICES))
+def test_boxes_match_safetensors_bit_for_bit(disk: Path, case, dtypes, order, direct, device) -> None:
     shape, boxes = case
     folder = disk / f"ck{abs(hash((shape, tuple(dtypes)))) % 10**9}"
     folder.mkdir(exist_ok=True)
@@ -121,12 +124,13 @@ def test_boxes_match_safetensors_bit_for_bit(disk: Path, case, dtypes, order, di
     if order.random() < 0.5:  # out of the expected order: still served, by reads of their own
         order.shuffle(asked)
     with BoxReader(read_checkpoint(folder), expected, threads=3, budget_bytes=order.choice([1, 64, 1 << 20]),
-                   direct=direct) as r, safe_open(str(folder / "model.safetensors"), "pt") as ref:
+                   direct=direct, device=device) as r, safe_open(str(folder / "model.safetensors"), "pt") as ref:
         for key, box in asked:
             got = r.read(key, box)
             want = ref.get_tensor(key) if box is None else ref.get_slice(key)[box] if box else ref.get_tensor(key)
+            assert got.device.type == (device or "cpu"), (key, box)
             assert got.dtype == want.dtype and got.shape == want.shape, (key, box)
-            assert torch.equal(_bytes(got), _bytes(want)), (key, box)
+            assert torch.equal(_bytes(got.cpu()), _bytes(want)), (key, box)
         read_any = any(t.numel() for t in tensors.values()) and r.bytes_read > 0
         # these tensors are a few pages at most: every box is one span, read with O_DIRECT when asked
         assert (r.bytes_direct > 0) == (direct and read_any), (r.bytes_direct, direct)

@@ -9,7 +9,7 @@ import torch
 from workbench.errors import PlanError
 from workbench.plan.load_plan import Adapter, HFLoadPlan
 
-__all__ = ["SliceReader", "execute_load", "reader_from_tensors"]
+__all__ = ["SliceReader", "execute_load", "prepare_target", "reader_from_tensors"]
 
 # (hf_key, slices or None for the whole key) -> tensor
 SliceReader = Callable[[str, tuple[slice, ...] | None], torch.Tensor]
@@ -25,6 +25,17 @@ def reader_from_tensors(hf_tensors: Mapping[str, torch.Tensor]) -> SliceReader:
         return tensor if index is None else tensor[index]
 
     return read
+
+
+def prepare_target(plan: HFLoadPlan, out: torch.Tensor) -> None:
+    """Check that ``out`` is the local tensor ``plan`` fills (its shape), and zero it where the plan pads it."""
+    if tuple(out.shape) != plan.target_shape:
+        raise PlanError(
+            f"parameter {plan.name!r}, rank {plan.rank}: local tensor has shape {tuple(out.shape)}, the plan "
+            f"expects {plan.target_shape}"
+        )
+    if plan.zero_fill:
+        out.zero_()
 
 
 def execute_load(
@@ -43,13 +54,7 @@ def execute_load(
     checkpoint check cannot see it), not a silent conversion. ``non_blocking``: copies from pinned host memory
     into a GPU tensor are queued on the current stream (the caller synchronizes before using ``out``).
     """
-    if tuple(out.shape) != plan.target_shape:
-        raise PlanError(
-            f"parameter {plan.name!r}, rank {plan.rank}: local tensor has shape {tuple(out.shape)}, the plan "
-            f"expects {plan.target_shape}"
-        )
-    if plan.zero_fill:
-        out.zero_()
+    prepare_target(plan, out)
     canonical: dict[str, torch.Tensor] = {}
     for r in plan.reads:
         adapter = (adapters or {}).get(r.hf_key)

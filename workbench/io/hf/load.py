@@ -13,7 +13,7 @@ from typing import Any, Literal
 import torch
 
 from workbench.display import html_of
-from workbench.errors import CheckpointError, PlanError
+from workbench.errors import CheckpointError
 from workbench.faults import fault_point
 from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.direct import replicating_dims
@@ -25,7 +25,7 @@ from workbench.layout.model_layout import Layout, layout_and_locals
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 from workbench.plan.load_plan import Adapter, HFLoadPlan, expected_key_shape, plan_hf_load
 from workbench.run.guard import LoadFailed, RankProblem, agree, problem_from
-from workbench.run.load_ops import execute_load
+from workbench.run.load_ops import execute_load, prepare_target
 from workbench.run.torch_comm import DEFAULT_TIMEOUT, ControlChannel
 
 __all__ = ["LoadReport", "load_hf"]
@@ -253,13 +253,7 @@ def _copy_planned(
     plan: HFLoadPlan, transfers: tuple[Transfer, ...], read: Any, out: torch.Tensor, *, non_blocking: bool
 ) -> None:
     """``execute_load`` for a parameter without adapters, one copy per coalesced transfer."""
-    if tuple(out.shape) != plan.target_shape:
-        raise PlanError(
-            f"parameter {plan.name!r}, rank {plan.rank}: local tensor has shape {tuple(out.shape)}, the plan "
-            f"expects {plan.target_shape}"
-        )
-    if plan.zero_fill:
-        out.zero_()
+    prepare_target(plan, out)
     copy_transfers(transfers, read, out, non_blocking=non_blocking)
 
 
