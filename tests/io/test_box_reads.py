@@ -10,6 +10,7 @@ import mmap
 import os
 import shutil
 import tempfile
+import time
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -422,3 +423,28 @@ def test_auto_reads_a_cold_span_shared_with_a_peer_through_the_page_cache(disk: 
         assert _cached(fd, data + header["w"]["data_offsets"][0] + 2048 * 1024)
     finally:
         os.close(fd)
+
+
+def test_reads_ahead_stop_at_the_budget(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """With the consumer paused after its first box, the bytes the threads asked the files for (counted at
+    ``os.preadv``, not from the reader's own counters) stay within the budget plus one request."""
+    tensors = {f"k{i:02d}": _tensor((256, 1024), torch.float32, i) for i in range(16)}  # 1 MiB each
+    save_file(tensors, str(tmp_path / "model.safetensors"))
+    boxes = [(k, (slice(0, 128),)) for k in tensors]  # half of each key: 16 requests of 512 KiB, none touching
+    asked: list[int] = []
+    preadv = os.preadv
+
+    def counted(fd: int, buffers: list, offset: int, *flags: int) -> int:
+        asked.append(sum(len(memoryview(b)) for b in buffers))
+        return preadv(fd, buffers, offset, *flags)
+
+    monkeypatch.setattr(os, "preadv", counted)
+    budget = 2 << 20
+    with BoxReader(read_checkpoint(tmp_path), boxes, threads=4, budget_bytes=budget, direct=False) as r:
+        first = r.read(*boxes[0])
+        time.sleep(0.3)  # every read issued so far has landed
+        ahead = sum(asked)
+        assert 1 << 20 <= ahead <= budget + 2 * (512 << 10), ahead  # read ahead, but not all 8 MiB
+        got = [first] + [r.read(*b) for b in boxes[1:]]
+    assert sum(asked) == 16 * (512 << 10)
+    assert all(torch.equal(_bytes(g), _bytes(tensors[k][box])) for g, (k, box) in zip(got, boxes, strict=True))
