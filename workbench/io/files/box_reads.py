@@ -530,6 +530,9 @@ class BoxReader:
             request.copied += 1
             self._issue_pieces()
         self._fds_of.pop(id(request), None)
+        request.pieces.clear()  # no cycle (piece -> request) keeps the device buffer past its last box
+        request.copied = 0
+        request.cover = None  # the boxes' views keep what they need
 
     def _submit(self, fn: Callable[..., None], *args: object) -> Future:
         future = self._pool.submit(fn, *args)
