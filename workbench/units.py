@@ -20,11 +20,11 @@ call                                   result
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Sequence
 
 __all__ = [
     "byte_tick_step", "format_bytes", "format_bytes_in", "format_count", "format_ranks", "format_seconds",
-    "parse_bytes", "parse_ranks", "rank_phrase",
+    "head_and_tail", "parse_bytes", "parse_ranks", "rank_phrase",
 ]
 
 _BINARY = ("B", "KiB", "MiB", "GiB", "TiB", "PiB", "EiB")
@@ -195,3 +195,12 @@ def rank_phrase(ranks: Iterable[int], *, limit: int | None = 4) -> str:
     """``'rank 5'`` or ``'ranks 0-3, 7'`` (``limit`` caps the ranges shown)."""
     ranks = sorted(set(ranks))
     return f"rank {ranks[0]}" if len(ranks) == 1 else f"ranks {format_ranks(ranks, limit=limit)}"
+
+
+def head_and_tail(items: Sequence[object], noun: str, *, keep: int = 12) -> list[str]:
+    """One indented line per item, or, past ``2 * keep`` items, the first and last ``keep`` around a line saying how
+    many ``noun`` are left out (a text summary of a long list)."""
+    if len(items) <= 2 * keep:
+        return [f"  {item}" for item in items]
+    return ([f"  {item}" for item in items[:keep]] + [f"  ... {len(items) - 2 * keep} more {noun}"]
+            + [f"  {item}" for item in items[-keep:]])

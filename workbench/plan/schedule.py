@@ -152,7 +152,7 @@ class UnshardSchedule:
 
     def __str__(self) -> str:
         from workbench.name_patterns import group_by_pattern
-        from workbench.units import format_bytes
+        from workbench.units import format_bytes, head_and_tail
 
         budget = "unbounded" if self.budget_bytes is None else format_bytes(self.budget_bytes)
         lines = [
@@ -166,11 +166,7 @@ class UnshardSchedule:
                    + ", ".join(g.pattern for g in group_by_pattern(oversized)[:3])) if oversized else ""
             lines.append(f"  ! predicted peak {format_bytes(self.peak_bytes)} is over the budget "
                          f"{format_bytes(self.budget_bytes)}{why}")
-        shown = self.calls if len(self.calls) <= 24 else self.calls[:12] + self.calls[-12:]
-        for index, call in enumerate(shown):
-            if len(self.calls) > 24 and index == 12:
-                lines.append(f"  ... {len(self.calls) - 24} more calls")
-            lines.append(f"  {call}")
+        lines += head_and_tail(self.calls, "calls")
         return "\n".join(lines)
 
     def __repr__(self) -> str:

@@ -402,9 +402,7 @@ class BoxReader:
             view = memoryview(request.buffer.numpy())
             pos = 0
             for item in request.boxes:
-                runs = item.runs
-                starts = [item.start] if runs is None else runs.offsets(item.start).tolist()
-                length = item.length if runs is None else runs.length
+                starts, length = _run_starts(item)
                 for offset in starts:
                     for at in range(0, length, CHUNK_BYTES):
                         n = min(CHUNK_BYTES, length - at)
@@ -425,9 +423,7 @@ class BoxReader:
 
     def _start_direct(self, request: _Request, fd: int, dfd: int, data_start: int) -> None:
         """Read the request's range rounded out to ``ALIGN`` into an aligned buffer; hand on the range itself."""
-        begin = data_start + request.boxes[0].start
-        end = begin + request.nbytes
-        low, high = begin // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN
+        begin, end, low, high = _aligned_cover(request, data_start)
         cover = self._buffer(high - low, ALIGN)
         request.buffer = cover[begin - low:end - low]
         view = memoryview(cover.numpy())
@@ -447,8 +443,7 @@ class BoxReader:
         runs: list[tuple[int, int]] = []
         first = pos = size = 0  # the piece's first byte in the buffer; the next run's; the piece's bytes
         for item in request.boxes:
-            starts = [item.start] if item.runs is None else item.runs.offsets(item.start).tolist()
-            length = item.length if item.runs is None else item.runs.length
+            starts, length = _run_starts(item)
             for offset in starts:
                 for at in range(0, length, slot):
                     n = min(slot, length - at)
@@ -467,9 +462,7 @@ class BoxReader:
         """``_start_direct`` in slot-sized pieces: the aligned cover read piece by piece with O_DIRECT into slots
         (page-aligned), each piece's part of the cover copied into a device buffer of the cover."""
         assert self._ring is not None and self.device is not None
-        begin = data_start + request.boxes[0].start
-        end = begin + request.nbytes
-        low, high = begin // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN
+        begin, end, low, high = _aligned_cover(request, data_start)
         request.staged = True
         cover = torch.empty(high - low, dtype=torch.uint8, device=self.device)
         request.buffer = cover[begin - low:end - low]
@@ -920,6 +913,21 @@ def _checked_into(fb: FileBox, into: torch.Tensor) -> torch.Tensor:
     if any(s < 0 for s in into.stride()):
         raise ValueError(f"a box cannot be read into a tensor of strides {into.stride()}")
     return into
+
+
+def _run_starts(item: _Box) -> tuple[list[int], int]:
+    """The file offsets (from the data section) of a box's runs, packed in its buffer one after the other, and
+    their length: its one range, or its runs."""
+    if item.runs is None:
+        return [item.start], item.length
+    return item.runs.offsets(item.start).tolist(), item.runs.length
+
+
+def _aligned_cover(request: _Request, data_start: int) -> tuple[int, int, int, int]:
+    """A contiguous request's absolute file range ``[begin, end)`` and that range rounded out to ``ALIGN``."""
+    begin = data_start + request.boxes[0].start
+    end = begin + request.nbytes
+    return begin, end, begin // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN
 
 
 def _contiguous(sizes: Sequence[int]) -> tuple[int, ...]:

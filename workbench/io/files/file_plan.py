@@ -17,6 +17,7 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 
 from workbench.errors import CheckpointError
+from workbench.units import head_and_tail
 
 __all__ = ["DEFAULT_MAX_SHARD_BYTES", "FilePlan", "FileSpec", "file_name", "plan_files"]
 
@@ -89,11 +90,7 @@ class FilePlan:
             f"FilePlan: {len(self.files)} file(s), {len(self.weight_map)} key(s), "
             f"{_fmt_bytes(self.total_size)}, {len(self.writers)} writer(s)"
         ]
-        shown = self.files if len(self.files) <= 24 else self.files[:12] + self.files[-12:]
-        for index, spec in enumerate(shown):
-            if len(self.files) > 24 and index == 12:
-                lines.append(f"  ... {len(self.files) - 24} more files")
-            lines.append(f"  {spec}")
+        lines += head_and_tail(self.files, "files")
         return "\n".join(lines)
 
     def __repr__(self) -> str:
