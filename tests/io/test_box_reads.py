@@ -448,3 +448,9 @@ def test_reads_ahead_stop_at_the_budget(tmp_path: Path, monkeypatch: pytest.Monk
         got = [first] + [r.read(*b) for b in boxes[1:]]
     assert sum(asked) == 16 * (512 << 10)
     assert all(torch.equal(_bytes(g), _bytes(tensors[k][box])) for g, (k, box) in zip(got, boxes, strict=True))
+
+
+def test_staging_into_a_device_other_than_cuda_is_refused(tmp_path: Path) -> None:
+    save_file({"k": _tensor((4, 4), torch.float32, 0)}, str(tmp_path / "model.safetensors"))
+    with pytest.raises(ValueError, match=r"stages reads into a CUDA device, not cpu"):
+        BoxReader(read_checkpoint(tmp_path), [("k", None)], device="cpu")
