@@ -1,0 +1,537 @@
+"""Landing boxes of file bytes in tensors through a ring of staging slots: ``plan_landing``'s pieces checked byte
+for byte by executing them here on a fake file (and against the box's own bytes, from torch views of the file),
+then ``BoxReader``'s landing on the CPU seam (an unpinned ring, copies that run at once) against torch indexing of
+the saved tensors: splits across tiny slots, casts, strided destinations, faults mid-landing, ``close`` mid-flight
+and O_DIRECT (on a disk directory: tmpfs may not do direct I/O)."""
+
+from __future__ import annotations
+
+import errno
+import itertools
+import json
+import math
+import mmap
+import os
+import random
+import re
+import shutil
+import tempfile
+import threading
+import time
+from collections.abc import Callable, Iterator
+from pathlib import Path
+
+import numpy as np
+import pytest
+import torch
+from hypothesis import event, given, settings
+from hypothesis import strategies as st
+from safetensors.torch import save_file
+
+from workbench.errors import CheckpointError
+from workbench.io.files.box_reads import BoxReader
+from workbench.io.files.index import read_checkpoint
+from workbench.io.files.landing import LandingPiece, plan_landing
+from workbench.io.files.staging import StagingRing
+from workbench.io.files.transfers import FileBox
+
+ALIGN = 4096
+DTYPES = (torch.float32, torch.bfloat16, torch.int64, torch.uint8, torch.float8_e4m3fn)
+FILES = ("a.safetensors", "b.safetensors")
+
+
+# -- helpers ---------------------------------------------------------------------------------------------------------
+
+
+def _bits(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes in its logical order (NaNs compare bit for bit)."""
+    return torch.empty(t.shape, dtype=t.dtype).copy_(t).reshape(-1).view(torch.uint8)
+
+
+def _cast_dtype(dtype: torch.dtype) -> torch.dtype:
+    """A destination dtype other than ``dtype`` (a landing copy casts)."""
+    return torch.float64 if dtype == torch.float32 else torch.float32
+
+
+def _dest(sizes: tuple[int, ...], dtype: torch.dtype, order: list[int], pad: list[int], at: list[int]
+          ) -> tuple[torch.Tensor, torch.Tensor]:
+    """A zero target with dims permuted by ``order`` and padded by ``pad``, and the view of ``sizes`` at ``at`` in
+    it (strided, not contiguous in general, with a storage offset)."""
+    big = [sizes[d] + pad[d] for d in order]
+    target = torch.zeros(big, dtype=dtype)
+    view = target.permute([order.index(d) for d in range(len(order))])
+    dest = view[tuple(slice(a, a + n) for a, n in zip(at, sizes))]
+    return target, dest
+
+
+def _byte_strides(shape: tuple[int, ...], itemsize: int) -> tuple[int, ...]:
+    return tuple(math.prod(shape[d + 1:]) * itemsize for d in range(len(shape)))
+
+
+def _file_box(file: str, key_offset: int, shape: tuple[int, ...], dtype: torch.dtype,
+              box: tuple[slice, ...]) -> FileBox:
+    """The FileBox of ``key[box]`` for a key stored contiguously at ``key_offset`` of the data section."""
+    strides = _byte_strides(shape, dtype.itemsize)
+    offset = key_offset + sum(s.start * st_ for s, st_ in zip(box, strides))
+    return FileBox(file, offset, tuple(s.stop - s.start for s in box), strides, dtype)
+
+
+def _all_slots_free(ring: StagingRing) -> bool:
+    """Whether every slot of ``ring`` is free now (taken with try_take, then given back)."""
+    taken = []
+    while (slot := ring.try_take()) is not None:
+        taken.append(slot)
+    for slot in taken:
+        ring.give(slot)
+    return len(taken) == ring.slots and len({id(s) for s in taken}) == ring.slots
+
+
+def _within(seconds: float, fn: Callable[[], object]) -> BaseException | None:
+    """Run ``fn`` on a thread; fail if it does not return within ``seconds``; the exception it raised, if any."""
+    out: list[BaseException | None] = [None]
+
+    def body() -> None:
+        try:
+            fn()
+        except BaseException as exc:
+            out[0] = exc
+
+    thread = threading.Thread(target=body, daemon=True)
+    thread.start()
+    thread.join(seconds)
+    assert not thread.is_alive(), f"{fn} did not return within {seconds} s (hang)"
+    return out[0]
+
+
+# -- the planner, executed here on a fake file -----------------------------------------------------------------------
+
+
+@st.composite
+def _case(draw: st.DrawFn) -> dict:
+    ndim = draw(st.sampled_from([1, 1, 2, 3, 4]))
+    budget = 150_000  # elements of the key, at most
+    shape = []
+    for _ in range(ndim):
+        cap = max(1, min(5000, budget))
+        n = draw(st.one_of(st.integers(1, cap), st.integers(cap // 2 + 1, max(cap, budget)),
+                           st.sampled_from([budget, budget // 3 + 1])))
+        shape.append(n)
+        budget = max(1, budget // n)
+    shape = tuple(draw(st.permutations(shape)))
+    dtype = draw(st.sampled_from(DTYPES))
+    boxes: list[dict] = []
+    for _ in range(draw(st.integers(1, 5))):
+        kind = draw(st.sampled_from(["random", "rows", "next", "whole"]))
+        file = draw(st.sampled_from(FILES))
+        first = 0
+        if kind == "next" and boxes and boxes[-1]["rows"] and boxes[-1]["box"][0].stop < shape[0]:
+            file, first = boxes[-1]["file"], boxes[-1]["box"][0].stop  # the rows after the last box's
+        elif kind == "next":
+            kind = "rows"
+        if kind == "random":
+            box = []
+            for n in shape:
+                a = draw(st.integers(0, n - 1))
+                box.append(slice(a, draw(st.integers(a + 1, n))))
+        else:  # whole rows: contiguous in the file
+            a = first if kind == "next" else 0 if kind == "whole" else draw(st.integers(0, shape[0] - 1))
+            b = shape[0] if kind == "whole" else draw(st.integers(a + 1, shape[0]))
+            box = [slice(a, b), *(slice(0, n) for n in shape[1:])]
+        pad = [draw(st.integers(0, 2)) for _ in range(ndim)]
+        boxes.append({
+            "rows": kind != "random",
+            "file": file,
+            "box": tuple(box),
+            "how": draw(st.sampled_from(["runs", "span", "shared"])),
+            "cast": draw(st.booleans()),
+            "order": draw(st.permutations(range(ndim))),
+            "pad": pad,
+            "at": [draw(st.integers(0, p)) for p in pad],
+        })
+    return {
+        "shape": shape,
+        "dtype": dtype,
+        "boxes": boxes,
+        "slot_bytes": draw(st.one_of(st.integers(3, 6), st.integers(3, 64))) * ALIGN,  # tiny ones cut boxes
+        "data_start": {f: draw(st.integers(1, 2000)) * 8 for f in FILES},
+        "key_at": {f: draw(st.integers(0, 1200)) * 8 for f in FILES},
+        "seed": draw(st.integers(0, 2**16)),
+    }
+
+
+def _check_piece_shape(piece: LandingPiece, slot_bytes: int) -> np.ndarray:
+    """The piece's own invariants; the slot bytes its reads fill."""
+    covered = np.zeros(slot_bytes, dtype=bool)
+    assert piece.reads and piece.parts
+    for _, at, n in piece.reads:
+        assert n > 0 and at >= 0 and at + n <= piece.used, (piece.reads, piece.used)
+        assert not covered[at:at + n].any(), f"reads overlap in the slot: {piece.reads}"
+        covered[at:at + n] = True
+    assert piece.nbytes == sum(n for _, _, n in piece.reads)
+    assert piece.used == max(p.at + p.nbytes for p in piece.parts)
+    for p in piece.parts:
+        size = p.dtype.itemsize
+        assert p.at % size == 0, (p.at, p.dtype)
+        assert p.at >= 0 and p.at + p.nbytes <= slot_bytes - ALIGN, (p.at, p.nbytes, slot_bytes)
+        assert p.nbytes == sum((n - 1) * s for n, s in zip(p.sizes, p.strides)) * size + size  # its last byte
+        assert covered[p.at:p.at + p.nbytes].all(), "a part's bytes are not all read"
+        assert tuple(p.dest.shape) == p.sizes
+    if piece.solid is not None:
+        begin, end = piece.solid
+        reads = sorted(piece.reads)
+        assert reads[0][0] == begin and reads[-1][0] + reads[-1][2] == end
+        for (o1, _, n1), (o2, _, _) in itertools.pairwise(reads):
+            assert o1 + n1 == o2, f"a solid piece's reads are not one range: {reads}"
+        for off, at, _ in reads:
+            assert at == begin % ALIGN + (off - begin), (piece.solid, reads)
+        assert -(-end // ALIGN) * ALIGN - begin // ALIGN * ALIGN <= slot_bytes
+    return covered
+
+
+def _asked(pieces: list[LandingPiece], length: int, file: str) -> np.ndarray:
+    """How many times the pieces' reads ask each byte of ``file``."""
+    out = np.zeros(length, dtype=np.int64)
+    for piece in pieces:
+        if piece.file == file:
+            for off, _, n in piece.reads:
+                assert off >= 0 and off + n <= length
+                out[off:off + n] += 1
+    return out
+
+
+@settings(max_examples=200, deadline=None)
+@given(case=_case())
+def test_planned_pieces_land_every_box_exactly(case: dict) -> None:
+    shape, dtype, slot_bytes = case["shape"], case["dtype"], case["slot_bytes"]
+    data_start, key_at = case["data_start"], case["key_at"]
+    key_bytes = math.prod(shape) * dtype.itemsize
+    g = torch.Generator().manual_seed(case["seed"])
+    files = {f: torch.randint(0, 256, (data_start[f] + key_at[f] + key_bytes + 100,), generator=g,
+                              dtype=torch.uint8) for f in FILES}
+    keys = {f: files[f][data_start[f] + key_at[f]:][:key_bytes].clone().view(dtype).view(shape) for f in FILES}
+
+    plan, targets, dests, expected = [], [], [], []
+    alone = {f: np.zeros(len(files[f]), dtype=np.int64) for f in FILES}  # per byte: asked by each box alone
+    for b in case["boxes"]:
+        fb = _file_box(b["file"], key_at[b["file"]], shape, dtype, b["box"])
+        out_dtype = _cast_dtype(dtype) if b["cast"] else dtype
+        target, dest = _dest(fb.sizes, out_dtype, b["order"], b["pad"], b["at"])
+        plan.append((fb, dest, b["how"]))
+        targets.append(target)
+        dests.append(dest)
+        expected.append(keys[b["file"]][b["box"]].to(out_dtype))
+        # the box's own bytes, from a torch view of the file, and its span
+        begin = data_start[b["file"]] + fb.offset
+        own = np.zeros(len(files[b["file"]]), dtype=np.int64)
+        pos = torch.arange(len(own)).as_strided((*fb.sizes, dtype.itemsize), (*fb.strides, 1), begin)
+        own[pos.reshape(-1).numpy()] = 1
+        span = np.zeros_like(own)
+        span[begin:begin + fb.span] = 1
+        pieces = plan_landing([(fb, torch.empty(fb.sizes, dtype=dtype), b["how"])], data_start, slot_bytes)
+        asked = _asked(pieces, len(own), b["file"])
+        if len(shape) == 1:  # one run cut at pages of the file: O_DIRECT reads each page once
+            ends = [max(off + n for off, _, n in p.reads) for p in pieces]
+            assert all(end % ALIGN == 0 for end in ends[:-1]), ends
+            event(f"a 1-D run cut: {len(ends) > 1}")
+        if b["how"] == "runs":
+            assert np.array_equal(asked, own), "runs: the reads do not ask exactly the box's bytes"
+        elif fb.span <= slot_bytes - 2 * ALIGN:
+            assert np.array_equal(asked, span), "the reads do not ask exactly the box's span"
+        else:  # cut into parts, each read as its own span: every byte of the box, nothing outside its span, once
+            assert np.all(own <= asked) and np.all(asked <= span), "a span cut into parts reads the wrong bytes"
+        alone[b["file"]] += asked
+
+    pieces = plan_landing(plan, data_start, slot_bytes)
+    event(f"pieces > boxes: {len(pieces) > len(plan)}")
+    event(f"a solid piece: {any(p.solid for p in pieces)}")
+    event(f"a piece of several parts: {any(len(p.parts) > 1 for p in pieces)}")
+    event(f"a solid piece of several parts: {any(p.solid and len(p.parts) > 1 for p in pieces)}")
+
+    owner = {t.untyped_storage().data_ptr(): i for i, t in enumerate(targets)}
+    cover = [torch.zeros(t.numel(), dtype=torch.int64) for t in targets]
+    garbage = torch.randint(0, 256, (slot_bytes,), generator=g, dtype=torch.uint8)
+    for piece in pieces:
+        _check_piece_shape(piece, slot_bytes)
+        file = files[piece.file]
+        slot = garbage.clone()
+        for off, at, n in piece.reads:
+            assert off + n <= len(file)
+            slot[at:at + n] = file[off:off + n]
+        direct = None
+        if piece.solid is not None:  # what O_DIRECT lays in the slot: the aligned cover, from the slot's start
+            low = piece.solid[0] // ALIGN * ALIGN
+            high = min(-(-piece.solid[1] // ALIGN) * ALIGN, len(file))
+            direct = garbage.clone()
+            direct[:high - low] = file[low:high]
+        for p in piece.parts:
+            i = owner[p.dest.untyped_storage().data_ptr()]
+            b = case["boxes"][i]
+            assert b["file"] == piece.file and p.dtype == dtype and p.dest.dtype == dests[i].dtype
+            assert not (b["how"] == "shared" and piece.solid is not None), "a shared box in a solid piece"
+            cover[i].as_strided(p.dest.shape, p.dest.stride(), p.dest.storage_offset()).add_(1)
+            source = slot[p.at:p.at + p.nbytes].view(p.dtype).as_strided(p.sizes, p.strides)
+            p.dest.copy_(source)
+            if direct is not None:
+                assert torch.equal(_bits(direct[p.at:p.at + p.nbytes].view(p.dtype).as_strided(p.sizes, p.strides)),
+                                   _bits(source))
+    for f in FILES:  # packed together, the boxes read what each reads alone
+        assert np.array_equal(_asked(pieces, len(files[f]), f), alone[f]), f
+    for i, (target, dest) in enumerate(zip(targets, dests)):
+        once = torch.zeros(target.numel(), dtype=torch.int64)
+        once.as_strided(dest.shape, dest.stride(), dest.storage_offset()).fill_(1)
+        assert torch.equal(cover[i], once), f"box {i}: not every element covered exactly once"
+        assert torch.equal(_bits(dest), _bits(expected[i])), f"box {i} ({case['boxes'][i]['how']})"
+
+
+def test_plan_landing_refuses_a_small_slot_and_a_dest_of_another_shape() -> None:
+    fb = FileBox("a.safetensors", 0, (4, 4), (16, 4), torch.float32)
+    with pytest.raises(ValueError, match="too small"):
+        plan_landing([(fb, torch.zeros(4, 4), "runs")], {"a.safetensors": 8}, 3 * ALIGN - ALIGN)
+    with pytest.raises(ValueError, match="cannot land"):
+        plan_landing([(fb, torch.zeros(4, 5), "runs")], {"a.safetensors": 8}, 3 * ALIGN)
+    with pytest.raises(ValueError, match="expected runs, span or shared"):
+        plan_landing([(fb, torch.zeros(4, 4), "all")], {"a.safetensors": 8}, 3 * ALIGN)
+
+
+# -- BoxReader's landing on the CPU seam -----------------------------------------------------------------------------
+
+
+def _save_two_files(folder: Path, tensors: dict[str, torch.Tensor]) -> None:
+    """``tensors`` in two safetensors files with an HF index json."""
+    names = sorted(tensors)
+    files = {"model-00001-of-00002.safetensors": names[::2], "model-00002-of-00002.safetensors": names[1::2]}
+    for file, keys in files.items():
+        save_file({k: tensors[k] for k in keys}, str(folder / file))
+    index = {"metadata": {"total_size": sum(t.numel() * t.element_size() for t in tensors.values())},
+             "weight_map": {k: f for f, keys in files.items() for k in keys}}
+    (folder / "model.safetensors.index.json").write_text(json.dumps(index))
+
+
+def _tensors(seed: int) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    rng = random.Random(seed)
+    out = {}
+    for i in range(8):
+        dtype = DTYPES[i % len(DTYPES)]
+        shape = [tuple([rng.randint(1, 9000)]), (rng.randint(1, 300), rng.randint(1, 300)),
+                 (rng.randint(1, 30), rng.randint(1, 30), rng.randint(1, 40))][i % 3]
+        out[f"k{i}"] = torch.randint(0, 256, (*shape, dtype.itemsize), generator=g,
+                                     dtype=torch.uint8).view(dtype).reshape(shape)
+    out["big"] = torch.randn(70_000, generator=g)  # 280 KB: more than the largest slot
+    return out
+
+
+def _entries(index, tensors: dict[str, torch.Tensor], seed: int, per_key: int = 3
+             ) -> list[tuple[FileBox, torch.Tensor, torch.Tensor]]:
+    """Random boxes of every key (the whole key first), each with a strided zero destination (its dtype or a cast)
+    and its expected value from torch indexing of the saved tensor."""
+    rng = random.Random(seed)
+    out = []
+    for key, t in tensors.items():
+        info = index.keys[key]
+        shape = tuple(t.shape)
+        for j in range(per_key + 1):
+            box = tuple(slice(0, n) for n in shape)
+            if j:
+                box = tuple(slice(a, rng.randint(a + 1, n)) for n in shape for a in [rng.randint(0, n - 1)])
+            fb = _file_box(info.file, info.data_offsets[0], shape, t.dtype, box)
+            out_dtype = _cast_dtype(t.dtype) if rng.random() < 0.4 else t.dtype
+            order = list(range(len(shape)))
+            rng.shuffle(order)
+            pad = [rng.randint(0, 2) for _ in shape]
+            _, dest = _dest(fb.sizes, out_dtype, order, pad, [rng.randint(0, p) for p in pad])
+            out.append((fb, dest, t[box].to(out_dtype)))
+    return out
+
+
+@pytest.mark.parametrize("slot_bytes", [3 * ALIGN, 16 << 10, 256 << 10])
+def test_boxes_land_bit_for_bit_through_the_cpu_seam(tmp_path: Path, slot_bytes: int) -> None:
+    tensors = _tensors(slot_bytes)
+    _save_two_files(tmp_path, tensors)
+    index = read_checkpoint(tmp_path)
+    entries = _entries(index, tensors, slot_bytes)
+    fb0, _, want0 = entries[1]  # the same box twice, into another tensor: handed back in order
+    entries.append((fb0, torch.zeros(fb0.sizes, dtype=want0.dtype), want0))
+    ring = StagingRing(4, slot_bytes, pinned=False)
+    with BoxReader(index, [(fb, dest) for fb, dest, _ in entries], device="cpu", ring=ring, threads=4,
+                   direct=False) as r:
+        for fb, dest, _ in entries:
+            assert r.read(fb) is dest
+        assert _within(20, r.finish) is None
+        assert r.bytes_read == sum(fb.nbytes for fb, _, _ in entries)
+        assert r.bytes_fetched >= r.bytes_read
+    assert _all_slots_free(ring)
+    for i, (fb, dest, want) in enumerate(entries):
+        assert torch.equal(_bits(dest), _bits(want)), (i, fb, dest.dtype)
+
+
+class _Preadv:
+    """``os.preadv``, counted; the ``fail``-th call raises EIO, every call first sleeps ``delay`` seconds."""
+
+    def __init__(self, fail: int = 0, delay: float = 0.0) -> None:
+        self.real = os.preadv
+        self.fail, self.delay = fail, delay
+        self.calls = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, fd: int, buffers: object, offset: int, *flags: int) -> int:
+        with self.lock:
+            self.calls += 1
+            n = self.calls
+        if self.delay:
+            time.sleep(self.delay)
+        if n == self.fail:
+            raise OSError(errno.EIO, "injected read failure")
+        return self.real(fd, buffers, offset, *flags)
+
+
+def _one_file(folder: Path, numel: int = 40 * 1024) -> tuple[torch.Tensor, str]:
+    """One key of ``numel`` float32 in ``model.safetensors``: with 3-page slots, one page a piece."""
+    w = torch.randn(numel, generator=torch.Generator().manual_seed(1))
+    save_file({"w": w}, str(folder / "model.safetensors"))
+    return w, "model.safetensors"
+
+
+def _row_entries(index, w: torch.Tensor, rows: int) -> list[tuple[FileBox, torch.Tensor]]:
+    """``w`` as ``rows`` boxes of one row each, into zero tensors."""
+    info = index.keys["w"]
+    n = w.numel() // rows
+    return [(FileBox(info.file, info.data_offsets[0] + i * n * 4, (n,), (4,), torch.float32), torch.zeros(n))
+            for i in range(rows)]
+
+
+def test_a_failed_read_mid_landing_is_raised_by_finish_naming_the_file(tmp_path: Path,
+                                                                       monkeypatch: pytest.MonkeyPatch) -> None:
+    w, file = _one_file(tmp_path)
+    index = read_checkpoint(tmp_path)
+    entries = _row_entries(index, w, 20)
+    count = _Preadv()
+    monkeypatch.setattr(os, "preadv", count)
+    ring = StagingRing(4, 3 * ALIGN, pinned=False)
+    with BoxReader(index, entries, device="cpu", ring=ring, threads=4, direct=False) as r:
+        assert _within(20, r.finish) is None
+    total = count.calls
+    assert total >= 20, total  # one read a piece at least
+
+    faulty = _Preadv(fail=total // 2)
+    monkeypatch.setattr(os, "preadv", faulty)
+    with BoxReader(index, entries, device="cpu", ring=ring, threads=4, direct=False) as r:
+        for fb, dest in entries[:3]:
+            assert r.read(fb) is dest
+        exc = _within(20, r.finish)
+        assert isinstance(exc, CheckpointError), exc
+        assert file in str(exc) and "injected read failure" in str(exc)
+        assert _within(20, r.finish) is exc  # again: the same failure, at once
+    assert faulty.calls < total  # the landing stopped: what was not started was not read
+    assert _all_slots_free(ring)
+
+
+def test_read_after_a_failure_raises_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    w, file = _one_file(tmp_path)
+    index = read_checkpoint(tmp_path)
+    entries = _row_entries(index, w, 20)
+    monkeypatch.setattr(os, "preadv", _Preadv(fail=2))
+    ring = StagingRing(2, 3 * ALIGN, pinned=False)
+    with BoxReader(index, entries, device="cpu", ring=ring, threads=2, direct=False) as r:
+        exc = _within(20, r.finish)
+        assert isinstance(exc, CheckpointError) and file in str(exc)
+        with pytest.raises(CheckpointError) as raised:
+            r.read(entries[0][0])
+        assert raised.value is exc
+        with pytest.raises(CheckpointError):
+            r.read(entries[-1][0])
+    assert _all_slots_free(ring)
+
+
+def test_a_truncated_file_is_a_short_read(tmp_path: Path) -> None:
+    w, file = _one_file(tmp_path)
+    index = read_checkpoint(tmp_path)
+    path = tmp_path / file
+    with open(path, "r+b") as f:
+        f.truncate(os.path.getsize(path) - 1000)
+    entries = _row_entries(index, w, 20)
+    ring = StagingRing(4, 3 * ALIGN, pinned=False)
+    with BoxReader(index, entries, device="cpu", ring=ring, threads=4, direct=False) as r:
+        exc = _within(20, r.finish)
+        assert isinstance(exc, CheckpointError), exc
+        assert re.search(rf"{re.escape(file)}: short read at byte \d+", str(exc)), str(exc)
+    assert _all_slots_free(ring)
+
+
+def test_close_while_landing_returns_promptly_and_frees_every_slot(tmp_path: Path,
+                                                                    monkeypatch: pytest.MonkeyPatch) -> None:
+    w, _ = _one_file(tmp_path, numel=100 * 1024)
+    index = read_checkpoint(tmp_path)
+    entries = _row_entries(index, w, 100)
+    slow = _Preadv(delay=0.02)
+    monkeypatch.setattr(os, "preadv", slow)
+    ring = StagingRing(4, 3 * ALIGN, pinned=False)
+    r = BoxReader(index, entries, device="cpu", ring=ring, threads=4, direct=False)
+    deadline = time.monotonic() + 5
+    while not slow.calls and time.monotonic() < deadline:
+        time.sleep(0.005)
+    time.sleep(0.03)
+    assert 0 < slow.calls < 100  # in flight
+    t0 = time.monotonic()
+    assert _within(5, r.close) is None
+    assert time.monotonic() - t0 < 1.0
+    after = slow.calls
+    time.sleep(0.1)
+    assert slow.calls == after  # nothing reads once close returned
+    assert after < 100
+    assert _all_slots_free(ring)
+
+
+# -- O_DIRECT --------------------------------------------------------------------------------------------------------
+
+
+@pytest.fixture(scope="module")
+def disk() -> Iterator[Path]:
+    """A directory on a disk that does O_DIRECT reads (``/var/tmp``: ``/tmp`` may be a tmpfs), removed after."""
+    root = Path(tempfile.mkdtemp(prefix="wb-landing-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
+    probe = root / "probe.bin"
+    probe.write_bytes(os.urandom(3 * ALIGN))
+    try:
+        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
+        try:
+            buf = mmap.mmap(-1, ALIGN)  # page-aligned
+            os.preadv(fd, [buf], ALIGN)
+        finally:
+            os.close(fd)
+    except (OSError, AttributeError) as exc:
+        shutil.rmtree(root)
+        pytest.skip(f"{root.parent} does not do O_DIRECT reads here: {exc}")
+    yield root
+    shutil.rmtree(root, ignore_errors=True)
+
+
+def test_large_contiguous_boxes_land_with_o_direct(disk: Path) -> None:
+    folder = disk / "direct"
+    folder.mkdir()
+    g = torch.Generator().manual_seed(5)
+    big = torch.randn(300_000, generator=g)
+    mid = torch.randn(1000, 777, generator=g).to(torch.bfloat16)
+    save_file({"big": big, "mid": mid}, str(folder / "model.safetensors"))
+    index = read_checkpoint(folder)
+    boxes = [("big", big, (slice(0, 300_000),), torch.float32), ("big", big, (slice(4099, 200_001),), torch.float32),
+             ("mid", mid, (slice(100, 900), slice(0, 777)), torch.bfloat16),
+             ("mid", mid, (slice(3, 700), slice(0, 777)), torch.float32)]
+    entries = []
+    for key, t, box, out_dtype in boxes:
+        info = index.keys[key]
+        fb = _file_box(info.file, info.data_offsets[0], tuple(t.shape), t.dtype, box)
+        _, dest = _dest(fb.sizes, out_dtype, list(range(len(box)))[::-1], [1] * len(box), [1] * len(box))
+        if out_dtype == t.dtype:
+            dest = torch.zeros(fb.sizes, dtype=out_dtype)  # contiguous: one copy from the slot straight in
+        entries.append((fb, dest, t[box].to(out_dtype)))
+    ring = StagingRing(4, 256 << 10, pinned=False)
+    with BoxReader(index, [(fb, dest) for fb, dest, _ in entries], device="cpu", ring=ring, threads=4,
+                   direct=True) as r:
+        for fb, dest, _ in entries:
+            assert r.read(fb) is dest
+        assert _within(20, r.finish) is None
+        assert r.bytes_direct > 0 and not r.direct_refused
+        assert r.bytes_direct >= sum(fb.nbytes for fb, _, _ in entries) // 2
+    assert _all_slots_free(ring)
+    for i, (fb, dest, want) in enumerate(entries):
+        assert torch.equal(_bits(dest), _bits(want)), (i, fb)
