@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 import workbench as wb
 from tests.io import test_box_reads as box_reads_tests
+from workbench.io.files import box_reads as box_reads_module
 from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.index import read_checkpoint
 from workbench.io.files.staging import staging_ring
@@ -55,3 +56,59 @@ def test_load_hf_into_cuda_tensors_is_exact_and_the_ring_is_pinned_once(tmp_path
         else:  # O_DIRECT reads each request's range rounded out to 4 KiB pages
             assert owned < report.bytes_read <= owned + 2 * 4096 * len(state) and report.bytes_direct > 0
     assert staging_ring() is ring and ring.allocations == 1
+
+
+@pytest.mark.parametrize("direct", [False, True])
+@pytest.mark.parametrize("dtype", [torch.bfloat16, torch.float32])
+@pytest.mark.parametrize(("ep", "etp"), [(1, 2), (2, 1), (2, 2)])
+def test_fused_experts_land_on_the_gpu_bit_for_bit(disk: Path, ep: int, etp: int, dtype: torch.dtype,
+                                                   direct: bool) -> None:
+    """The boxes of a Qwen3-MoE-like layer's EP/ETP locals land in CUDA tensors (copied straight from a slot, or
+    through its device twin: strided places, casts), as the placements define them."""
+    from tests.io import test_load_batched as moe
+
+    experts = 8
+    path = disk / f"ck-{ep}-{etp}-{str(dtype)[6:]}-{direct}"
+    full = moe._checkpoint(path, experts)
+    layout = moe._layout(experts, ep, etp)
+    for rank in range(ep * etp):
+        targets = {name: torch.full(spec.local_shape(rank), float("nan"), dtype=dtype, device="cuda")
+                   for name, spec in layout.specs.items()}
+        report = wb.load_hf(targets, path, layout=layout, rank=rank, read_direct=direct,
+                            cast=dtype != torch.bfloat16)
+        assert report.ok
+        want = moe._expected(full, experts, ep, etp, rank)
+        for name, t in targets.items():
+            got = t.cpu()
+            if dtype == torch.bfloat16:
+                assert torch.equal(got.view(torch.int16), want[name].view(torch.int16)), (name, rank)
+            else:
+                assert torch.equal(got.nan_to_num(7.0), want[name].float().nan_to_num(7.0)), (name, rank)
+
+
+def test_a_read_that_fails_mid_landing_fails_the_load_and_gives_every_slot_back(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    gen = torch.Generator().manual_seed(3)
+    state = {f"w{i}": torch.randn(1024, 4096, generator=gen).to(torch.bfloat16) for i in range(12)}  # 96 MiB
+    wb.save_hf(state, tmp_path / "ckpt")
+    ring = staging_ring()
+    calls = []
+    real = box_reads_module.os.preadv
+
+    def preadv(fd: int, bufs: list, offset: int, *args: object) -> int:
+        calls.append(offset)
+        if len(calls) == 6:  # in the middle: pieces before it landed, pieces after it are in flight
+            raise OSError(5, "Input/output error")
+        return real(fd, bufs, offset, *args)
+
+    monkeypatch.setattr(box_reads_module.os, "preadv", preadv)
+    model = {k: torch.zeros_like(v, device="cuda") for k, v in state.items()}
+    with pytest.raises(wb.LoadFailed, match="Input/output error"):
+        wb.load_hf(model, tmp_path / "ckpt", read_direct=False)
+    monkeypatch.undo()
+    free = [ring.try_take() for _ in range(ring.slots)]
+    assert all(s is not None for s in free), "a slot was not given back"
+    for s in free:
+        ring.give(s)
+    report = wb.load_hf(model, tmp_path / "ckpt", read_direct=False)  # the ring still serves a load
+    assert report.ok and all(torch.equal(model[k].cpu(), v) for k, v in state.items())

@@ -43,6 +43,7 @@ import errno
 import math
 import mmap
 import os
+import queue
 import threading
 from collections import deque
 from collections.abc import Callable, Sequence
@@ -55,6 +56,7 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.files.index import CheckpointIndex, KeyInfo, torch_dtype
+from workbench.io.files.landing import LandingPiece, plan_landing
 from workbench.io.files.staging import Slot, StagingRing, staging_ring
 from workbench.io.files.transfers import FileBox
 
@@ -73,6 +75,7 @@ DIRECT_COLD_SHARE = 0.1  # auto: O_DIRECT when at most this share of a request's
 LANDING_RUN_BYTES = 64 << 10  # a box given a tensor lands there run by run when its runs are this long
 DIRECT_ENV = "WORKBENCH_READ_DIRECT"  # the default of ``direct``: auto, 1 (True) or 0 (False)
 _SAMPLES = 32  # pages of a range cached_share asks mincore about
+COLD_REGION_BYTES = 64 << 20  # auto decides once per region of a file this long (the first request in it samples)
 _AUTO_SAMPLES = 8  # pages of a request that auto asks about (one mincore call each, ~4 us: 32 cost a warm load of
 # 8 MiB requests a quarter of its time)
 
@@ -246,12 +249,11 @@ class BoxReader:
         pin_memory: bool = False,
         direct: Direct | None = None,
         device: torch.device | str | None = None,
+        ring: StagingRing | None = None,
     ) -> None:
         self.index = index
-        self.device = torch.device(device) if device is not None else None
-        if self.device is not None and self.device.type != "cuda":
-            raise ValueError(f"BoxReader stages reads into a CUDA device, not {self.device}")
-        self._ring: StagingRing | None = staging_ring() if self.device is not None else None
+        self.device = _staging_device(device, ring)
+        self._ring: StagingRing | None = (ring or staging_ring()) if self.device is not None else None
         self._unissued: deque[_Piece] = deque()  # pieces of started staged requests without a slot yet, in order
         self._held: dict[int, Slot] = {}  # slots this reader holds (by id), given back by close() at the latest
         self._fds_of: dict[int, tuple[int, int | None]] = {}  # a staged request's file descriptors, by id
@@ -272,21 +274,55 @@ class BoxReader:
         self._fds: dict[str, tuple[int, int]] = {}
         self._direct_fds: dict[str, int] = {}
         self._maps: dict[str, _PageMap] = {}  # auto: which pages of a file are cached
+        self._cold_regions: dict[tuple[str, int], bool] = {}  # auto: (file, region) -> read with O_DIRECT
         self._slab: torch.Tensor | None = None  # small buffers are views of this (_buffer)
         self._slab_used = 0
         self._closing: list[int] = []  # direct fds a refusal retired: closed with the rest, no thread may hold one
         self._lock = threading.Lock()
         self._pool = _pool(max(1, threads))
         self._futures: list[Future] = []  # every task this reader submitted to the shared pool
-        requests = _merge([self._expected(e) for e in expected])
+        # boxes that land in tensors on the device: read and copied by the reading threads, piece by piece
+        self._landing: deque[LandingPiece] = deque()  # not started yet, in order
+        self._land_issued: dict[int, tuple[Future, Slot]] = {}  # by slot: pieces being read or read, not copied
+        self._land_ended: queue.SimpleQueue[tuple[LandingPiece, Slot, BaseException | None]] = queue.SimpleQueue()
+        self._lands: dict[FileBox, deque[torch.Tensor]] = {}  # what ``read`` hands back for each
+        self._land_error: BaseException | None = None
+        landing: list[tuple[FileBox, torch.Tensor, str]] = []
+        items: list[_Box] = []
+        for entry in expected:
+            if self.device is not None and _lands_on(entry, self.device):
+                fb, into = entry  # type: ignore[misc]
+                how = self._describe(fb)
+                landing.append((fb, into, "runs" if how.runs is not None else "shared" if how.compact else "span"))
+                self._lands.setdefault(fb, deque()).append(into)
+            else:
+                items.append(self._expected(entry))
+        requests = _merge(items)
         self._queue: deque[tuple[_Box, _Request]] = deque((b, r) for r in requests for b in r.boxes)
         self._pending: deque[_Request] = deque(requests)  # not issued yet, in order
         self._in_flight = 0  # bytes of issued requests whose boxes are not all handed out
+        if landing:
+            try:
+                self._start_landing(landing)
+            except BaseException:
+                self.close()
+                raise
 
     # -- the consumer's side ---------------------------------------------------------------------------------------
 
     def read(self, key: str | FileBox, box: Box = None) -> torch.Tensor:
-        """The tensor of ``key`` (or of ``box`` of it), or of a ``FileBox``, read ahead when it was expected here."""
+        """The tensor of ``key`` (or of ``box`` of it), or of a ``FileBox``, read ahead when it was expected here.
+        A box expected with a tensor on the reader's device is handed back at once: it lands there on the reading
+        threads (``finish`` waits for it)."""
+        if isinstance(key, FileBox) and self._lands:
+            queue = self._lands.get(key)
+            if queue:
+                self._drain(block=False)  # the copies of the pieces read meanwhile, and the next reads
+                if self._land_error is not None:
+                    raise self._land_error
+                self.bytes_read += key.nbytes
+                self.reads += 1
+                return queue.popleft()
         ident = key if isinstance(key, FileBox) else (key, _normal(box))
         head = self._queue[0][0].ident if self._queue else None
         if head is not None and (head is ident or head == ident):
@@ -315,6 +351,7 @@ class BoxReader:
 
     def close(self) -> None:
         """Cancel the reads not started, wait for those in flight, then close every file."""
+        self._stop_landing()
         futures, self._futures = self._futures, []
         for future in futures:
             future.cancel()
@@ -364,6 +401,7 @@ class BoxReader:
             if slot is None:
                 return
             self._issue_piece(self._unissued.popleft(), slot)
+        self._pump()  # the slots this reader's loading thread gave back serve the landing too
 
     def _issue_piece(self, piece: _Piece, slot: Slot) -> None:
         self._held[id(slot)] = slot
@@ -499,10 +537,10 @@ class BoxReader:
         """Queue the copies of the request's pieces into its device buffer on the current stream, in order (a piece
         not issued yet takes a slot first: every slot this reader held went to earlier pieces, copied by now), and
         give each slot back with its copy's event."""
-        assert self._ring is not None
+        assert self._ring is not None and self.device is not None
         target = request.cover if request.cover is not None else request.buffer
         assert target is not None
-        stream = torch.cuda.current_stream(self.device)
+        stream = torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
         while request.copied < len(request.pieces):
             piece = request.pieces[request.copied]
             if piece.future is None:
@@ -513,8 +551,9 @@ class BoxReader:
             try:
                 piece.future.result()  # an interrupt here leaves the slot to close(), once its read has ended
                 target[piece.at:piece.at + piece.nbytes].copy_(slot.buffer[:piece.nbytes], non_blocking=True)
-                event = torch.cuda.Event()
-                event.record(stream)
+                if stream is not None:
+                    event = torch.cuda.Event()
+                    event.record(stream)
             finally:
                 if piece.future.done():
                     del self._held[id(slot)]
@@ -526,6 +565,125 @@ class BoxReader:
         request.pieces.clear()  # no cycle (piece -> request) keeps the device buffer past its last box
         request.copied = 0
         request.cover = None  # the boxes' views keep what they need
+
+    # -- landing: boxes read by the reading threads and copied into tensors on the device -----------------------
+
+    def finish(self) -> None:
+        """Queue the copies of every box expected with a tensor on the reader's device, on the current stream, as
+        their pieces are read; raise the first failure."""
+        self._drain(block=True)
+        if self._land_error is not None:
+            raise self._land_error
+
+    def _start_landing(self, boxes: list[tuple[FileBox, torch.Tensor, str]]) -> None:
+        assert self._ring is not None
+        starts = {fb.file: self._fd(fb.file)[1] for fb, _, _ in boxes}
+        self._landing.extend(plan_landing(boxes, starts, self._ring.slot_bytes))
+        self._pump()
+
+    def _pump(self) -> None:
+        """Start reading the next landing pieces, in order, into the ring's free slots."""
+        ring = self._ring
+        while self._landing and self._land_error is None:
+            assert ring is not None
+            slot = ring.try_take()
+            if slot is None:
+                return
+            self._issue_landing(slot)
+
+    def _issue_landing(self, slot: Slot) -> None:
+        piece = self._landing.popleft()
+        self._land_issued[id(slot)] = (self._submit(self._land_read, piece, slot), slot)
+
+    def _drain(self, block: bool) -> None:
+        """On the loading thread: queue the copies of the pieces read so far, in the order their reads end (their
+        places are disjoint), giving each slot back with its copy's event and starting the next reads; ``block``:
+        until every piece is copied."""
+        ring = self._ring
+        while self._land_error is None and (self._land_issued or (block and self._landing)):
+            assert ring is not None
+            if not self._land_issued:  # every slot is held elsewhere (another reader of this process): wait for one
+                self._issue_landing(ring.take())
+                continue
+            try:
+                piece, slot, failure = self._land_ended.get(block=block)
+            except queue.Empty:
+                return
+            del self._land_issued[id(slot)]
+            event = None
+            try:
+                if failure is not None:
+                    raise failure
+                event = self._land_copy(piece, slot)
+            except Exception as exc:
+                self._land_error = exc
+            finally:
+                ring.give(slot, event)
+            self._pump()
+
+    def _land_read(self, piece: LandingPiece, slot: Slot) -> None:
+        """On a reader thread: read the piece into the slot, then tell the loading thread (``_land_ended``)."""
+        failure: BaseException | None = None
+        try:
+            self._land_fill(piece, slot)
+        except BaseException as exc:  # the loading thread raises it
+            failure = exc
+        self._land_ended.put((piece, slot, failure))
+
+    def _land_fill(self, piece: LandingPiece, slot: Slot) -> None:
+        """Once the slot's last copy has run, read the piece into it (its solid range's aligned cover with
+        O_DIRECT where ``direct`` says so)."""
+        slot.ready()
+        fd, _ = self._fd(piece.file)
+        view = memoryview(slot.buffer.numpy())
+        if piece.solid is not None and self._cold(piece.file, fd, piece.solid[0], piece.nbytes):
+            dfd = self._direct_fd(piece.file)
+            if dfd is not None:
+                begin, end = piece.solid
+                low, high = begin // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN
+                self._pread_direct_piece(fd, dfd, piece.file, low, view[:high - low], end - low)
+                return
+        for offset, at, n in piece.reads:
+            self._read_into(fd, piece.file, offset, view[at:at + n])
+        with self._lock:
+            self.bytes_fetched += piece.nbytes
+
+    def _land_copy(self, piece: LandingPiece, slot: Slot) -> torch.cuda.Event | None:
+        """Queue the piece's copies out of the slot on the current stream: straight into a part's tensor where the
+        slot holds that tensor's bytes in order, else the slot's used bytes into its device twin and each part
+        from there with one (strided, casting) copy. The event after them, or None on the CPU."""
+        assert self.device is not None
+        parts = piece.parts
+        try:
+            if len(parts) == 1 and parts[0].direct:
+                p = parts[0]
+                p.dest.copy_(slot.buffer[p.at:p.at + p.nbytes].view(p.dtype).view(p.sizes), non_blocking=True)
+            else:
+                source = slot.buffer
+                if self.device.type != "cpu":
+                    source = slot.twin(self.device)
+                    source[:piece.used].copy_(slot.buffer[:piece.used], non_blocking=True)
+                for p in parts:
+                    p.dest.copy_(source[p.at:p.at + p.nbytes].view(p.dtype).as_strided(p.sizes, p.strides))
+        finally:  # what was queued must run before the slot is read into again
+            event = None
+            if self.device.type == "cuda":
+                event = torch.cuda.Event()
+                event.record(torch.cuda.current_stream(self.device))
+        return event
+
+    def _stop_landing(self) -> None:
+        """Drop the pieces not started; the slots of those started go back once their reads have ended."""
+        self._landing.clear()
+        issued, self._land_issued = self._land_issued, {}
+        for future, _ in issued.values():
+            future.cancel()
+        wait([f for f, _ in issued.values()])
+        for _, slot in issued.values():
+            assert self._ring is not None
+            self._ring.give(slot)
+        while not self._land_ended.empty():
+            self._land_ended.get()
 
     def _submit(self, fn: Callable[..., None], *args: object) -> Future:
         future = self._pool.submit(fn, *args)
@@ -661,13 +819,31 @@ class BoxReader:
             return False
         if self.direct is True:
             return True
-        if request.nbytes < DIRECT_MIN_BYTES or any(b.compact for b in request.boxes):
-            return False  # small; or a span that shares its pages with a peer's box: one read of them serves both
-        pages = self._maps.get(request.file)
-        if pages is None:
-            pages = self._maps[request.file] = _PageMap(fd)
-        share = pages.share(data_start + request.boxes[0].start, request.nbytes, _AUTO_SAMPLES)
-        return share is not None and share <= DIRECT_COLD_SHARE  # unknown: the page cache is the safe side
+        if any(b.compact for b in request.boxes):
+            return False  # a span that shares its pages with a peer's box: one read of them serves both
+        return self._cold(request.file, fd, data_start + request.boxes[0].start, request.nbytes)
+
+    def _cold(self, file: str, fd: int, begin: int, nbytes: int) -> bool:
+        """Whether ``direct`` reads the absolute range ``[begin, begin + nbytes)`` of ``file`` with O_DIRECT: always
+        (True), never (False, or the file refused it), or (auto) when it is large and its sampled pages are not
+        cached."""
+        if self.direct is False or file in self.direct_refused:
+            return False
+        if self.direct is True:
+            return True
+        if nbytes < DIRECT_MIN_BYTES:
+            return False
+        region = (file, begin // COLD_REGION_BYTES)
+        known = self._cold_regions.get(region)
+        if known is not None:
+            return known
+        with self._lock:
+            pages = self._maps.get(file)
+            if pages is None:
+                pages = self._maps[file] = _PageMap(fd)
+        share = pages.share(begin, nbytes, _AUTO_SAMPLES)
+        cold = self._cold_regions[region] = share is not None and share <= DIRECT_COLD_SHARE  # unknown: page cache
+        return cold
 
     def _direct_fd(self, file: str) -> int | None:
         """The file opened with O_DIRECT (once), or None where it was refused."""
@@ -904,6 +1080,25 @@ def _copy_out(raw: torch.Tensor, item: _Box, out: torch.Tensor) -> None:
 def _storage_bytes(t: torch.Tensor) -> np.ndarray:
     """Every byte of the storage under ``t`` (a CPU tensor), as numpy sees them."""
     return torch.empty(0, dtype=torch.uint8).set_(t.untyped_storage()).numpy()
+
+
+def _staging_device(device: torch.device | str | None, ring: StagingRing | None) -> torch.device | None:
+    """The device a reader stages into: a CUDA device (with its index), or the CPU through an unpinned ring given
+    (the staged path without a GPU: its pieces, slots and landing, with copies that run at once)."""
+    if device is None:
+        return None
+    device = torch.device(device)
+    if device.type == "cuda":
+        return device if device.index is not None else torch.device("cuda", torch.cuda.current_device())
+    if device.type == "cpu" and ring is not None and not ring.pinned:
+        return device
+    raise ValueError(f"BoxReader stages reads into a CUDA device, not {device}")
+
+
+def _lands_on(entry: object, device: torch.device) -> bool:
+    """Whether an expected entry is a box with a tensor on ``device`` to land in."""
+    return (isinstance(entry, tuple) and len(entry) == 2 and isinstance(entry[0], FileBox)
+            and isinstance(entry[1], torch.Tensor) and entry[1].device == device)
 
 
 def _checked_into(fb: FileBox, into: torch.Tensor) -> torch.Tensor:

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import queue
 import threading
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch
 
@@ -27,10 +27,20 @@ _ALIGN = 4096  # slots start on a page: O_DIRECT reads land in them
 
 @dataclass(eq=False)
 class Slot:
-    """One slot: ``buffer`` (uint8, ``slot_bytes``) and the event of the last copy out of it (None: none pending)."""
+    """One slot: ``buffer`` (uint8, ``slot_bytes``), the event of the last copy out of it (None: none pending) and its
+    device twins (``twin``), which that event covers too."""
 
     buffer: torch.Tensor
     event: torch.cuda.Event | None = None
+    twins: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+
+    def twin(self, device: torch.device) -> torch.Tensor:
+        """The slot's twin on ``device``: ``slot_bytes`` there, made on first use and kept with the slot (a piece
+        whose bytes go to strided places is copied there whole, then spread by copies on the device)."""
+        twin = self.twins.get(device)
+        if twin is None:
+            twin = self.twins[device] = torch.empty(self.buffer.numel(), dtype=torch.uint8, device=device)
+        return twin
 
     def ready(self) -> None:
         """Wait until the last copy out of the slot has run: then it may be written. On the thread that fills it."""

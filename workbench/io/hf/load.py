@@ -18,7 +18,7 @@ from workbench.faults import fault_point
 from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.direct import replicating_dims
 from workbench.io.files.read import CheckpointReader
-from workbench.io.files.transfers import Transfer, copy_transfers, landing_views, plan_transfers
+from workbench.io.files.transfers import PIECE_BYTES, Transfer, copy_transfers, landing_views, plan_transfers
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, layout_and_locals
@@ -29,6 +29,8 @@ from workbench.run.load_ops import execute_load, prepare_target
 from workbench.run.torch_comm import DEFAULT_TIMEOUT, ControlChannel
 
 __all__ = ["LoadReport", "load_hf"]
+
+_WHOLE = 1 << 62  # piece_bytes of a transfer not cut into pieces
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -175,8 +177,8 @@ def load_hf(
             to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
             device = next((targets[n].device for n in to_read if targets[n].device.type == "cuda"), None)
             on_gpu = device is not None
-            transfers = _transfers(reader, plans, to_read, targets, adapters)
-            boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets),
+            transfers = _transfers(reader, plans, to_read, targets, adapters, device)
+            boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, device),
                               threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
                               device=device)
             for name, plan in plans.items():
@@ -194,6 +196,7 @@ def load_hf(
                     _copy_planned(plan, transfers[name], boxes.read, targets[name], non_blocking=on_gpu)
                 else:
                     execute_load(plan, boxes.read, targets[name], adapters, cast=cast, non_blocking=on_gpu)
+            boxes.finish()  # the boxes landing on the GPU from the reading threads: queued, or the first failure
             if on_gpu:  # the copies were queued: they land before anyone reads the model
                 torch.cuda.synchronize()
         except BaseException as exc:  # an interrupt is this rank's problem first, raised after the agreement
@@ -239,14 +242,20 @@ def _transfers(
     names: list[str],
     targets: Mapping[str, torch.Tensor],
     adapters: Mapping[str, Adapter] | None,
+    device: torch.device | None = None,
 ) -> dict[str, tuple[Transfer, ...]]:
     """The coalesced transfers of every parameter read here whose keys have no adapter (those are read whole, key
-    by key, and canonicalized by ``execute_load``)."""
-    return {
-        name: plan_transfers(reader.index, plans[name].reads, targets[name].stride())
-        for name in names
-        if not (adapters and any(r.hf_key in adapters for r in plans[name].reads))
-    }
+    by key, and canonicalized by ``execute_load``). Those that land on the GPU (``device``) are not cut into
+    pieces here: ``BoxReader`` cuts them into pieces of its staging slots (8 MiB pieces would leave a few KiB of
+    each over)."""
+    out = {}
+    for name in names:
+        if adapters and any(r.hf_key in adapters for r in plans[name].reads):
+            continue
+        lands = device is not None and targets[name].device == device and not plans[name].zero_fill
+        out[name] = plan_transfers(reader.index, plans[name].reads, targets[name].stride(),
+                                   piece_bytes=_WHOLE if lands else PIECE_BYTES)
+    return out
 
 
 def _copy_planned(
@@ -263,17 +272,20 @@ def _reads_in_order(
     adapters: Mapping[str, Adapter] | None,
     transfers: Mapping[str, tuple[Transfer, ...]],
     targets: Mapping[str, torch.Tensor],
+    device: torch.device | None = None,
 ) -> list[tuple[str, tuple[slice, ...] | None] | Any]:
     """Every read the consumer will ask for, in its order: a parameter's coalesced transfers (``FileBox``-es; with
-    the place in the local tensor where that is a CPU tensor of the checkpoint's dtype with no padding to zero
-    first, so the bytes land there), or, for one with adapters, the owned box of each key, or the whole key (once
-    per parameter) where an adapter canonicalizes it."""
+    the place in the local tensor where the bytes can land there: a tensor with no padding to zero first, on the
+    GPU the load reads into (``device``; a copy there casts) or a CPU tensor of the checkpoint's dtype), or, for
+    one with adapters, the owned box of each key, or the whole key (once per parameter) where an adapter
+    canonicalizes it."""
     reads: list[Any] = []
     for name in names:
         if name in transfers:
             out = targets[name]
-            if out.device.type == "cpu" and not plans[name].zero_fill and all(
-                    t.source.dtype == out.dtype for t in transfers[name]):
+            on_device = device is not None and out.device == device
+            same_dtype = all(t.source.dtype == out.dtype for t in transfers[name])
+            if not plans[name].zero_fill and (on_device or (out.device.type == "cpu" and same_dtype)):
                 reads.extend(zip((t.source for t in transfers[name]), landing_views(transfers[name], out)))
             else:
                 reads.extend(t.source for t in transfers[name])

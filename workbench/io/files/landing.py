@@ -1,0 +1,254 @@
+"""Boxes of file bytes read into tensors on a device, planned as pieces of one staging slot each.
+
+A load into GPU memory knows, before anything is read, where every byte of the checkpoint goes: a parameter's
+coalesced transfers (``transfers.py``) name a box of a file and the view of the local tensor it fills. So the
+copies need no buffer of their own and no word from the loading thread: a reader thread reads a piece into a pinned
+slot, queues the slot's copy into the tensor (straight into it where the piece is one contiguous run of it, else
+into the slot's device twin and from there with one strided copy per part), and gives the slot back with the event
+of that copy. ``plan_landing`` cuts the boxes into such pieces; ``BoxReader`` runs them (``box_reads.py``).
+
+A box is cut along its leading dim into parts whose bytes fit a piece (a row too long for one is cut along its own
+leading dim, down to runs of elements; a contiguous run is cut at page boundaries of the file, so the pieces of a
+large tensor read with ``O_DIRECT`` read every page once), and parts that follow each other are packed into one
+piece while they fit. A part is read as its span (viewed with the file's strides: the bytes between its runs come
+along) or as its runs packed one after the other, as the caller says (``BoxReader`` keeps its own rule: the span
+where it is dense or its gaps hold no whole page). Where a piece's parts are one range of the file, each at its own
+place relative to the page the range starts in, the piece is ``solid``: its aligned cover fits the slot and can be
+read with ``O_DIRECT`` straight into it.
+
+Pure arithmetic on offsets and views: nothing is read here.
+"""
+
+from __future__ import annotations
+
+import itertools
+import math
+from collections.abc import Iterator, Mapping, Sequence
+from dataclasses import dataclass, field
+
+import torch
+
+from workbench.io.files.transfers import FileBox
+
+__all__ = ["LandingPart", "LandingPiece", "plan_landing"]
+
+ALIGN = 4096  # O_DIRECT's alignment of offsets and lengths (a page)
+_PAD = 64  # a part that does not sit at its place in the file starts at a multiple of this in the slot
+_KEEP_SOLID = 1 << 20  # a solid piece this long is not joined by a part from elsewhere (it stays O_DIRECT-able)
+
+
+@dataclass(frozen=True, slots=True)
+class LandingPart:
+    """Bytes at ``at`` in a slot, viewed as ``dtype`` with ``sizes`` and element ``strides``, copied into ``dest``
+    (a view of the target of the same sizes, any dtype: a copy casts). ``nbytes``: from ``at`` to its last byte."""
+
+    at: int
+    nbytes: int
+    sizes: tuple[int, ...]
+    strides: tuple[int, ...]
+    dtype: torch.dtype
+    dest: torch.Tensor = field(compare=False, repr=False)
+
+    @property
+    def direct(self) -> bool:
+        """Whether its bytes are ``dest``'s own bytes in order: one copy from the slot into it, no twin."""
+        return (self.dest.dtype == self.dtype and self.strides == _contiguous(self.sizes)
+                and self.dest.is_contiguous())
+
+
+@dataclass(frozen=True, slots=True)
+class LandingPiece:
+    """What one slot carries: ``reads`` (absolute file offset, offset in the slot, bytes) of ``file``, then the copy
+    of each part. ``used``: slot bytes from 0 to the end of the last part. ``solid``: the absolute range
+    ``(begin, end)`` the reads make when they are one range of the file laid at ``begin % ALIGN`` in the slot
+    (O_DIRECT reads its aligned cover into the slot instead), else None."""
+
+    file: str
+    reads: tuple[tuple[int, int, int], ...]
+    parts: tuple[LandingPart, ...]
+    used: int
+    solid: tuple[int, int] | None
+
+    @property
+    def nbytes(self) -> int:
+        """Bytes the reads ask for."""
+        return sum(n for _, _, n in self.reads)
+
+
+def plan_landing(
+    boxes: Sequence[tuple[FileBox, torch.Tensor, str]],
+    data_start: Mapping[str, int],
+    slot_bytes: int,
+) -> list[LandingPiece]:
+    """The pieces that read ``boxes`` into slots of ``slot_bytes``, in order. Each is ``(box, dest, how)``: a box of
+    a file, the view of its sizes it lands in, and how it is read: ``"runs"`` (its runs packed one after the other),
+    ``"span"`` (its span, viewed with the file's strides) or ``"shared"`` (its span, whose pages hold a peer's bytes
+    too: never in a solid piece, so O_DIRECT does not read for one rank what the page cache reads once for both).
+
+    ``data_start`` is each file's first data byte (after its header). Every part's bytes end at most ``ALIGN``
+    before the slot's end, so a solid piece's aligned cover always fits.
+
+    Raises:
+        ValueError: ``dest`` does not have the box's sizes, or the slot cannot hold a page and one element.
+    """
+    if slot_bytes < 3 * ALIGN:
+        raise ValueError(f"a landing slot of {slot_bytes} bytes is too small: at least {3 * ALIGN}")
+    limit = slot_bytes - 2 * ALIGN  # a part's bytes; with its place in its first page and its last page's rest
+    packer = _Packer(slot_bytes)
+    for fb, dest, how in boxes:
+        if tuple(dest.shape) != fb.sizes:
+            raise ValueError(f"{fb} cannot land in a tensor of shape {tuple(dest.shape)}")
+        if how not in ("runs", "span", "shared"):
+            raise ValueError(f"how={how!r}: expected runs, span or shared")
+        if not fb.numel:
+            continue
+        base = data_start[fb.file]
+        span = how != "runs"
+        for sub, offset, strides in _split(fb, dest.storage_offset(), dest.stride(), span, limit, base):
+            view = dest.as_strided(sub.sizes, strides, offset)
+            packer.add(sub, view, span, base, shared=how == "shared")
+    return packer.done()
+
+
+def _split(
+    fb: FileBox, offset: int, strides: Sequence[int], span: bool, limit: int, base: int
+) -> Iterator[tuple[FileBox, int, tuple[int, ...]]]:
+    """``fb`` cut into boxes of at most ``limit`` bytes read, each with its element offset and strides in the
+    destination's storage."""
+    strides = tuple(strides)
+    if _read_bytes(fb, span) <= limit:
+        yield fb, offset, strides
+        return
+    size = fb.dtype.itemsize
+    first = fb.sizes[0]
+    if len(fb.sizes) == 1 and fb.strides[0] == size:  # one run: cut at pages of the file
+        start = base + fb.offset
+        step = limit // ALIGN * ALIGN
+        cuts = [0]
+        if start % size == 0:
+            nxt = (start // ALIGN + 1) * ALIGN + step - ALIGN  # the first cut, then every ``step`` bytes
+            while nxt - start < first * size:
+                cuts.append((nxt - start) // size)
+                nxt += step
+        else:  # elements straddle pages anyway: cut every ``limit`` bytes
+            cuts.extend(range(limit // size, first, limit // size))
+        cuts.append(first)
+        for a, b in itertools.pairwise(cuts):
+            if b > a:
+                yield (FileBox(fb.file, fb.offset + a * size, (b - a,), fb.strides, fb.dtype), offset + a * strides[0],
+                       strides)
+        return
+    row = FileBox(fb.file, fb.offset, (1, *fb.sizes[1:]), fb.strides, fb.dtype)
+    per_row = _read_bytes(row, span)
+    if per_row <= limit:  # whole rows: as many as fit
+        if span:
+            rows = (limit - per_row) // fb.strides[0] + 1
+        else:
+            rows = limit // per_row
+        for a in range(0, first, rows):
+            n = min(rows, first - a)
+            yield (FileBox(fb.file, fb.offset + a * fb.strides[0], (n, *fb.sizes[1:]), fb.strides, fb.dtype),
+                   offset + a * strides[0], strides)
+        return
+    for a in range(first):  # a row is too long: each row on its own, cut along its next dim
+        inner = FileBox(fb.file, fb.offset + a * fb.strides[0], fb.sizes[1:], fb.strides[1:], fb.dtype)
+        yield from _split(inner, offset + a * strides[0], strides[1:], span, limit, base)
+
+
+def _read_bytes(fb: FileBox, span: bool) -> int:
+    return fb.span if span else fb.nbytes
+
+
+def _runs(fb: FileBox) -> tuple[int, list[int]]:
+    """The length of ``fb``'s runs (trailing dims contiguous in the file, folded) and their offsets, in order."""
+    size = fb.dtype.itemsize
+    k, run = len(fb.sizes), size
+    while k > 0 and fb.strides[k - 1] == run:
+        k -= 1
+        run *= fb.sizes[k]
+    starts = [fb.offset]
+    for n, s in zip(fb.sizes[:k], fb.strides[:k]):
+        starts = [a + i * s for a in starts for i in range(n)]
+    return run, starts
+
+
+class _Packer:
+    """Parts packed into pieces in order: one file a piece, at most a slot each."""
+
+    def __init__(self, slot_bytes: int) -> None:
+        self.slot_bytes = slot_bytes
+        self.pieces: list[LandingPiece] = []
+        self._file: str | None = None
+        self._reads: list[tuple[int, int, int]] = []
+        self._parts: list[LandingPart] = []
+        self._used = 0
+        self._solid: tuple[int, int] | None = None
+
+    def add(self, fb: FileBox, dest: torch.Tensor, span: bool, base: int, shared: bool = False) -> None:
+        size = fb.dtype.itemsize
+        if span or len(_runs(fb)[1]) == 1:  # one range of the file
+            begin = base + fb.offset
+            nbytes = fb.span
+            ranges = [(begin, nbytes)]
+            strides = tuple(s // size for s in fb.strides) if span else _contiguous(fb.sizes)
+        else:
+            run, starts = _runs(fb)
+            ranges = [(base + s, run) for s in starts]
+            nbytes = run * len(starts)
+            strides = _contiguous(fb.sizes)
+        at = self._place(fb.file, ranges, nbytes, size, shared)
+        if at is None:
+            self._flush()
+            at = self._place(fb.file, ranges, nbytes, size, shared)
+            assert at is not None, "a part larger than a slot"
+        self._parts.append(LandingPart(at, nbytes, fb.sizes, strides, fb.dtype, dest))
+        pos = at
+        for offset, n in ranges:
+            last = self._reads[-1] if self._reads else None
+            if last is not None and last[0] + last[2] == offset and last[1] + last[2] == pos:
+                self._reads[-1] = (last[0], last[1], last[2] + n)
+            else:
+                self._reads.append((offset, pos, n))
+            pos += n
+        self._used = at + nbytes
+
+    def _place(self, file: str, ranges: list[tuple[int, int]], nbytes: int, size: int, shared: bool) -> int | None:
+        """Where the part goes in the current piece (None: it does not fit; start a new one); keeps ``_solid``."""
+        one_range = len(ranges) == 1 and not shared
+        begin = ranges[0][0]
+        if self._file is None:  # a new piece: at its place within its first page when that keeps it aligned
+            natural = begin % ALIGN
+            at = natural if one_range and natural % size == 0 else 0
+            self._file = file
+            self._solid = (begin, begin + nbytes) if one_range and at == natural else None
+            return at
+        if file != self._file:
+            return None
+        if self._solid is not None and one_range and begin == self._solid[1]:  # the range goes on
+            at = self._used
+            if at + nbytes <= self.slot_bytes - ALIGN:
+                self._solid = (self._solid[0], begin + nbytes)
+                return at
+            return None
+        if self._solid is not None and self._used >= _KEEP_SOLID:
+            return None
+        at = -(-self._used // max(_PAD, size)) * max(_PAD, size)
+        if at + nbytes > self.slot_bytes - ALIGN:
+            return None
+        self._solid = None
+        return at
+
+    def _flush(self) -> None:
+        if self._parts:
+            assert self._file is not None
+            self.pieces.append(LandingPiece(self._file, tuple(self._reads), tuple(self._parts), self._used,
+                                            self._solid))
+        self._file, self._reads, self._parts, self._used, self._solid = None, [], [], 0, None
+
+    def done(self) -> list[LandingPiece]:
+        self._flush()
+        return self.pieces
+
+
+def _contiguous(sizes: Sequence[int]) -> tuple[int, ...]:
+    return tuple(math.prod(sizes[d + 1:]) for d in range(len(sizes)))
