@@ -26,7 +26,8 @@ buffer handed on starts at the range's first byte, so a request reads at most ``
 ``direct`` picks the path: ``False`` never; ``True`` every contiguous request; ``"auto"`` (the default, or the
 ``WORKBENCH_READ_DIRECT`` environment variable: ``auto``, ``1``, ``0``) a contiguous request of at least
 ``DIRECT_MIN_BYTES`` of which at most ``DIRECT_COLD_SHARE`` of the pages are in the page cache (``mincore`` on
-sampled pages): cold and large. Not a request with a box read as its span and compacted: its pages hold a peer's
+sampled pages, once per ``COLD_REGION_BYTES`` of a file: the first request in a region decides for the rest):
+cold and large. Not a request with a box read as its span and compacted: its pages hold a peer's
 bytes too (the other half of each row of an expert-TP ``down_proj``), and through the page cache the disk reads
 them once for both ranks, where O_DIRECT read them once for each. A warm page cache is faster than any disk, and a
 cold read with ``O_DIRECT`` leaves the cache as cold as it found it: a second load of the same files reads the disk
@@ -225,6 +226,13 @@ class BoxReader:
             request are copied, on the current stream, into a buffer on this device, and ``read`` hands out a device
             tensor. ``budget_bytes`` then bounds device buffers; pinned memory is the ring's whatever the load.
             Boxes read into a CPU tensor, and boxes asked out of the expected order, are read without the ring.
+            An expected ``(FileBox, tensor)`` whose tensor is on this device **lands** there: its pieces
+            (``landing.py``) are read by the threads into free slots from the start, and the loading thread copies
+            each, as its read ends (in ``read`` and in ``finish``), straight into the tensor or through the slot's
+            device twin; ``read`` hands the tensor back at once and ``finish`` queues what is left, or raises the
+            first failure.
+        ring: the staging ring to read through (default the process's). With ``device="cpu"`` and an unpinned
+            ring, the staged and landing paths run without a GPU, their copies at once (how the tests run them).
 
     ``bytes_read`` counts the bytes of every box handed out; ``bytes_fetched`` the bytes ``pread`` asked the files
     for (more when a dense span held bytes outside its box, or an O_DIRECT read its aligned cover), of which
