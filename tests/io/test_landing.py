@@ -10,15 +10,12 @@ import errno
 import itertools
 import json
 import math
-import mmap
 import os
 import random
 import re
-import shutil
-import tempfile
 import threading
 import time
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from pathlib import Path
 
 import numpy as np
@@ -28,6 +25,7 @@ from hypothesis import event, given, settings
 from hypothesis import strategies as st
 from safetensors.torch import save_file
 
+from tests.io import test_box_reads as box_reads_tests
 from workbench.errors import CheckpointError
 from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.index import read_checkpoint
@@ -485,24 +483,7 @@ def test_close_while_landing_returns_promptly_and_frees_every_slot(tmp_path: Pat
 # -- O_DIRECT --------------------------------------------------------------------------------------------------------
 
 
-@pytest.fixture(scope="module")
-def disk() -> Iterator[Path]:
-    """A directory on a disk that does O_DIRECT reads (``/var/tmp``: ``/tmp`` may be a tmpfs), removed after."""
-    root = Path(tempfile.mkdtemp(prefix="wb-landing-", dir="/var/tmp" if os.path.isdir("/var/tmp") else None))
-    probe = root / "probe.bin"
-    probe.write_bytes(os.urandom(3 * ALIGN))
-    try:
-        fd = os.open(probe, os.O_RDONLY | os.O_DIRECT)
-        try:
-            buf = mmap.mmap(-1, ALIGN)  # page-aligned
-            os.preadv(fd, [buf], ALIGN)
-        finally:
-            os.close(fd)
-    except (OSError, AttributeError) as exc:
-        shutil.rmtree(root)
-        pytest.skip(f"{root.parent} does not do O_DIRECT reads here: {exc}")
-    yield root
-    shutil.rmtree(root, ignore_errors=True)
+disk = box_reads_tests.disk  # the fixture: a directory on a disk that does O_DIRECT reads
 
 
 def test_large_contiguous_boxes_land_with_o_direct(disk: Path) -> None:
