@@ -186,13 +186,13 @@ class _Packer:
 
     def add(self, fb: FileBox, dest: torch.Tensor, span: bool, base: int, shared: bool = False) -> None:
         size = fb.dtype.itemsize
-        if span or len(_runs(fb)[1]) == 1:  # one range of the file
+        run, starts = (0, []) if span else _runs(fb)
+        if span or len(starts) == 1:  # one range of the file
             begin = base + fb.offset
             nbytes = fb.span
             ranges = [(begin, nbytes)]
             strides = tuple(s // size for s in fb.strides) if span else _contiguous(fb.sizes)
         else:
-            run, starts = _runs(fb)
             ranges = [(base + s, run) for s in starts]
             nbytes = run * len(starts)
             strides = _contiguous(fb.sizes)
