@@ -15,6 +15,9 @@ import json
 import math
 import os
 import struct
+import threading
+import time
+from collections import OrderedDict
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,6 +34,7 @@ __all__ = [
     "SINGLE_FILE_NAME",
     "CheckpointIndex",
     "KeyInfo",
+    "cached_checkpoint",
     "read_checkpoint",
     "read_header",
     "read_index",
@@ -492,4 +496,59 @@ def read_checkpoint(path: Path | str) -> CheckpointIndex:
         raise CheckpointError(f"checkpoint {path} has {len(problems)} problems:\n  - {listed}{more}")
     if index is None:  # unreachable: no index comes with a problem
         raise CheckpointError(f"{path}: not a checkpoint")
+    return index
+
+
+_CACHE_SIZE = 8  # checkpoints whose parsed index is kept (a few KiB per thousand keys)
+_cache: OrderedDict[Path, tuple[tuple, CheckpointIndex]] = OrderedDict()
+_cache_lock = threading.Lock()
+_SETTLED_NS = 1_000_000_000  # a file changed less than this before parsing began may still be changing
+
+
+def _signature(path: Path, index: CheckpointIndex | None) -> tuple | None:
+    """What must not have changed for a parsed ``index`` of ``path`` to still hold: where ``_locate`` finds the
+    index or lone file, and the inode, size and change times of that file and of every data file. An atomic
+    replace (a new inode), an append, a truncation or a rewrite in place (``st_ctime_ns``) each change it. None
+    where a file is gone."""
+    _, index_file, lone_file, problems = _locate(path)
+    if problems:
+        return None
+    names = [index_file or lone_file] + ([index.path_of(f) for f in index.files] if index is not None else [])
+    try:
+        stats = tuple(os.stat(n) for n in names)
+    except OSError:
+        return None
+    return (index_file, lone_file, *((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats))
+
+
+def cached_checkpoint(path: Path | str) -> CheckpointIndex:
+    """``read_checkpoint``, reusing the index parsed by an earlier call for the same path while none of its files
+    changed (``_signature``: a few ``stat`` calls instead of parsing every header again; the repeated loads of a
+    training job, or of a notebook, parse a checkpoint of thousands of keys once). The index returned is shared:
+    do not change its dicts.
+
+    Raises:
+        CheckpointError: as ``read_checkpoint`` (a damaged checkpoint is never cached).
+    """
+    key = Path(os.path.abspath(path))
+    with _cache_lock:
+        entry = _cache.get(key)
+    if entry is not None:
+        signature, index = entry
+        if _signature(key, index) == signature:
+            with _cache_lock:
+                if key in _cache:
+                    _cache.move_to_end(key)
+            return index
+    started = time.time_ns()
+    index = read_checkpoint(key)
+    signature = _signature(key, index)
+    # kept only when no file changed since a while before parsing began: one rewritten while its header was
+    # parsed would otherwise leave a stale index behind a signature that matches the new file
+    if signature is not None and max(s[4] for s in signature[2:]) < started - _SETTLED_NS:
+        with _cache_lock:
+            _cache[key] = (signature, index)
+            _cache.move_to_end(key)
+            while len(_cache) > _CACHE_SIZE:
+                _cache.popitem(last=False)
     return index

@@ -11,7 +11,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from workbench.errors import CheckpointError
-from workbench.io.files.index import CheckpointIndex, KeyInfo, read_checkpoint, torch_dtype
+from workbench.io.files.index import CheckpointIndex, KeyInfo, cached_checkpoint, torch_dtype
 
 __all__ = ["CheckpointReader"]
 
@@ -33,7 +33,7 @@ class CheckpointReader:
 
     def __init__(self, path: Path | str) -> None:
         self.path = Path(path)
-        self.index: CheckpointIndex = read_checkpoint(self.path)
+        self.index: CheckpointIndex = cached_checkpoint(self.path)
         self.bytes_read = 0
         self.reads = 0
         self._handles: dict[str, Any] = {}
