@@ -362,7 +362,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
         if rank == 0:
             out.setdefault("cached_after_cold", []).append(cached(files))
     out["load"] = {"read": report.bytes_read, "owned": report.bytes_owned, "seconds": report.seconds, "ok": report.ok,
-                   "os_read": statistics.median(out["os_read"])}
+                   "os_read": statistics.median(out["os_read"]), "stages": str(report.timings)}
     for rep in range(cfg["repeats"]):
         if rank == 0 and not cached(files) >= 1.0:
             fill(files)
@@ -372,7 +372,7 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
         if profiler is not None:
             out.setdefault("profile", {})["load-warm"] = _stop_profile(profiler, root / "profile-load-warm-rank0.txt")
         times.setdefault("load-warm", []).append(stop(t0))
-    out["load_warm"] = {"read": report.bytes_read, "owned": report.bytes_owned}
+    out["load_warm"] = {"read": report.bytes_read, "owned": report.bytes_owned, "stages": str(report.timings)}
 
     # correctness, once: same topology bit for bit; the other topology against the naive file
     if cfg["verify"]:
@@ -936,7 +936,10 @@ def load_report(results: dict[int, Any], nbytes: int, load_mesh: tuple[int, ...]
                 + (" (the read limit)" if limit_key != "read-dd" else ""), "read-dd-direct", r0["read_dd_bytes"], "—"),
             row(f"wb.load_hf into {lm}, page cache dropped ({left:.0%} of the files cached after)", "load", nbytes,
                 f"{os_read / GB:.3f} GB / {owned / GB:.3f} GB = {os_read / owned:.3f}; {read / owned:.4f}"),
-            row(f"wb.load_hf into {lm}, warm page cache", "load-warm", nbytes, f"—; {warm_read / warm_owned:.4f}")]
+            row(f"wb.load_hf into {lm}, warm page cache", "load-warm", nbytes, f"—; {warm_read / warm_owned:.4f}"),
+            "", "Each rank's last load, by stage (`LoadReport.timings`):", ""]
+    rows += [f"- rank {rank} {what}: {r[key]['stages']}" for rank, r in sorted(results.items())
+             for what, key in (("cold", "load"), ("warm", "load_warm"))]
     summary = {"cold_ratio": nbytes / med["load"] / limit, "warm_per_gpu": nbytes / med["load-warm"] / GB / ranks,
                "os_ratio": os_read / owned}
     return rows, summary

@@ -6,7 +6,7 @@ import hashlib
 import math
 import time
 from collections.abc import Mapping
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal
 
@@ -19,6 +19,7 @@ from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.direct import replicating_dims
 from workbench.io.files.read import CheckpointReader
 from workbench.io.files.transfers import PIECE_BYTES, Transfer, copy_transfers, landing_views, plan_transfers
+from workbench.io.hf.load_timings import LoadClock, LoadTimings
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, layout_and_locals
@@ -40,7 +41,8 @@ class LoadReport:
     ``bytes_read`` is what the rank's positional reads asked the files for (a box of short runs close together is
     read as its one span, so it may exceed the box); the disk's own count, readahead included, is
     ``/proc/self/io``'s ``read_bytes`` (``bench/save_load.py`` reports it). ``bytes_direct`` is the part of it read
-    with ``O_DIRECT``, around the page cache (``read_direct``).
+    with ``O_DIRECT``, around the page cache (``read_direct``). ``timings``: the seconds of each stage
+    (``LoadTimings``: check, plan, read, drain, share, agree).
     """
 
     path: Path
@@ -54,6 +56,7 @@ class LoadReport:
     missing: tuple[str, ...] = ()
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[str, ...] = ()
+    timings: LoadTimings = field(default_factory=LoadTimings)
 
     @property
     def read_ratio(self) -> float:
@@ -140,6 +143,7 @@ def load_hf(
     .. note:: SPMD under torch.distributed: every rank calls it.
     """
     start = time.perf_counter()
+    clock = LoadClock()
     channel = ControlChannel(timeout)
     rank = channel.rank if rank is None else rank
     what = f"load of {path}"
@@ -164,11 +168,13 @@ def load_hf(
     except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word at the agreement
         mine = exc
         interrupt = None if isinstance(exc, Exception) else exc
+    clock.lap("check")
     try:
         shared = _agree(channel, mine, rank, "checking the checkpoint against the layout", what,
                         share=replica_digests(batches))
         _check_replica_groups(shared, layout.mesh, what)
         assert reader is not None
+        clock.lap("agree")
         problem = None
         loaded = owned = received = 0
         try:
@@ -181,6 +187,7 @@ def load_hf(
             boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, device),
                               threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
                               device=device)
+            clock.lap("plan")
             for name, plan in plans.items():
                 nbytes = sum(
                     r.numel * reader.dtype(r.hf_key).itemsize for r in plan.reads
@@ -196,15 +203,18 @@ def load_hf(
                     _copy_planned(plan, transfers[name], boxes.read, targets[name], non_blocking=on_gpu)
                 else:
                     execute_load(plan, boxes.read, targets[name], adapters, cast=cast, non_blocking=on_gpu)
+            clock.lap("read")
             boxes.finish()  # the boxes landing on the GPU from the reading threads: queued, or the first failure
             if on_gpu:  # the copies were queued: they land before anyone reads the model
                 torch.cuda.synchronize()
+            clock.lap("drain")
         except BaseException as exc:  # an interrupt is this rank's problem first, raised after the agreement
             problem = problem_from(exc, rank, "reading its slices")
             interrupt = interrupt or (None if isinstance(exc, Exception) else exc)
         if batches:
             problem, stopped = _share_replicas(layout, batches, targets, rank, timeout, problem)
             interrupt = interrupt or stopped
+            clock.lap("share")
         try:
             fault_point("load.status", rank)
         except BaseException as exc:  # an interrupt too: the peers wait for this rank's status
@@ -216,6 +226,7 @@ def load_hf(
             if interrupt is not None:
                 raise interrupt from failed
             raise
+        clock.lap("agree")
         return LoadReport(
             path=Path(path),
             rank=rank,
@@ -228,6 +239,7 @@ def load_hf(
             missing=missing,
             unexpected=unexpected,
             mismatched=tuple(mismatched),
+            timings=clock.timings(),
         )
     finally:
         if boxes is not None:
