@@ -60,3 +60,27 @@ def test_a_slow_stage_is_counted_where_it_was_slow(tmp_path: Path, point: str, s
 def test_the_clock_refuses_an_unknown_stage() -> None:
     with pytest.raises(ValueError, match="'reading' is not a LoadTimings stage"):
         LoadClock().lap("reading")
+
+
+def test_reads_slower_than_the_loop_show_as_read_wait(tmp_path: Path, monkeypatch) -> None:
+    """Every positional read made slow (in the reading threads): the calling thread waits for them, and says so."""
+    import os
+
+    from workbench.io.files import box_reads
+
+    target, path = _saved(tmp_path)
+    quick = wb.load_hf(target, path).timings
+    real = os.preadv
+    calls = []
+
+    def slow_preadv(fd, buffers, offset, *args):
+        calls.append(offset)
+        time.sleep(0.05)
+        return real(fd, buffers, offset, *args)
+
+    monkeypatch.setattr(box_reads.os, "preadv", slow_preadv)
+    slow = wb.load_hf(target, path).timings
+    assert calls
+    assert slow.read_wait >= 0.05 > quick.read_wait
+    assert slow.read_wait <= slow.read + slow.drain
+    assert "waited" in str(slow)

@@ -46,6 +46,7 @@ import mmap
 import os
 import queue
 import threading
+import time
 from collections import deque
 from collections.abc import Callable, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
@@ -278,6 +279,7 @@ class BoxReader:
         self.bytes_fetched = 0
         self.bytes_direct = 0
         self.reads = 0
+        self.wait_seconds = 0.0  # the consumer's time blocked on reads not done yet (and on free ring slots)
         self.direct_refused: dict[str, str] = {}
         self._fds: dict[str, tuple[int, int]] = {}
         self._direct_fds: dict[str, int] = {}
@@ -557,7 +559,9 @@ class BoxReader:
             assert piece.slot is not None and piece.future is not None
             slot, event = piece.slot, None
             try:
+                began = time.perf_counter()
                 piece.future.result()  # an interrupt here leaves the slot to close(), once its read has ended
+                self.wait_seconds += time.perf_counter() - began
                 target[piece.at:piece.at + piece.nbytes].copy_(slot.buffer[:piece.nbytes], non_blocking=True)
                 if stream is not None:
                     event = torch.cuda.Event()
@@ -611,12 +615,18 @@ class BoxReader:
         while self._land_error is None and (self._land_issued or (block and self._landing)):
             assert ring is not None
             if not self._land_issued:  # every slot is held elsewhere (another reader of this process): wait for one
+                began = time.perf_counter()
                 self._issue_landing(ring.take())
+                self.wait_seconds += time.perf_counter() - began
                 continue
             try:
-                piece, slot, failure = self._land_ended.get(block=block)
+                piece, slot, failure = self._land_ended.get(block=False)
             except queue.Empty:
-                return
+                if not block:
+                    return
+                began = time.perf_counter()
+                piece, slot, failure = self._land_ended.get()
+                self.wait_seconds += time.perf_counter() - began
             del self._land_issued[id(slot)]
             event = None
             try:
@@ -777,8 +787,10 @@ class BoxReader:
     def _take(self, item: _Box, request: _Request) -> torch.Tensor:
         if request.staged:
             self._copy_pieces(request)
+        began = time.perf_counter()
         for future in request.futures:
             future.result()
+        self.wait_seconds += time.perf_counter() - began
         if request.landed:
             assert item.into is not None
             return item.into

@@ -208,6 +208,7 @@ def load_hf(
             if on_gpu:  # the copies were queued: they land before anyone reads the model
                 torch.cuda.synchronize()
             clock.lap("drain")
+            clock.add("read_wait", boxes.wait_seconds)
         except BaseException as exc:  # an interrupt is this rank's problem first, raised after the agreement
             problem = problem_from(exc, rank, "reading its slices")
             interrupt = interrupt or (None if isinstance(exc, Exception) else exc)

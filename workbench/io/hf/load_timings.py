@@ -26,6 +26,8 @@ class LoadTimings:
     reads and copies into the model, while the reading threads run ahead), ``drain`` (waiting for the last reads
     and copies, the device included), ``share`` (broadcasting replicated parameters to their replicas),
     ``agree`` (the two agreements of every rank: waiting for the slowest rank counts here).
+    ``read_wait``: the part of ``read`` and ``drain`` the calling thread spent blocked on reads not done yet (long:
+    the files or the page cache bound the load; short against ``read``: the calling thread's own work does).
     """
 
     check: float = 0.0
@@ -34,6 +36,7 @@ class LoadTimings:
     drain: float = 0.0
     share: float = 0.0
     agree: float = 0.0
+    read_wait: float = 0.0
 
     STAGES = ("check", "plan", "read", "drain", "share", "agree")
 
@@ -48,7 +51,8 @@ class LoadTimings:
 
     def __str__(self) -> str:
         stages = ", ".join(f"{s} {getattr(self, s):.3f}" for s in self.STAGES if getattr(self, s) >= 5e-4)
-        return f"stages (s): {stages or 'none'}"
+        text = f"stages (s): {stages or 'none'}"
+        return text + (f" (read and drain waited {self.read_wait:.3f} for reads)" if self.read_wait >= 5e-4 else "")
 
 
 class LoadClock:
@@ -57,6 +61,11 @@ class LoadClock:
     def __init__(self) -> None:
         self._seconds = dict.fromkeys(LoadTimings.STAGES, 0.0)
         self._last = time.perf_counter()
+        self._extra: dict[str, float] = {}
+
+    def add(self, what: str, seconds: float) -> None:
+        """Count ``seconds`` more of ``what`` (a ``LoadTimings`` field that is not a stage: ``read_wait``)."""
+        self._extra[what] = self._extra.get(what, 0.0) + seconds
 
     def lap(self, stage: str) -> None:
         """Count the seconds since the previous lap (or the clock's start) as ``stage``."""
@@ -68,4 +77,4 @@ class LoadClock:
 
     def timings(self) -> LoadTimings:
         """The figures so far, frozen."""
-        return LoadTimings(**self._seconds)
+        return LoadTimings(**self._seconds, **self._extra)
