@@ -5,10 +5,10 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any, Literal
+from typing import Any, Literal, TypeVar
 
 import torch
 
@@ -17,12 +17,14 @@ from workbench.errors import CheckpointError
 from workbench.faults import fault_point
 from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.direct import replicating_dims
+from workbench.io.files.index import CheckpointIndex, torch_dtype
 from workbench.io.files.read import CheckpointReader
 from workbench.io.files.transfers import PIECE_BYTES, Transfer, copy_transfers, landing_views, plan_transfers
 from workbench.io.hf.load_timings import LoadClock, LoadTimings
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, layout_and_locals
+from workbench.memo import LRU
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 from workbench.plan.load_plan import Adapter, HFLoadPlan, expected_key_shape, plan_hf_load
 from workbench.run.guard import LoadFailed, RankProblem, agree, problem_from
@@ -32,6 +34,7 @@ from workbench.run.torch_comm import DEFAULT_TIMEOUT, ControlChannel
 __all__ = ["LoadReport", "load_hf"]
 
 _WHOLE = 1 << 62  # piece_bytes of a transfer not cut into pieces
+_T = TypeVar("_T")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -157,14 +160,12 @@ def load_hf(
         layout, targets = layout_and_locals(model_or_state_dict, key_map, layout=layout)
         fault_point("load.plan", rank)
         reader = CheckpointReader(path)
-        missing, unexpected, mismatched = _check(reader, layout, targets, adapters, cast)
+        checked = _checked(reader.index, layout, targets, adapters, cast, rank,
+                           read_replicas_once and rank == channel.rank and _live())
+        missing, unexpected, mismatched = checked.missing, checked.unexpected, list(checked.mismatched)
         if strict and (missing or unexpected or mismatched):
             raise CheckpointError(_problem(path, missing, unexpected, mismatched))
-        bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
-        wanted = {n: s for n, s in layout.specs.items() if not bad.intersection(s.hf_keys)}
-        if read_replicas_once and rank == channel.rank and _live():
-            replicas = replica_readers(layout, wanted, rank, targets)
-            batches = replica_batches(replicas, targets)
+        wanted, replicas, batches = checked.wanted, checked.replicas, checked.batches
     except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word at the agreement
         mine = exc
         interrupt = None if isinstance(exc, Exception) else exc
@@ -183,16 +184,13 @@ def load_hf(
             to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
             device = next((targets[n].device for n in to_read if targets[n].device.type == "cuda"), None)
             on_gpu = device is not None
-            transfers = _transfers(reader, plans, to_read, targets, adapters, device)
+            transfers = _transfers(reader, wanted, plans, to_read, targets, adapters, rank, device)
             boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, device),
                               threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
                               device=device)
             clock.lap("plan")
             for name, plan in plans.items():
-                nbytes = sum(
-                    r.numel * reader.dtype(r.hf_key).itemsize for r in plan.reads
-                    if not (adapters and r.hf_key in adapters)
-                )
+                nbytes = _owned_bytes(wanted[name], plan, reader, adapters, rank)
                 owned += nbytes
                 loaded += 1
                 if name in replicas and not replicas[name].reads:
@@ -251,24 +249,57 @@ def load_hf(
 
 def _transfers(
     reader: CheckpointReader,
+    specs: Mapping[str, LoadSpec],
     plans: Mapping[str, HFLoadPlan],
     names: list[str],
     targets: Mapping[str, torch.Tensor],
     adapters: Mapping[str, Adapter] | None,
+    rank: int,
     device: torch.device | None = None,
 ) -> dict[str, tuple[Transfer, ...]]:
     """The coalesced transfers of every parameter read here whose keys have no adapter (those are read whole, key
     by key, and canonicalized by ``execute_load``). Those that land on the GPU (``device``) are not cut into
     pieces here: ``BoxReader`` cuts them into pieces of its staging slots (8 MiB pieces would leave a few KiB of
-    each over)."""
+    each over). Kept with the parameter's spec for the checkpoint's index (``_for_index``): a repeat load of the
+    same checkpoint (whose parsed index ``cached_checkpoint`` reuses) plans nothing again."""
     out = {}
     for name in names:
-        if adapters and any(r.hf_key in adapters for r in plans[name].reads):
+        plan = plans[name]
+        if adapters and any(r.hf_key in adapters for r in plan.reads):
             continue
-        lands = device is not None and targets[name].device == device and not plans[name].zero_fill
-        out[name] = plan_transfers(reader.index, plans[name].reads, targets[name].stride(),
-                                   piece_bytes=_WHOLE if lands else PIECE_BYTES)
+        lands = device is not None and targets[name].device == device and not plan.zero_fill
+        piece_bytes = _WHOLE if lands else PIECE_BYTES
+        strides = targets[name].stride()
+        out[name] = _for_index(
+            specs[name], ("transfers", rank, strides, piece_bytes), reader.index,
+            lambda plan=plan, strides=strides, piece_bytes=piece_bytes: plan_transfers(
+                reader.index, plan.reads, strides, piece_bytes=piece_bytes),
+        )
     return out
+
+
+def _owned_bytes(
+    spec: LoadSpec, plan: HFLoadPlan, reader: CheckpointReader, adapters: Mapping[str, Adapter] | None, rank: int
+) -> int:
+    """Bytes of the checkpoint's keys this rank's slices of the parameter hold (keys with an adapter left out)."""
+    def count() -> int:
+        return sum(r.numel * reader.dtype(r.hf_key).itemsize for r in plan.reads
+                   if not (adapters and r.hf_key in adapters))
+
+    if adapters:
+        return count()
+    return _for_index(spec, ("owned_bytes", rank), reader.index, count)
+
+
+def _for_index(spec: LoadSpec, what: tuple, index: CheckpointIndex, compute: Callable[[], _T]) -> _T:
+    """``compute()`` for ``spec`` and the checkpoint ``index``, kept with the spec (``LoadSpec.memo``) for the last
+    index it was asked for: the index object itself is the key (``cached_checkpoint`` hands out the same object
+    while the checkpoint's files are unchanged, and a new one when any changed), so a stale plan is never reused."""
+    kept: list[tuple[CheckpointIndex, Any] | None] = spec.memo(("for_index", *what), lambda: [None])
+    entry = kept[0]  # one (index, value) pair, replaced whole: a thread never sees one index with another's value
+    if entry is None or entry[0] is not index:
+        entry = kept[0] = (index, compute())
+    return entry[1]
 
 
 def _copy_planned(
@@ -495,15 +526,60 @@ def _check_replica_groups(shared: list[Any], mesh: MeshSpec, what: str) -> None:
                 raise LoadFailed(f"{what} failed; no tensor was changed.\n  {problem.cause}", [problem])
 
 
+@dataclass(frozen=True, slots=True)
+class _Checked:
+    """What a load learns from the checkpoint's index and the layout before reading: the keys that do not match,
+    the parameters to read, and who reads and broadcasts each replicated one."""
+
+    missing: tuple[str, ...]
+    unexpected: tuple[str, ...]
+    mismatched: tuple[str, ...]
+    wanted: dict[str, LoadSpec]
+    replicas: dict[str, ReplicaRead]
+    batches: dict[str, ReplicaBatch]
+
+
+_CHECKED = LRU(4)  # (ids of the layout and index, ...) -> (layout, index, _Checked): the objects kept, so ids hold
+
+
+def _checked(
+    index: CheckpointIndex,
+    layout: Layout,
+    targets: Mapping[str, torch.Tensor],
+    adapters: Mapping[str, Adapter] | None,
+    cast: bool,
+    rank: int,
+    share_replicas: bool,
+) -> _Checked:
+    """``_check`` and the replica plan, kept for the very layout and index objects (a repeat load of an unchanged
+    checkpoint, whose parsed index ``cached_checkpoint`` reuses, into the same model checks nothing again) with
+    the same dtypes, devices and shapes of the local tensors; not kept with ``adapters`` (a mapping may change)."""
+    key = None
+    if not adapters:
+        meta = tuple((t.dtype, t.device, t.shape) for t in targets.values())
+        key = (id(layout), id(index), tuple(targets), meta, cast, rank, share_replicas)
+        hit = _CHECKED.get(key)
+        if hit is not None and hit[0] is layout and hit[1] is index:
+            return hit[2]
+    missing, unexpected, mismatched = _check(index, layout, targets, adapters, cast)
+    bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
+    wanted = {n: s for n, s in layout.specs.items() if not bad.intersection(s.hf_keys)}
+    replicas = replica_readers(layout, wanted, rank, targets) if share_replicas else {}
+    checked = _Checked(missing, unexpected, tuple(mismatched), wanted, replicas, replica_batches(replicas, targets))
+    if key is not None:
+        _CHECKED.put(key, (layout, index, checked))
+    return checked
+
+
 def _check(
-    reader: CheckpointReader,
+    index: CheckpointIndex,
     layout: Layout,
     targets: Mapping[str, torch.Tensor],
     adapters: Mapping[str, Adapter] | None,
     cast: bool,
 ) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
     """Missing, unexpected, and mis-shaped or differently typed keys (each ``"key: what differs"``)."""
-    present = set(reader.keys())
+    present = index.keys
     expected = layout.hf_keys
     missing = tuple(k for k in expected if k not in present)
     unexpected = tuple(sorted(k for k in present if k not in expected))
@@ -513,12 +589,13 @@ def _check(
         for key in spec.hf_keys:
             if key not in present or (adapters and key in adapters):
                 continue
-            if reader.shape(key) != want:
-                mismatched.append(f"{key}: checkpoint {reader.shape(key)}, layout of {name!r} expects {want}")
-            elif not cast and reader.dtype(key) != targets[name].dtype:
+            info = present[key]
+            if info.shape != want:
+                mismatched.append(f"{key}: checkpoint {info.shape}, layout of {name!r} expects {want}")
+            elif not cast and (stored := torch_dtype(info.dtype)) != targets[name].dtype:
                 mismatched.append(
-                    f"{key}: checkpoint dtype {str(reader.dtype(key)).removeprefix('torch.')}, the model's {name!r} "
-                    f"is {str(targets[name].dtype).removeprefix('torch.')} (pass cast=True to convert)"
+                    f"{key}: checkpoint dtype {str(stored).removeprefix('torch.')}, the model's {name!r} is "
+                    f"{str(targets[name].dtype).removeprefix('torch.')} (pass cast=True to convert)"
                 )
     return missing, unexpected, mismatched
 
