@@ -58,7 +58,7 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.files.index import CheckpointIndex, KeyInfo, torch_dtype
-from workbench.io.files.landing import LandingPiece, plan_landing
+from workbench.io.files.landing import LandingPart, LandingPiece, plan_landing
 from workbench.io.files.staging import Slot, StagingRing, staging_ring
 from workbench.io.files.transfers import FileBox
 
@@ -675,18 +675,18 @@ class BoxReader:
         try:
             if len(parts) == 1 and parts[0].direct:
                 p = parts[0]
-                p.dest.copy_(slot.buffer[p.at:p.at + p.nbytes].view(p.dtype).view(p.sizes), non_blocking=True)
+                p.dest.copy_(_place(slot.typed(p.dtype), p), non_blocking=True)
             else:
-                source = slot.buffer
+                twin = None
                 if self.device.type != "cpu":
-                    source = slot.twin(self.device)
-                    source[:piece.used].copy_(slot.buffer[:piece.used], non_blocking=True)
+                    twin = self.device
+                    slot.twin(twin)[:piece.used].copy_(slot.buffer[:piece.used], non_blocking=True)
                 for p in parts:
-                    p.dest.copy_(source[p.at:p.at + p.nbytes].view(p.dtype).as_strided(p.sizes, p.strides))
+                    p.dest.copy_(_place(slot.typed(p.dtype, twin), p))
         finally:  # what was queued must run before the slot is read into again
             event = None
             if self.device.type == "cuda":
-                event = torch.cuda.Event()
+                event = slot.done_event()
                 event.record(torch.cuda.current_stream(self.device))
         return event
 
@@ -1095,6 +1095,11 @@ def _copy_out(raw: torch.Tensor, item: _Box, out: torch.Tensor) -> None:
         dst.append(1)
     source = np.lib.stride_tricks.as_strided(raw.numpy(), shape, src, writeable=False)
     np.copyto(np.lib.stride_tricks.as_strided(target[start:], shape, dst), source)
+
+
+def _place(typed: torch.Tensor, part: LandingPart) -> torch.Tensor:
+    """``part``'s bytes in a slot (or its twin) seen as ``typed``: one view."""
+    return typed.as_strided(part.sizes, part.strides, typed.storage_offset() + part.at // part.dtype.itemsize)
 
 
 def _storage_bytes(t: torch.Tensor) -> np.ndarray:

@@ -3,10 +3,10 @@
 A read from a file lands in host memory; a copy to a GPU overlaps the next read only from pinned memory, and
 pinning is slow (about half a second per GB on the machines measured, ``bench/warm_limits.py``). A buffer per
 request, pinned afresh, made the first load of a process spend most of its time pinning. The ring pins
-``slots x slot_bytes`` once (128 MiB by default) and every load of the process reuses it: the loader takes a slot
+``slots x slot_bytes`` once (128 MiB and 128 KiB by default) and every load of the process reuses it: the loader takes a slot
 for the next piece it reads ahead, a reader thread waits for the slot's last copy to have run and reads into it, and
 the loader, when it needs the piece, queues the slot's copy to the GPU and gives the slot back with that copy's
-event. Sixteen slots of 8 MiB reach the page cache's copy limit on the H200 hosts measured (27 GB/s per GPU with two
+event. Sixteen slots of 8 MiB (and two pages) reach the page cache's copy limit on the H200 hosts measured (27 GB/s per GPU with two
 GPUs reading at once, 40 GB/s with one; ``bench/warm_limits.py``).
 """
 
@@ -20,9 +20,11 @@ import torch
 
 __all__ = ["SLOTS", "SLOT_BYTES", "StagingRing", "staging_ring"]
 
-SLOT_BYTES = 8 << 20
-SLOTS = 16
 _ALIGN = 4096  # slots start on a page: O_DIRECT reads land in them
+# 8 MiB of data and the two pages an unaligned range's O_DIRECT cover may add: a slot carries 8 MiB whole (a
+# 1 MiB-per-expert box in 8 experts a slot, not 7 and a remainder)
+SLOT_BYTES = (8 << 20) + 2 * _ALIGN
+SLOTS = 16
 
 
 @dataclass(eq=False)
@@ -33,6 +35,25 @@ class Slot:
     buffer: torch.Tensor
     event: torch.cuda.Event | None = None
     twins: dict[torch.device, torch.Tensor] = field(default_factory=dict)
+    _views: dict[tuple[torch.device | None, torch.dtype], torch.Tensor] = field(
+        default_factory=dict, init=False, repr=False)
+    _done: torch.cuda.Event | None = field(default=None, init=False, repr=False)
+
+    def typed(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
+        """The slot's buffer (``device`` None) or its twin on ``device``, as a flat tensor of ``dtype`` (kept: a
+        part's place is then one ``as_strided`` of it). Its storage offset is ``offset_of(dtype)``."""
+        view = self._views.get((device, dtype))
+        if view is None:
+            raw = self.buffer if device is None else self.twin(device)
+            view = self._views[device, dtype] = raw[:raw.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+        return view
+
+    def done_event(self) -> torch.cuda.Event:
+        """The slot's own event, recorded after each copy out of it and waited on by ``ready``: one per slot, made
+        once (its copies and its fills take turns, so a record never meets a wait)."""
+        if self._done is None:
+            self._done = torch.cuda.Event()
+        return self._done
 
     def twin(self, device: torch.device) -> torch.Tensor:
         """The slot's twin on ``device``: ``slot_bytes`` there, made on first use and kept with the slot (a piece
