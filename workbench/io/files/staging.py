@@ -3,11 +3,11 @@
 A read from a file lands in host memory; a copy to a GPU overlaps the next read only from pinned memory, and
 pinning is slow (about half a second per GB on the machines measured, ``bench/warm_limits.py``). A buffer per
 request, pinned afresh, made the first load of a process spend most of its time pinning. The ring pins
-``slots x slot_bytes`` once (128 MiB and 128 KiB by default) and every load of the process reuses it: the loader takes a slot
-for the next piece it reads ahead, a reader thread waits for the slot's last copy to have run and reads into it, and
-the loader, when it needs the piece, queues the slot's copy to the GPU and gives the slot back with that copy's
-event. Sixteen slots of 8 MiB (and two pages) reach the page cache's copy limit on the H200 hosts measured (27 GB/s per GPU with two
-GPUs reading at once, 40 GB/s with one; ``bench/warm_limits.py``).
+``slots x slot_bytes`` once (128 MiB and 128 KiB by default) and every load of the process reuses it: the loader
+takes a slot for the next piece it reads ahead, a reader thread waits for the slot's last copy to have run and reads
+into it, and the loader, when it needs the piece, queues the slot's copy to the GPU and gives the slot back with
+that copy's event. Sixteen slots of 8 MiB (and two pages) reach the page cache's copy limit on the H200 hosts
+measured (27 GB/s per GPU with two GPUs reading at once, 40 GB/s with one; ``bench/warm_limits.py``).
 """
 
 from __future__ import annotations
