@@ -112,3 +112,18 @@ def test_a_read_that_fails_mid_landing_fails_the_load_and_gives_every_slot_back(
         ring.give(s)
     report = wb.load_hf(model, tmp_path / "ckpt", read_direct=False)  # the ring still serves a load
     assert report.ok and all(torch.equal(model[k].cpu(), v) for k, v in state.items())
+
+
+@pytest.mark.skipif(torch.cuda.device_count() < 2, reason="needs two GPUs")
+def test_one_ring_lands_on_two_gpus_in_turn(tmp_path: Path) -> None:
+    """The process's ring serves every GPU: a slot's event belongs to one device, so each device has its own (a
+    load into ``cuda:1`` after one into ``cuda:0`` is exact, and so is the next one into ``cuda:0``)."""
+    gen = torch.Generator().manual_seed(3)
+    state = {f"model.layers.{i}.w.weight": torch.randn(512, 4096, generator=gen).to(torch.bfloat16) for i in range(8)}
+    wb.save_hf(state, tmp_path / "ckpt")
+    for device in ("cuda:0", "cuda:1", "cuda:0"):
+        with torch.cuda.device(device):
+            model = {k: torch.zeros_like(v, device=device) for k, v in state.items()}
+            wb.load_hf(model, tmp_path / "ckpt")
+            torch.cuda.synchronize(device)
+        assert all(torch.equal(model[k].cpu(), v) for k, v in state.items()), device

@@ -141,3 +141,18 @@ def test_the_cache_keeps_a_bounded_number_of_checkpoints(tmp_path, monkeypatch) 
     for folder in folders:
         cached_checkpoint(folder)
     assert list(index_module._cache) == [folders[1].absolute(), folders[2].absolute()]
+
+
+def test_a_path_through_a_link_and_dotdot_is_the_one_the_system_opens(tmp_path: Path) -> None:
+    """``link/../ckpt`` is ``real/ckpt`` when ``link`` points at ``real/sub``, not ``./ckpt``: the cache keeps the
+    path as given (``os.path.abspath`` would drop ``link/..`` as text)."""
+    save_checkpoint(tmp_path / "ckpt", {"w": torch.zeros(2)})
+    save_checkpoint(tmp_path / "real" / "ckpt", {"w": torch.zeros(5)})
+    (tmp_path / "real" / "sub").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "real" / "sub")
+    spelled = tmp_path / "link" / ".." / "ckpt"
+    assert read_checkpoint(spelled).keys["w"].shape == (5,)
+    assert cached_checkpoint(spelled).keys["w"].shape == (5,)
+    assert cached_checkpoint(tmp_path / "ckpt").keys["w"].shape == (2,)
+    with CheckpointReader(spelled) as reader:
+        assert reader.read("w").shape == (5,)

@@ -13,6 +13,7 @@ import math
 import os
 import random
 import re
+import struct
 import threading
 import time
 from collections.abc import Callable
@@ -516,3 +517,31 @@ def test_large_contiguous_boxes_land_with_o_direct(disk: Path) -> None:
     assert _all_slots_free(ring)
     for i, (fb, dest, want) in enumerate(entries):
         assert torch.equal(_bits(dest), _bits(want)), (i, fb)
+
+
+def test_a_key_at_an_offset_its_elements_do_not_divide_lands_exactly(tmp_path: Path) -> None:
+    """Other writers need not align a key's data: 3 bytes of U8, then F32 at byte 3 of the data. The packer does not
+    continue the solid range into a place its elements straddle; the F32 part is padded to its own alignment."""
+    a = torch.tensor([7, 8, 9], dtype=torch.uint8)
+    b = torch.tensor([1.0, 2.0, 3.0, 4.0])
+    header = {"a": {"dtype": "U8", "shape": [3], "data_offsets": [0, 3]},
+              "b": {"dtype": "F32", "shape": [4], "data_offsets": [3, 19]}}
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    (tmp_path / "model.safetensors").write_bytes(struct.pack("<Q", len(text)) + text + a.numpy().tobytes()
+                                                 + b.numpy().tobytes())
+    index = read_checkpoint(tmp_path)
+    entries = []
+    for key, want in (("a", a), ("b", b)):
+        info = index.keys[key]
+        entries.append((FileBox(info.file, info.data_offsets[0], tuple(want.shape), (want.element_size(),),
+                                want.dtype), torch.zeros_like(want)))
+    pieces = plan_landing([(fb, dest, "runs") for fb, dest in entries], {"model.safetensors": 8 + len(text)},
+                          3 * ALIGN)
+    assert all(p.at % p.dtype.itemsize == 0 for piece in pieces for p in piece.parts)
+    ring = StagingRing(2, 3 * ALIGN, pinned=False)
+    with BoxReader(index, entries, device="cpu", ring=ring, threads=2, direct=False) as r:
+        for fb, _ in entries:
+            r.read(fb)
+        r.finish()
+    assert torch.equal(entries[0][1], a) and torch.equal(entries[1][1], b)

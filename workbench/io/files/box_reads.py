@@ -628,14 +628,18 @@ class BoxReader:
                 piece, slot, failure = self._land_ended.get()
                 self.wait_seconds += time.perf_counter() - began
             del self._land_issued[id(slot)]
-            event = None
             try:
                 if failure is not None:
                     raise failure
-                event = self._land_copy(piece, slot)
+                self._land_copy(piece, slot)
             except Exception as exc:
                 self._land_error = exc
-            finally:
+            finally:  # after whatever was queued out of the slot, even by a copy that then failed
+                event = None
+                try:
+                    event = self._copied(slot)
+                except Exception as exc:  # a broken device: the load fails, the slot goes back all the same
+                    self._land_error = self._land_error or exc
                 ring.give(slot, event)
             self._pump()
 
@@ -666,28 +670,31 @@ class BoxReader:
         with self._lock:
             self.bytes_fetched += piece.nbytes
 
-    def _land_copy(self, piece: LandingPiece, slot: Slot) -> torch.cuda.Event | None:
+    def _land_copy(self, piece: LandingPiece, slot: Slot) -> None:
         """Queue the piece's copies out of the slot on the current stream: straight into a part's tensor where the
         slot holds that tensor's bytes in order, else the slot's used bytes into its device twin and each part
-        from there with one (strided, casting) copy. The event after them, or None on the CPU."""
+        from there with one (strided, casting) copy."""
         assert self.device is not None
         parts = piece.parts
-        try:
-            if len(parts) == 1 and parts[0].direct:
-                p = parts[0]
-                p.dest.copy_(_place(slot.typed(p.dtype), p), non_blocking=True)
-            else:
-                twin = None
-                if self.device.type != "cpu":
-                    twin = self.device
-                    slot.twin(twin)[:piece.used].copy_(slot.buffer[:piece.used], non_blocking=True)
-                for p in parts:
-                    p.dest.copy_(_place(slot.typed(p.dtype, twin), p))
-        finally:  # what was queued must run before the slot is read into again
-            event = None
-            if self.device.type == "cuda":
-                event = slot.done_event()
-                event.record(torch.cuda.current_stream(self.device))
+        if len(parts) == 1 and parts[0].direct:
+            p = parts[0]
+            p.dest.copy_(_place(slot.typed(p.dtype), p), non_blocking=True)
+            return
+        twin = None
+        if self.device.type != "cpu":
+            twin = self.device
+            slot.twin(twin)[:piece.used].copy_(slot.buffer[:piece.used], non_blocking=True)
+        for p in parts:
+            p.dest.copy_(_place(slot.typed(p.dtype, twin), p))
+
+    def _copied(self, slot: Slot) -> torch.cuda.Event | None:
+        """The slot's event recorded on the current stream after what was queued out of it (None on the CPU): the
+        slot is read into again only once it has run."""
+        assert self.device is not None
+        if self.device.type != "cuda":
+            return None
+        event = slot.done_event(self.device)
+        event.record(torch.cuda.current_stream(self.device))
         return event
 
     def _stop_landing(self) -> None:
@@ -1098,7 +1105,11 @@ def _copy_out(raw: torch.Tensor, item: _Box, out: torch.Tensor) -> None:
 
 
 def _place(typed: torch.Tensor, part: LandingPart) -> torch.Tensor:
-    """``part``'s bytes in a slot (or its twin) seen as ``typed``: one view."""
+    """``part``'s bytes in a slot (or its twin) seen as ``typed``: one view. The packer places every part at a
+    multiple of its element size; one that is not would be read shifted, so it is refused."""
+    if part.at % part.dtype.itemsize:
+        raise CheckpointError(f"internal: a landing part of {part.dtype} at byte {part.at} of its slot is not at a "
+                              "multiple of its element size")
     return typed.as_strided(part.sizes, part.strides, typed.storage_offset() + part.at // part.dtype.itemsize)
 
 

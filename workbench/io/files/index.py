@@ -515,22 +515,36 @@ def _signature(path: Path, index: CheckpointIndex | None) -> tuple | None:
         return None
     names = [index_file or lone_file] + ([index.path_of(f) for f in index.files] if index is not None else [])
     try:
-        stats = tuple(os.stat(n) for n in names)
+        stats = tuple(_fresh_stat(n) for n in names)
     except OSError:
         return None
     return (index_file, lone_file, *((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats))
+
+
+def _fresh_stat(path: Path) -> os.stat_result:
+    """``fstat`` of the file freshly opened: on NFS an ``open`` revalidates the attributes the client cached
+    (close-to-open consistency), so another node's rewrite shows; a plain ``stat`` may answer from that cache."""
+    fd = os.open(path, os.O_RDONLY | os.O_CLOEXEC)
+    try:
+        return os.fstat(fd)
+    finally:
+        os.close(fd)
 
 
 def cached_checkpoint(path: Path | str) -> CheckpointIndex:
     """``read_checkpoint``, reusing the index parsed by an earlier call for the same path while none of its files
     changed (``_signature``: a few ``stat`` calls instead of parsing every header again; the repeated loads of a
     training job, or of a notebook, parse a checkpoint of thousands of keys once). The index returned is shared:
-    do not change its dicts.
+    do not change its dicts. The path is kept as given, made absolute but not normalized (``a/link/../b`` is
+    where the system finds it, not ``a/b``). An index parsed while a file was changing (its change time within
+    ``_SETTLED_NS`` of the parse, by this machine's clock) is not kept.
 
     Raises:
         CheckpointError: as ``read_checkpoint`` (a damaged checkpoint is never cached).
     """
-    key = Path(os.path.abspath(path))
+    key = Path(path)
+    if not key.is_absolute():
+        key = Path.cwd() / key  # not os.path.abspath: it drops "link/.." as text, not as the system resolves it
     with _cache_lock:
         entry = _cache.get(key)
     if entry is not None:

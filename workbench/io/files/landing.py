@@ -224,8 +224,8 @@ class _Packer:
             return at
         if file != self._file:
             return None
-        if self._solid is not None and one_range and begin == self._solid[1]:  # the range goes on
-            at = self._used
+        if self._solid is not None and one_range and begin == self._solid[1] and self._used % size == 0:
+            at = self._used  # the range goes on (a key whose elements would straddle their size does not: padded)
             if at + nbytes <= self.slot_bytes - ALIGN:
                 self._solid = (self._solid[0], begin + nbytes)
                 return at

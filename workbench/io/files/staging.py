@@ -37,23 +37,25 @@ class Slot:
     twins: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     _views: dict[tuple[torch.device | None, torch.dtype], torch.Tensor] = field(
         default_factory=dict, init=False, repr=False)
-    _done: torch.cuda.Event | None = field(default=None, init=False, repr=False)
+    _done: dict[torch.device, torch.cuda.Event] = field(default_factory=dict, init=False, repr=False)
 
     def typed(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
         """The slot's buffer (``device`` None) or its twin on ``device``, as a flat tensor of ``dtype`` (kept: a
-        part's place is then one ``as_strided`` of it). Its storage offset is ``offset_of(dtype)``."""
+        part's place is then one ``as_strided`` of it, from the view's own storage offset)."""
         view = self._views.get((device, dtype))
         if view is None:
             raw = self.buffer if device is None else self.twin(device)
             view = self._views[device, dtype] = raw[:raw.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
         return view
 
-    def done_event(self) -> torch.cuda.Event:
-        """The slot's own event, recorded after each copy out of it and waited on by ``ready``: one per slot, made
-        once (its copies and its fills take turns, so a record never meets a wait)."""
-        if self._done is None:
-            self._done = torch.cuda.Event()
-        return self._done
+    def done_event(self, device: torch.device) -> torch.cuda.Event:
+        """The slot's own event for copies on ``device`` (an event belongs to the device it was first recorded on,
+        and the ring serves every GPU of the process), recorded after each copy out of the slot and waited on by
+        ``ready``: made once per device (the slot's copies and fills take turns: a record never meets a wait)."""
+        event = self._done.get(device)
+        if event is None:
+            event = self._done[device] = torch.cuda.Event()
+        return event
 
     def twin(self, device: torch.device) -> torch.Tensor:
         """The slot's twin on ``device``: ``slot_bytes`` there, made on first use and kept with the slot (a piece
