@@ -14,11 +14,13 @@ from __future__ import annotations
 import time
 from dataclasses import dataclass
 
+from workbench.io.hf.stage_times import StageTimes
+
 __all__ = ["LoadClock", "LoadTimings"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class LoadTimings:
+class LoadTimings(StageTimes):
     """Seconds one rank's ``load_hf`` spent in each stage, one after the other on the calling thread.
 
     Stages: ``check`` (the layout, the checkpoint's index and headers, checked against each other, and who reads
@@ -43,15 +45,10 @@ class LoadTimings:
     @property
     def total(self) -> float:
         """Seconds of every stage together."""
-        return sum(getattr(self, s) for s in self.STAGES)
-
-    def slowest_stage(self) -> str:
-        """The longest stage."""
-        return max(self.STAGES, key=lambda s: getattr(self, s))
+        return self._seconds_of(self.STAGES)
 
     def __str__(self) -> str:
-        stages = ", ".join(f"{s} {getattr(self, s):.3f}" for s in self.STAGES if getattr(self, s) >= 5e-4)
-        text = f"stages (s): {stages or 'none'}"
+        text = f"stages (s): {self._listed(self.STAGES, 'none')}"
         return text + (f" (read and drain waited {self.read_wait:.3f} for reads)" if self.read_wait >= 5e-4 else "")
 
 

@@ -22,11 +22,13 @@ from collections.abc import Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, fields
 
+from workbench.io.hf.stage_times import StageTimes
+
 __all__ = ["SaveClock", "SaveTimings"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
-class SaveTimings:
+class SaveTimings(StageTimes):
     """Seconds one rank's save spent, by stage (calling thread, one after the other) and by writer activity
     (summed over the writer threads, which overlap each other and the stages).
 
@@ -57,19 +59,13 @@ class SaveTimings:
     @property
     def stages_total(self) -> float:
         """Seconds of the calling thread's stages together (``queue_wait`` is inside ``snapshot``)."""
-        return sum(getattr(self, s) for s in self.STAGES)
-
-    def slowest_stage(self) -> str:
-        """The calling thread's longest stage."""
-        return max(self.STAGES, key=lambda s: getattr(self, s))
+        return self._seconds_of(self.STAGES)
 
     def __str__(self) -> str:
-        stages = ", ".join(f"{s} {getattr(self, s):.3f}" for s in self.STAGES if getattr(self, s) >= 5e-4)
-        writers = ", ".join(f"{w} {getattr(self, w):.3f}" for w in self.WRITERS if getattr(self, w) >= 5e-4)
-        text = f"stages (s): {stages or 'none'}"
+        text = f"stages (s): {self._listed(self.STAGES, 'none')}"
         if self.queue_wait >= 5e-4:
             text += f" (snapshot waited {self.queue_wait:.3f} for room)"
-        return text + f"; writer threads (s, summed): {writers or 'idle'}"
+        return text + f"; writer threads (s, summed): {self._listed(self.WRITERS, 'idle')}"
 
 
 class SaveClock:
