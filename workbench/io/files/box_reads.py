@@ -842,11 +842,7 @@ class BoxReader:
     # -- O_DIRECT ----------------------------------------------------------------------------------------------------
 
     def _wants_direct(self, request: _Request, fd: int, data_start: int) -> bool:
-        if self.direct is False or request.file in self.direct_refused:
-            return False
-        if self.direct is True:
-            return True
-        if any(b.compact for b in request.boxes):
+        if self.direct == "auto" and any(b.compact for b in request.boxes):
             return False  # a span that shares its pages with a peer's box: one read of them serves both
         return self._cold(request.file, fd, data_start + request.boxes[0].start, request.nbytes)
 

@@ -162,7 +162,7 @@ def load_hf(
         reader = CheckpointReader(path)
         checked = _checked(reader.index, layout, targets, adapters, cast, rank,
                            read_replicas_once and rank == channel.rank and _live())
-        missing, unexpected, mismatched = checked.missing, checked.unexpected, list(checked.mismatched)
+        missing, unexpected, mismatched = checked.missing, checked.unexpected, checked.mismatched
         if strict and (missing or unexpected or mismatched):
             raise CheckpointError(_problem(path, missing, unexpected, mismatched))
         wanted, replicas, batches = checked.wanted, checked.replicas, checked.batches
@@ -237,7 +237,7 @@ def load_hf(
             seconds=time.perf_counter() - start,
             missing=missing,
             unexpected=unexpected,
-            mismatched=tuple(mismatched),
+            mismatched=mismatched,
             timings=clock.timings(),
         )
     finally:
@@ -565,7 +565,7 @@ def _checked(
     bad = set(missing) | {m.split(":", 1)[0] for m in mismatched}
     wanted = {n: s for n, s in layout.specs.items() if not bad.intersection(s.hf_keys)}
     replicas = replica_readers(layout, wanted, rank, targets) if share_replicas else {}
-    checked = _Checked(missing, unexpected, tuple(mismatched), wanted, replicas, replica_batches(replicas, targets))
+    checked = _Checked(missing, unexpected, mismatched, wanted, replicas, replica_batches(replicas, targets))
     if key is not None:
         _CHECKED.put(key, (layout, index, checked))
     return checked
@@ -577,7 +577,7 @@ def _check(
     targets: Mapping[str, torch.Tensor],
     adapters: Mapping[str, Adapter] | None,
     cast: bool,
-) -> tuple[tuple[str, ...], tuple[str, ...], list[str]]:
+) -> tuple[tuple[str, ...], tuple[str, ...], tuple[str, ...]]:
     """Missing, unexpected, and mis-shaped or differently typed keys (each ``"key: what differs"``)."""
     present = index.keys
     expected = layout.hf_keys
@@ -597,7 +597,7 @@ def _check(
                     f"{key}: checkpoint dtype {str(stored).removeprefix('torch.')}, the model's {name!r} is "
                     f"{str(targets[name].dtype).removeprefix('torch.')} (pass cast=True to convert)"
                 )
-    return missing, unexpected, mismatched
+    return missing, unexpected, tuple(mismatched)
 
 
 def _agree(
@@ -614,12 +614,13 @@ def _agree(
         raise
 
 
-def _problem(path: str | Path, missing: tuple[str, ...], unexpected: tuple[str, ...], mismatched: list[str]) -> str:
+def _problem(path: str | Path, missing: tuple[str, ...], unexpected: tuple[str, ...], mismatched: tuple[str, ...]
+             ) -> str:
     lines = [f"checkpoint {path} does not match the model's layout:"]
     for what, keys, hint in (
         ("missing from the checkpoint", missing, "check the key map, or load with strict=False"),
         ("in the checkpoint but not in the layout", unexpected, "map them to parameters, or load with strict=False"),
-        ("with another shape or dtype", tuple(mismatched), "saved from another config, with padding, or in fp32?"),
+        ("with another shape or dtype", mismatched, "saved from another config, with padding, or in fp32?"),
     ):
         if keys:
             shown = ", ".join(keys[:8]) + (f", ... ({len(keys)} in all)" if len(keys) > 8 else "")
