@@ -545,3 +545,16 @@ def test_a_key_at_an_offset_its_elements_do_not_divide_lands_exactly(tmp_path: P
             r.read(fb)
         r.finish()
     assert torch.equal(entries[0][1], a) and torch.equal(entries[1][1], b)
+
+
+def test_a_part_off_its_element_size_is_refused_not_read_shifted() -> None:
+    """The guard behind the packer: a part whose slot offset its elements do not divide is an error naming it."""
+    from workbench.io.files.box_reads import _place
+    from workbench.io.files.landing import LandingPart
+
+    typed = torch.zeros(64, dtype=torch.uint8).view(torch.float32)
+    part = LandingPart(6, 16, (4,), (1,), torch.float32, torch.zeros(4))
+    with pytest.raises(CheckpointError, match=r"landing part of torch.float32 at byte 6 of its slot is not at a "
+                                              r"multiple of its element size"):
+        _place(typed, part)
+    assert _place(typed, LandingPart(8, 16, (4,), (1,), torch.float32, torch.zeros(4))).storage_offset() == 2
