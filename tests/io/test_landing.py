@@ -558,3 +558,31 @@ def test_a_part_off_its_element_size_is_refused_not_read_shifted() -> None:
                                               r"multiple of its element size"):
         _place(typed, part)
     assert _place(typed, LandingPart(8, 16, (4,), (1,), torch.float32, torch.zeros(4))).storage_offset() == 2
+
+
+def test_a_box_read_without_a_tensor_among_landing_boxes_does_not_wait_forever_for_a_slot(tmp_path: Path) -> None:
+    """Landing pieces take every free slot as soon as the reader starts, and give them back only when the loading
+    thread copies them out. A box read through the ring into a buffer (no tensor to land in: a key an adapter reads
+    whole, a padded parameter) then needs a slot: the reader must copy landing pieces out to free one, not wait
+    for a slot only it could give back."""
+    w, _ = _one_file(tmp_path)
+    index = read_checkpoint(tmp_path)
+    entries = _row_entries(index, w, 20)
+    info = index.keys["w"]
+    n = w.numel() // 20
+    staged = FileBox(info.file, info.data_offsets[0] + 3 * n * 4, (2 * n,), (4,), torch.float32)  # rows 3 and 4
+    expected = [*entries[:10], staged, *entries[10:]]
+    ring = StagingRing(2, 3 * ALIGN, pinned=False)
+
+    def run() -> None:
+        with BoxReader(index, expected, device="cpu", ring=ring, threads=4, direct=False) as r:
+            got = r.read(staged)  # before any landing box is asked for: every slot holds a landing piece
+            assert torch.equal(got, w[3 * n:5 * n])
+            for fb, dest in entries:
+                assert r.read(fb) is dest
+            r.finish()
+
+    assert _within(20, run) is None
+    assert _all_slots_free(ring)
+    for i, (_, dest) in enumerate(entries):
+        assert torch.equal(dest, w[i * n:(i + 1) * n]), i

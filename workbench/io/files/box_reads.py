@@ -555,7 +555,7 @@ class BoxReader:
             piece = request.pieces[request.copied]
             if piece.future is None:
                 assert self._unissued and self._unissued[0] is piece
-                self._issue_piece(self._unissued.popleft(), self._ring.take())
+                self._issue_piece(self._unissued.popleft(), self._staging_slot())
             assert piece.slot is not None and piece.future is not None
             slot, event = piece.slot, None
             try:
@@ -619,29 +619,55 @@ class BoxReader:
                 self._issue_landing(ring.take())
                 self.wait_seconds += time.perf_counter() - began
                 continue
-            try:
-                piece, slot, failure = self._land_ended.get(block=False)
-            except queue.Empty:
-                if not block:
-                    return
-                began = time.perf_counter()
-                piece, slot, failure = self._land_ended.get()
-                self.wait_seconds += time.perf_counter() - began
-            del self._land_issued[id(slot)]
-            try:
-                if failure is not None:
-                    raise failure
-                self._land_copy(piece, slot)
-            except Exception as exc:
-                self._land_error = exc
-            finally:  # after whatever was queued out of the slot, even by a copy that then failed
-                event = None
-                try:
-                    event = self._copied(slot)
-                except Exception as exc:  # a broken device: the load fails, the slot goes back all the same
-                    self._land_error = self._land_error or exc
-                ring.give(slot, event)
+            if not self._copy_landed(block):
+                return
             self._pump()
+
+    def _copy_landed(self, block: bool) -> bool:
+        """Queue the copies of the next landing piece whose read has ended (waiting for one if ``block``) and give
+        its slot back with their event; False: none had ended. A failure is kept in ``_land_error``."""
+        ring = self._ring
+        assert ring is not None
+        try:
+            piece, slot, failure = self._land_ended.get(block=False)
+        except queue.Empty:
+            if not block:
+                return False
+            began = time.perf_counter()
+            piece, slot, failure = self._land_ended.get()
+            self.wait_seconds += time.perf_counter() - began
+        del self._land_issued[id(slot)]
+        try:
+            if failure is not None:
+                raise failure
+            self._land_copy(piece, slot)
+        except Exception as exc:
+            self._land_error = self._land_error or exc
+        finally:  # after whatever was queued out of the slot, even by a copy that then failed
+            event = None
+            try:
+                event = self._copied(slot)
+            except Exception as exc:  # a broken device: the load fails, the slot goes back all the same
+                self._land_error = self._land_error or exc
+            ring.give(slot, event)
+        return True
+
+    def _staging_slot(self) -> Slot:
+        """A slot for the next piece of a box read into a device buffer: a free one; else, while landing pieces
+        hold slots (they give them back only when this thread copies them out), the slot of the next one copied;
+        else one another reader of this process gives back."""
+        ring = self._ring
+        assert ring is not None
+        while True:
+            slot = ring.try_take()
+            if slot is not None:
+                return slot
+            if not self._land_issued:
+                began = time.perf_counter()
+                slot = ring.take()
+                self.wait_seconds += time.perf_counter() - began
+                return slot
+            self._copy_landed(block=True)  # no _pump: the slot it gives back is for this piece
 
     def _land_read(self, piece: LandingPiece, slot: Slot) -> None:
         """On a reader thread: read the piece into the slot, then tell the loading thread (``_land_ended``)."""
