@@ -24,3 +24,15 @@ def test_reads_are_balanced_by_the_targets_bytes() -> None:
         assert {n: r.reader for n, r in readers.items()} == {"a": 0, "b": 1, "c": 0}
         assert {n for n, r in readers.items() if r.reads} == ({"a", "c"} if rank == 0 else {"b"})
         assert {r.mesh_dim for r in readers.values()} == {"dp"}
+
+
+def test_each_key_read_counts_as_two_mib_of_work() -> None:
+    """One 4 MiB parameter against four of 256 KiB: by bytes alone member 1 read all four small ones (1 MiB against
+    4 MiB), yet four reads cost its loading thread more than the one. By hand, with 2 MiB a key: big -> 0 (6 MiB);
+    s0 -> 1 (2.25); s1 -> 1 (4.5); s2 -> 1 (6.75, as 4.5 < 6); s3 -> 0 (6 < 6.75)."""
+    numels = {"big": 1 << 20, "s0": 1 << 16, "s1": 1 << 16, "s2": 1 << 16, "s3": 1 << 16}  # float32
+    specs = {n: wb.LoadSpec.from_placements(n, [n], (k,), MESH, [Replicate()]) for n, k in numels.items()}
+    layout = wb.Layout(MESH, specs)
+    targets = {n: torch.empty(k) for n, k in numels.items()}
+    readers = replica_readers(layout, specs, 0, targets)
+    assert {n: r.reader for n, r in readers.items()} == {"big": 0, "s0": 1, "s1": 1, "s2": 1, "s3": 0}

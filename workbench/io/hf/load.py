@@ -5,7 +5,7 @@ from __future__ import annotations
 import hashlib
 import math
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, Literal, TypeVar
@@ -34,6 +34,8 @@ from workbench.run.torch_comm import DEFAULT_TIMEOUT, ControlChannel
 __all__ = ["LoadReport", "load_hf"]
 
 _WHOLE = 1 << 62  # piece_bytes of a transfer not cut into pieces
+# what one more read costs a load, in bytes copied: about 100 us of the loading thread a piece, at 20 GB/s
+READ_COST_BYTES = 2 << 20
 _T = TypeVar("_T")
 
 
@@ -185,7 +187,8 @@ def load_hf(
             device = next((targets[n].device for n in to_read if targets[n].device.type == "cuda"), None)
             on_gpu = device is not None
             transfers = _transfers(reader, wanted, plans, to_read, targets, adapters, rank, device)
-            boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, device),
+            landed = _landed(plans, transfers, targets, device)
+            boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, landed),
                               threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
                               device=device)
             clock.lap("plan")
@@ -197,7 +200,9 @@ def load_hf(
                     received += nbytes
                     continue
                 fault_point("load.read", rank)
-                if name in transfers:
+                if name in landed:  # read and copied by the reader's threads: nothing to ask for, finish() waits
+                    prepare_target(plan, targets[name])
+                elif name in transfers:
                     _copy_planned(plan, transfers[name], boxes.read, targets[name], non_blocking=on_gpu)
                 else:
                     execute_load(plan, boxes.read, targets[name], adapters, cast=cast, non_blocking=on_gpu)
@@ -278,6 +283,19 @@ def _transfers(
     return out
 
 
+def _landed(
+    plans: Mapping[str, HFLoadPlan],
+    transfers: Mapping[str, tuple[Transfer, ...]],
+    targets: Mapping[str, torch.Tensor],
+    device: torch.device | None,
+) -> set[str]:
+    """The parameters whose every box lands in their local tensor on ``device`` (``_reads_in_order``): the reader's
+    threads read and copy them, so the loop asks it for none of their boxes."""
+    if device is None:
+        return set()
+    return {n for n in transfers if targets[n].device == device and not plans[n].zero_fill}
+
+
 def _owned_bytes(
     spec: LoadSpec, plan: HFLoadPlan, reader: CheckpointReader, adapters: Mapping[str, Adapter] | None, rank: int
 ) -> int:
@@ -316,20 +334,20 @@ def _reads_in_order(
     adapters: Mapping[str, Adapter] | None,
     transfers: Mapping[str, tuple[Transfer, ...]],
     targets: Mapping[str, torch.Tensor],
-    device: torch.device | None = None,
+    landed: Collection[str] = (),
 ) -> list[tuple[str, tuple[slice, ...] | None] | Any]:
     """Every read the consumer will ask for, in its order: a parameter's coalesced transfers (``FileBox``-es; with
-    the place in the local tensor where the bytes can land there: a tensor with no padding to zero first, on the
-    GPU the load reads into (``device``; a copy there casts) or a CPU tensor of the checkpoint's dtype), or, for
+    the place in the local tensor where the bytes can land there: a tensor on the GPU the load reads into
+    (``landed``, ``_landed``; a copy there casts) or a CPU tensor of the checkpoint's dtype with no padding to zero
+    first), or, for
     one with adapters, the owned box of each key, or the whole key (once per parameter) where an adapter
     canonicalizes it."""
     reads: list[Any] = []
     for name in names:
         if name in transfers:
             out = targets[name]
-            on_device = device is not None and out.device == device
             same_dtype = all(t.source.dtype == out.dtype for t in transfers[name])
-            if not plans[name].zero_fill and (on_device or (out.device.type == "cpu" and same_dtype)):
+            if name in landed or (not plans[name].zero_fill and out.device.type == "cpu" and same_dtype):
                 reads.extend(zip((t.source for t in transfers[name]), landing_views(transfers[name], out)))
             else:
                 reads.extend(t.source for t in transfers[name])
@@ -365,9 +383,12 @@ def replica_readers(
     layout: Layout, specs: Mapping[str, LoadSpec], rank: int, targets: Mapping[str, torch.Tensor]
 ) -> dict[str, ReplicaRead]:
     """For every parameter replicated over some mesh dims, who reads it in this rank's replica group: in model
-    order, the member that has read the fewest bytes so far (lowest index on a tie), bytes counted in the dtype of
-    the tensor it fills (``targets``: this rank's local tensors). The members of a replica group hold the same
-    shards in the same dtypes, so each computes the same answer (``replica_digests`` proves it)."""
+    order, the member with the least work so far (lowest index on a tie). A parameter's work is the bytes of the
+    tensor it fills, in its dtype (``targets``: this rank's local tensors), plus ``READ_COST_BYTES`` for each of
+    its keys: a read costs the loading thread about as much as copying that many bytes, so a member that reads one
+    large embedding and one that reads a hundred small norms of the same bytes are not even. The members of a
+    replica group hold the same shards in the same dtypes, so each computes the same answer (``replica_digests``
+    proves it)."""
     out = {}
     loads: dict[MeshDimRef, list[int]] = {}
     for name, spec in specs.items():
@@ -380,7 +401,8 @@ def replica_readers(
             continue
         load = loads.setdefault(ref, [0] * size)
         reader = min(range(size), key=load.__getitem__)
-        load[reader] += math.prod(spec.local_shape(rank)) * targets[name].element_size()
+        load[reader] += math.prod(spec.local_shape(rank)) * targets[name].element_size() + READ_COST_BYTES * len(
+            spec.hf_keys)
         out[name] = ReplicaRead(ref, reader, layout.mesh.group_rank(rank, ref) == reader)
     return out
 
