@@ -16,6 +16,7 @@ import re
 import struct
 import threading
 import time
+import weakref
 from collections.abc import Callable
 from pathlib import Path
 
@@ -28,6 +29,7 @@ from safetensors.torch import save_file
 
 from tests.io import test_box_reads as box_reads_tests
 from workbench.errors import CheckpointError
+from workbench.io.files import landing
 from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.index import read_checkpoint
 from workbench.io.files.landing import LandingPiece, plan_landing
@@ -586,3 +588,55 @@ def test_a_box_read_without_a_tensor_among_landing_boxes_does_not_wait_forever_f
     assert _all_slots_free(ring)
     for i, (_, dest) in enumerate(entries):
         assert torch.equal(dest, w[i * n:(i + 1) * n]), i
+
+
+def _land(index, entries: list[tuple[FileBox, torch.Tensor]], ring: StagingRing) -> None:
+    with BoxReader(index, entries, device="cpu", ring=ring, threads=4, direct=False) as r:
+        assert _within(20, r.finish) is None
+
+
+def test_a_repeat_landing_plans_nothing_and_lands_in_the_tensors_given_now(tmp_path: Path) -> None:
+    """The second load of the same boxes into tensors of the same geometry takes the kept plan (a hit of the memo,
+    no ``plan_landing`` call) and lands every box in the new tensors, not in the first ones (which the memo must
+    not keep alive either); a tensor of other strides is planned afresh."""
+    w = torch.randn(64, 1024, generator=torch.Generator().manual_seed(3))
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    index = read_checkpoint(tmp_path)
+    info = index.keys["w"]
+
+    def entries(transposed: bool = False) -> list[tuple[FileBox, torch.Tensor]]:
+        out = []
+        for i in range(0, 64, 8):  # 8 rows a box, each into a tensor of its own (transposed: column-major)
+            fb = FileBox(info.file, info.data_offsets[0] + i * 4096, (8, 1024), (4096, 4), torch.float32)
+            dest = torch.zeros(1024, 8).t() if transposed else torch.zeros(8, 1024)
+            out.append((fb, dest))
+        return out
+
+    ring = StagingRing(4, 16 << 10, pinned=False)
+    calls = []
+    real = landing.plan_landing
+
+    def counted(*args, **kwargs):
+        calls.append(1)
+        return real(*args, **kwargs)
+
+    landing._KEPT.clear()
+    first = entries()
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setattr(landing, "plan_landing", counted)
+        _land(index, first, ring)
+        assert len(calls) == 1
+        gone = [weakref.ref(dest) for _, dest in first]
+        del first
+        second = entries()
+        _land(index, second, ring)
+        assert len(calls) == 1 and landing._KEPT.hits == 1  # kept: not planned again
+        assert all(ref() is None for ref in gone)  # the memo holds no view of the first tensors
+        for i, (_, dest) in enumerate(second):
+            assert torch.equal(dest, w[8 * i:8 * i + 8]), i
+        third = entries(transposed=True)
+        _land(index, third, ring)
+        assert len(calls) == 2  # other strides: planned afresh
+        for i, (_, dest) in enumerate(third):
+            assert torch.equal(dest, w[8 * i:8 * i + 8]), i
+    assert _all_slots_free(ring)

@@ -58,7 +58,7 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.files.index import CheckpointIndex, KeyInfo, torch_dtype
-from workbench.io.files.landing import LandingPart, LandingPiece, plan_landing
+from workbench.io.files.landing import LandingPart, LandingPiece, kept_landing
 from workbench.io.files.staging import Slot, StagingRing, staging_ring
 from workbench.io.files.transfers import FileBox
 
@@ -297,13 +297,12 @@ class BoxReader:
         self._land_ended: queue.SimpleQueue[tuple[LandingPiece, Slot, BaseException | None]] = queue.SimpleQueue()
         self._lands: dict[FileBox, deque[torch.Tensor]] = {}  # what ``read`` hands back for each
         self._land_error: BaseException | None = None
-        landing: list[tuple[FileBox, torch.Tensor, str]] = []
+        landing: list[tuple[FileBox, torch.Tensor]] = []
         items: list[_Box] = []
         for entry in expected:
             if self.device is not None and _lands_on(entry, self.device):
                 fb, into = entry  # type: ignore[misc]
-                how = self._describe(fb)
-                landing.append((fb, into, "runs" if how.runs is not None else "shared" if how.compact else "span"))
+                landing.append((fb, into))
                 self._lands.setdefault(fb, deque()).append(into)
             else:
                 items.append(self._expected(entry))
@@ -587,11 +586,17 @@ class BoxReader:
         if self._land_error is not None:
             raise self._land_error
 
-    def _start_landing(self, boxes: list[tuple[FileBox, torch.Tensor, str]]) -> None:
+    def _start_landing(self, boxes: list[tuple[FileBox, torch.Tensor]]) -> None:
         assert self._ring is not None
-        starts = {fb.file: self._fd(fb.file)[1] for fb, _, _ in boxes}
-        self._landing.extend(plan_landing(boxes, starts, self._ring.slot_bytes))
+        starts = {fb.file: self._fd(fb.file)[1] for fb, _ in boxes}
+        self._landing.extend(kept_landing(boxes, self._how, starts, self._ring.slot_bytes))
         self._pump()
+
+    def _how(self, fb: FileBox) -> str:
+        """How a landing box is read (``plan_landing``): its runs packed, or its span (shared: its pages hold a
+        peer's bytes too), as ``_describe`` decides for any box."""
+        how = self._describe(fb)
+        return "runs" if how.runs is not None else "shared" if how.compact else "span"
 
     def _pump(self) -> None:
         """Start reading the next landing pieces, in order, into the ring's free slots."""

@@ -23,14 +23,15 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
 
 from workbench.io.files.transfers import FileBox
+from workbench.memo import LRU
 
-__all__ = ["LandingPart", "LandingPiece", "plan_landing"]
+__all__ = ["LandingPart", "LandingPiece", "kept_landing", "plan_landing"]
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets and lengths (a page)
 _PAD = 64  # a part that does not sit at its place in the file starts at a multiple of this in the slot
@@ -40,7 +41,8 @@ _KEEP_SOLID = 1 << 20  # a solid piece this long is not joined by a part from el
 @dataclass(frozen=True, slots=True)
 class LandingPart:
     """Bytes at ``at`` in a slot, viewed as ``dtype`` with ``sizes`` and element ``strides``, copied into ``dest``
-    (a view of the target of the same sizes, any dtype: a copy casts). ``nbytes``: from ``at`` to its last byte."""
+    (a view of the target of the same sizes, any dtype: a copy casts). ``nbytes``: from ``at`` to its last byte;
+    ``box``: which of the planned boxes it belongs to."""
 
     at: int
     nbytes: int
@@ -48,6 +50,7 @@ class LandingPart:
     strides: tuple[int, ...]
     dtype: torch.dtype
     dest: torch.Tensor = field(compare=False, repr=False)
+    box: int = -1  # the index of the box it is part of, in the boxes planned
 
     @property
     def direct(self) -> bool:
@@ -95,7 +98,7 @@ def plan_landing(
         raise ValueError(f"a landing slot of {slot_bytes} bytes is too small: at least {3 * ALIGN}")
     limit = slot_bytes - 2 * ALIGN  # a part's bytes; with its place in its first page and its last page's rest
     packer = _Packer(slot_bytes)
-    for fb, dest, how in boxes:
+    for i, (fb, dest, how) in enumerate(boxes):
         if tuple(dest.shape) != fb.sizes:
             raise ValueError(f"{fb} cannot land in a tensor of shape {tuple(dest.shape)}")
         if how not in ("runs", "span", "shared"):
@@ -106,8 +109,37 @@ def plan_landing(
         span = how != "runs"
         for sub, offset, strides in _split(fb, dest.storage_offset(), dest.stride(), span, limit, base):
             view = dest.as_strided(sub.sizes, strides, offset)
-            packer.add(sub, view, span, base, shared=how == "shared")
+            packer.add(sub, view, span, base, shared=how == "shared", box=i)
     return packer.done()
+
+
+_KEPT = LRU(4)  # the geometry of a landing -> its pieces, every part's dest as (box, storage offset, strides)
+
+
+def kept_landing(
+    boxes: Sequence[tuple[FileBox, torch.Tensor]],
+    how: Callable[[FileBox], str],
+    data_start: Mapping[str, int],
+    slot_bytes: int,
+) -> list[LandingPiece]:
+    """``plan_landing`` of ``(box, dest, how(box))`` for each of ``boxes``, kept for the same geometry: the same
+    boxes, each landing in a tensor of the same dtype, shape, strides and storage offset, the same data starts and
+    slot size (a repeat load into the same model). A hit plans nothing and calls no ``how``: its parts' places are
+    made again as views of the tensors given now, so the memo holds no tensor (it keeps no model's memory alive)."""
+    key = (slot_bytes, tuple(sorted(data_start.items())),
+           tuple((fb, dest.dtype, tuple(dest.shape), dest.stride(), dest.storage_offset()) for fb, dest in boxes))
+    kept = _KEPT.get(key)
+    if kept is None:
+        pieces = plan_landing([(fb, dest, how(fb)) for fb, dest in boxes], data_start, slot_bytes)
+        _KEPT.put(key, [(p.file, p.reads, p.used, p.solid,
+                         tuple((q.at, q.nbytes, q.sizes, q.strides, q.dtype, q.box, q.dest.storage_offset(),
+                                q.dest.stride()) for q in p.parts)) for p in pieces])
+        return pieces
+    dests = [dest for _, dest in boxes]
+    return [LandingPiece(file, reads, tuple(
+                LandingPart(at, nbytes, sizes, strides, dtype, dests[box].as_strided(sizes, steps, offset), box)
+                for at, nbytes, sizes, strides, dtype, box, offset, steps in parts), used, solid)
+            for file, reads, used, solid, parts in kept]
 
 
 def _split(
@@ -184,7 +216,8 @@ class _Packer:
         self._used = 0
         self._solid: tuple[int, int] | None = None
 
-    def add(self, fb: FileBox, dest: torch.Tensor, span: bool, base: int, shared: bool = False) -> None:
+    def add(self, fb: FileBox, dest: torch.Tensor, span: bool, base: int, shared: bool = False, box: int = -1
+            ) -> None:
         size = fb.dtype.itemsize
         run, starts = (0, []) if span else _runs(fb)
         if span or len(starts) == 1:  # one range of the file
@@ -201,7 +234,7 @@ class _Packer:
             self._flush()
             at = self._place(fb.file, ranges, nbytes, size, shared)
             assert at is not None, "a part larger than a slot"
-        self._parts.append(LandingPart(at, nbytes, fb.sizes, strides, fb.dtype, dest))
+        self._parts.append(LandingPart(at, nbytes, fb.sizes, strides, fb.dtype, dest, box))
         pos = at
         for offset, n in ranges:
             last = self._reads[-1] if self._reads else None
