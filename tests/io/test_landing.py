@@ -640,3 +640,48 @@ def test_a_repeat_landing_plans_nothing_and_lands_in_the_tensors_given_now(tmp_p
         for i, (_, dest) in enumerate(third):
             assert torch.equal(dest, w[8 * i:8 * i + 8]), i
     assert _all_slots_free(ring)
+
+
+class _Concurrent:
+    """``os.preadv`` that sleeps ``delay`` seconds first, counting the most calls in flight at once."""
+
+    def __init__(self, delay: float) -> None:
+        self.real, self.delay = os.preadv, delay
+        self.now = self.most = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, fd: int, buffers: object, offset: int, *flags: int) -> int:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            time.sleep(self.delay)
+            return self.real(fd, buffers, offset, *flags)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+@pytest.mark.parametrize("direct", [False, True])
+def test_warm_landing_reads_at_most_warm_reads_at_once_and_a_cold_one_more(disk: Path, direct: bool,
+                                                                           monkeypatch: pytest.MonkeyPatch) -> None:
+    """Through the page cache a read is a memory copy: 16 threads reading at once only compete with the loading
+    thread, so at most ``WARM_READS`` landing pieces are read at once; once a piece is read with O_DIRECT (a cold
+    disk) every free slot gets a read."""
+    from workbench.io.files.box_reads import WARM_READS
+
+    w, _ = _one_file(disk, numel=64 * 1024)  # one page a piece: 64 pieces
+    index = read_checkpoint(disk)
+    entries = _row_entries(index, w, 64)
+    slow = _Concurrent(0.03)
+    monkeypatch.setattr(os, "preadv", slow)
+    ring = StagingRing(16, 3 * ALIGN, pinned=False)
+    with BoxReader(index, entries, device="cpu", ring=ring, threads=16, direct=direct) as r:
+        assert _within(30, r.finish) is None
+        assert (r.bytes_direct > 0) == direct
+    for i, (_, dest) in enumerate(entries):
+        assert torch.equal(dest, w[i * 1024:(i + 1) * 1024]), i
+    if direct:
+        assert slow.most > WARM_READS, slow.most
+    else:
+        assert 2 <= slow.most <= WARM_READS, slow.most
