@@ -75,11 +75,6 @@ ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses are multipl
 DIRECT_MIN_BYTES = 1 << 20  # auto: smaller requests go through the page cache (alignment costs up to 8 KiB each)
 DIRECT_COLD_SHARE = 0.1  # auto: O_DIRECT when at most this share of a request's sampled pages are cached
 LANDING_RUN_BYTES = 64 << 10  # a box given a tensor lands there run by run when its runs are this long
-# landing pieces read through the page cache at once, at most, until one is read with O_DIRECT: a warm read is a
-# memory copy, and more threads only compete for the GIL with the loading thread that queues the copies (2 H200s,
-# warm 4 GB Qwen3-MoE loads, 8 against 16: 0.131 / 0.138 / 0.191 s against 0.145 / 0.159 / 0.207 for EP2 / FSDP2 /
-# ETP2); a cold disk wants every read it can queue
-WARM_READS = 8
 DIRECT_ENV = "WORKBENCH_READ_DIRECT"  # the default of ``direct``: auto, 1 (True) or 0 (False)
 _SAMPLES = 32  # pages of a range cached_share asks mincore about
 COLD_REGION_BYTES = 64 << 20  # auto decides once per region of a file this long (the first request in it samples)
@@ -302,7 +297,6 @@ class BoxReader:
         self._land_ended: queue.SimpleQueue[tuple[LandingPiece, Slot, BaseException | None]] = queue.SimpleQueue()
         self._lands: dict[FileBox, deque[torch.Tensor]] = {}  # what ``read`` hands back for each
         self._land_error: BaseException | None = None
-        self._land_direct = False  # a landing piece was read with O_DIRECT: a cold read, no bound on reads at once
         landing: list[tuple[FileBox, torch.Tensor]] = []
         items: list[_Box] = []
         for entry in expected:
@@ -605,14 +599,10 @@ class BoxReader:
         return "runs" if how.runs is not None else "shared" if how.compact else "span"
 
     def _pump(self) -> None:
-        """Start reading the next landing pieces, in order, into the ring's free slots: at most ``WARM_READS`` being
-        read at once until one is read with O_DIRECT (those whose reads ended wait in ``_land_ended`` for their
-        copies)."""
+        """Start reading the next landing pieces, in order, into the ring's free slots."""
         ring = self._ring
         while self._landing and self._land_error is None:
             assert ring is not None
-            if not self._land_direct and len(self._land_issued) - self._land_ended.qsize() >= WARM_READS:
-                return
             slot = ring.try_take()
             if slot is None:
                 return
@@ -702,7 +692,6 @@ class BoxReader:
         if piece.solid is not None and self._cold(piece.file, fd, piece.solid[0], piece.nbytes):
             dfd = self._direct_fd(piece.file)
             if dfd is not None:
-                self._land_direct = True
                 begin, end = piece.solid
                 low, high = begin // ALIGN * ALIGN, -(-end // ALIGN) * ALIGN
                 self._pread_direct_piece(fd, dfd, piece.file, low, view[:high - low], end - low)
