@@ -640,3 +640,52 @@ def test_a_repeat_landing_plans_nothing_and_lands_in_the_tensors_given_now(tmp_p
         for i, (_, dest) in enumerate(third):
             assert torch.equal(dest, w[8 * i:8 * i + 8]), i
     assert _all_slots_free(ring)
+
+
+class _Concurrent:
+    """``os.preadv`` that sleeps ``delay`` seconds first, counting the most calls in flight at once."""
+
+    def __init__(self, delay: float) -> None:
+        self.real, self.delay = os.preadv, delay
+        self.now = self.most = 0
+        self.lock = threading.Lock()
+
+    def __call__(self, fd: int, buffers: object, offset: int, *flags: int) -> int:
+        with self.lock:
+            self.now += 1
+            self.most = max(self.most, self.now)
+        try:
+            time.sleep(self.delay)
+            return self.real(fd, buffers, offset, *flags)
+        finally:
+            with self.lock:
+                self.now -= 1
+
+
+def test_a_box_read_into_a_buffer_reads_ahead_while_landed_pieces_wait_for_their_copies(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    """Landing pieces whose reads ended keep their slots until the loading thread copies them out (a load asks for no
+    landing box, so nothing else does): a box read into a buffer must copy them out to read its own pieces several
+    at a time, not one slot freed per piece and each read waited for before the next starts."""
+    w = torch.randn(64 * 2048, generator=torch.Generator().manual_seed(1))
+    save_file({"w": w}, str(tmp_path / "model.safetensors"))
+    index = read_checkpoint(tmp_path)
+    info = index.keys["w"]
+    n = 2048
+    landing_boxes = [(FileBox(info.file, info.data_offsets[0] + i * n * 4, (n,), (4,), torch.float32),
+                      torch.zeros(n)) for i in range(32, 64)]
+    staged = FileBox(info.file, info.data_offsets[0], (16 * n,), (4,), torch.float32)  # 128 KiB: 11 pieces
+    slow = _Concurrent(0.02)
+    monkeypatch.setattr(os, "preadv", slow)
+    ring = StagingRing(8, 3 * ALIGN, pinned=False)
+    with BoxReader(index, [*landing_boxes, staged], device="cpu", ring=ring, threads=8, direct=False) as r:
+        deadline = time.monotonic() + 20
+        while r._land_ended.qsize() < ring.slots and time.monotonic() < deadline:  # every slot: a landed piece
+            time.sleep(0.01)
+        slow.most = 0
+        assert torch.equal(r.read(staged), w[:16 * n])
+        assert slow.most >= 2, slow.most  # read ahead, not one piece at a time
+        assert _within(20, r.finish) is None
+    assert _all_slots_free(ring)
+    for i, (_, dest) in enumerate(landing_boxes):
+        assert torch.equal(dest, w[(32 + i) * n:(33 + i) * n]), i

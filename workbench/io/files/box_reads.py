@@ -403,10 +403,14 @@ class BoxReader:
                 self._issue_pieces()
 
     def _issue_pieces(self) -> None:
-        """Give the next pieces slots while the ring has free ones, and start their reads."""
+        """Give the next pieces slots while the ring has free ones, and start their reads. Landing pieces whose
+        reads have ended hold their slots until this thread copies them out: copied out first, so a box read into
+        a device buffer keeps reading ahead."""
         assert self._ring is not None
         while self._unissued:
             slot = self._ring.try_take()
+            while slot is None and self._land_issued and self._copy_landed(block=False):
+                slot = self._ring.try_take()
             if slot is None:
                 return
             self._issue_piece(self._unissued.popleft(), slot)

@@ -16,7 +16,9 @@ where it is dense or its gaps hold no whole page). Where a piece's parts are one
 place relative to the page the range starts in, the piece is ``solid``: its aligned cover fits the slot and can be
 read with ``O_DIRECT`` straight into it.
 
-Pure arithmetic on offsets and views: nothing is read here.
+Pure arithmetic on offsets and views: nothing is read here. ``kept_landing`` keeps a plan for its geometry (boxes and
+the dtype, shape, strides and offset of each tensor they land in), so a repeat load into the same model plans
+nothing: it makes each part's place again as a view of the tensor given now.
 """
 
 from __future__ import annotations
