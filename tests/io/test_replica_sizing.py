@@ -36,3 +36,18 @@ def test_each_key_read_counts_as_two_mib_of_work() -> None:
     targets = {n: torch.empty(k) for n, k in numels.items()}
     readers = replica_readers(layout, specs, 0, targets)
     assert {n: r.reader for n, r in readers.items()} == {"big": 0, "s0": 1, "s1": 1, "s2": 1, "s3": 0}
+
+
+def test_a_fused_parameter_counts_a_read_a_staging_slot_not_a_read_a_key() -> None:
+    """64 experts of 256 KiB fused in one 16 MiB parameter are read as two slot-sized pieces, not 64 reads: its work
+    is 16 + 2 x 2 = 20 MiB (64 reads would make it 144). By hand: fused -> 0 (20 MiB); then eight 1 MiB norms (3 MiB
+    of work each) -> 1, 1, 1, 1, 1, 1, 1 (21 MiB after the seventh), and the eighth -> 0 (20 < 21)."""
+    fused_keys = [f"e{i}" for i in range(64)]
+    specs = {"fused": wb.LoadSpec.from_placements("fused", fused_keys, (64 * 65536,), MESH, [Replicate()],
+                                                fused_dim=0)}
+    norms = [f"n{i}" for i in range(8)]
+    specs.update({n: wb.LoadSpec.from_placements(n, [n], (1 << 18,), MESH, [Replicate()]) for n in norms})
+    layout = wb.Layout(MESH, specs)
+    targets = {"fused": torch.empty(64 * 65536), **{n: torch.empty(1 << 18) for n in norms}}
+    readers = replica_readers(layout, specs, 0, targets)
+    assert {n: r.reader for n, r in readers.items()} == {"fused": 0, **{n: 1 for n in norms[:7]}, "n7": 0}

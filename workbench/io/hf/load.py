@@ -19,6 +19,7 @@ from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.direct import replicating_dims
 from workbench.io.files.index import CheckpointIndex, torch_dtype
 from workbench.io.files.read import CheckpointReader
+from workbench.io.files.staging import SLOT_BYTES
 from workbench.io.files.transfers import PIECE_BYTES, Transfer, copy_transfers, landing_views, plan_transfers
 from workbench.io.hf.load_timings import LoadClock, LoadTimings
 from workbench.layout.key_map import KeyMap
@@ -385,8 +386,9 @@ def replica_readers(
     """For every parameter replicated over some mesh dims, who reads it in this rank's replica group: in model
     order, the member with the least work so far (lowest index on a tie). A parameter's work is the bytes of the
     tensor it fills, in its dtype (``targets``: this rank's local tensors), plus ``READ_COST_BYTES`` for each of
-    its keys: a read costs the loading thread about as much as copying that many bytes, so a member that reads one
-    large embedding and one that reads a hundred small norms of the same bytes are not even. The members of a
+    its reads (a read a key, or a read a staging slot of bytes where the keys are smaller: a fused tensor's experts
+    are packed): a read costs the loading thread about as much as copying that many bytes, so a member that reads
+    one large embedding and one that reads a hundred small norms of the same bytes are not even. The members of a
     replica group hold the same shards in the same dtypes, so each computes the same answer (``replica_digests``
     proves it)."""
     out = {}
@@ -401,8 +403,9 @@ def replica_readers(
             continue
         load = loads.setdefault(ref, [0] * size)
         reader = min(range(size), key=load.__getitem__)
-        load[reader] += math.prod(spec.local_shape(rank)) * targets[name].element_size() + READ_COST_BYTES * len(
-            spec.hf_keys)
+        nbytes = math.prod(spec.local_shape(rank)) * targets[name].element_size()
+        reads = min(len(spec.hf_keys), -(-nbytes // SLOT_BYTES) or 1)  # small keys read alone; fused ones packed
+        load[reader] += nbytes + READ_COST_BYTES * reads
         out[name] = ReplicaRead(ref, reader, layout.mesh.group_rank(rank, ref) == reader)
     return out
 
