@@ -26,7 +26,9 @@ class LoadTimings(StageTimes):
     Stages: ``check`` (the layout, the checkpoint's index and headers, checked against each other, and who reads
     each replicated parameter), ``plan`` (each parameter's slices, coalesced transfers and reads), ``read`` (the
     reads and copies into the model, while the reading threads run ahead), ``drain`` (waiting for the last reads
-    and copies, the device included), ``share`` (broadcasting replicated parameters to their replicas),
+    and copies, the device included; on a GPU, where the boxes land in the model's tensors, the loading thread
+    queues their copies here, so ``read`` is short and ``drain`` holds the load), ``share`` (broadcasting
+    replicated parameters to their replicas),
     ``agree`` (the two agreements of every rank: waiting for the slowest rank counts here).
     ``read_wait``: the part of ``read`` and ``drain`` the calling thread spent blocked on reads not done yet (long:
     the files or the page cache bound the load; short against ``read``: the calling thread's own work does).
