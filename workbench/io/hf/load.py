@@ -19,7 +19,7 @@ from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.direct import replicating_dims
 from workbench.io.files.index import CheckpointIndex, torch_dtype
 from workbench.io.files.read import CheckpointReader
-from workbench.io.files.staging import SLOT_BYTES
+from workbench.io.files.staging import SLOT_BYTES, StagingRing
 from workbench.io.files.transfers import PIECE_BYTES, Transfer, copy_transfers, landing_views, plan_transfers
 from workbench.io.hf.load_timings import LoadClock, LoadTimings
 from workbench.layout.key_map import KeyMap
@@ -35,6 +35,9 @@ from workbench.run.torch_comm import DEFAULT_TIMEOUT, ControlChannel
 __all__ = ["LoadReport", "load_hf"]
 
 _WHOLE = 1 << 62  # piece_bytes of a transfer not cut into pieces
+# tests only: an unpinned staging ring through which a load into CPU tensors takes the path of a GPU load (boxes
+# landing in the model's tensors from the reading threads, others read through the ring), its copies run at once
+_CPU_LANDING_RING: StagingRing | None = None
 # what one more read costs a load, in bytes copied: about 100 us of the loading thread a piece, at 20 GB/s
 READ_COST_BYTES = 2 << 20
 _T = TypeVar("_T")
@@ -186,12 +189,15 @@ def load_hf(
                      for name, spec in wanted.items()}
             to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
             device = next((targets[n].device for n in to_read if targets[n].device.type == "cuda"), None)
-            on_gpu = device is not None
+            ring = None
+            if device is None and _CPU_LANDING_RING is not None:  # the CPU seam: the GPU's path, copies at once
+                device, ring = torch.device("cpu"), _CPU_LANDING_RING
+            on_gpu = device is not None and device.type == "cuda"
             transfers = _transfers(reader, wanted, plans, to_read, targets, adapters, rank, device)
             landed = _landed(plans, transfers, targets, device)
             boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, landed),
                               threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
-                              device=device)
+                              device=device, ring=ring)
             clock.lap("plan")
             for name, plan in plans.items():
                 nbytes = _owned_bytes(wanted[name], plan, reader, adapters, rank)
