@@ -6,7 +6,6 @@ run at once (``BoxReader``'s CPU seam). The expected values are the tensors the 
 
 from __future__ import annotations
 
-import threading
 from pathlib import Path
 
 import pytest
@@ -14,6 +13,7 @@ import torch
 
 import workbench as wb
 from tests.io.support import bits, random_tensor, save_checkpoint
+from tests.io.test_landing import _within
 from workbench.io.files import index as index_module
 from workbench.io.files import landing
 from workbench.io.files.staging import StagingRing
@@ -51,22 +51,12 @@ def seam(monkeypatch) -> StagingRing:
     return ring
 
 
-def _within(seconds: float, fn):
-    """``fn()`` on a thread; fail (a hang) if it does not return within ``seconds``."""
-    out: list = [None, None]
-
-    def body() -> None:
-        try:
-            out[0] = fn()
-        except BaseException as exc:
-            out[1] = exc
-
-    thread = threading.Thread(target=body, daemon=True)
-    thread.start()
-    thread.join(seconds)
-    assert not thread.is_alive(), f"load_hf did not return within {seconds} s (hang)"
-    if out[1] is not None:
-        raise out[1]
+def _load(model: Model, path: Path, **kwargs) -> wb.LoadReport:
+    """``wb.load_hf`` on a thread: a load that does not return within 30 s fails the test (a hang)."""
+    out: list = []
+    failure = _within(30, lambda: out.append(wb.load_hf(model, path, **kwargs)))
+    if failure is not None:
+        raise failure
     return out[0]
 
 
@@ -84,7 +74,7 @@ def test_landed_weights_and_a_key_read_whole_by_an_adapter_load_exactly_without_
     state = _state()
     save_checkpoint(tmp_path, state, {k: 0 for k in state})
     model = Model()
-    report = _within(30, lambda: wb.load_hf(model, tmp_path, cast=True, adapters={"z": lambda key, t: t * 2}))
+    report = _load(model, tmp_path, cast=True, adapters={"z": lambda key, t: t * 2})
     assert report.ok and report.parameters == 11
     _expect(model, state, 2.0)
     free = [seam.try_take() for _ in range(seam.slots)]
@@ -101,11 +91,11 @@ def test_a_repeat_load_lands_through_the_kept_plan(tmp_path: Path, monkeypatch) 
     for _ in range(3):
         for p in model.parameters():
             p.data.zero_()
-        report = _within(30, lambda: wb.load_hf(model, tmp_path, cast=True))
+        report = _load(model, tmp_path, cast=True)
         assert report.ok
         _expect(model, state, 1.0)
     assert len(calls) == 1 and landing._KEPT.hits == 2
     other = Model()  # another model of the same geometry: the kept plan, its own tensors
-    _within(30, lambda: wb.load_hf(other, tmp_path, cast=True))
+    _load(other, tmp_path, cast=True)
     _expect(other, state, 1.0)
     assert len(calls) == 1
