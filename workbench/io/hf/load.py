@@ -193,8 +193,8 @@ def load_hf(
             if device is None and _CPU_LANDING_RING is not None:  # the CPU seam: the GPU's path, copies at once
                 device, ring = torch.device("cpu"), _CPU_LANDING_RING
             on_gpu = device is not None and device.type == "cuda"
-            transfers = _transfers(reader, wanted, plans, to_read, targets, adapters, rank, device)
-            landed = _landed(plans, transfers, targets, device)
+            landed = _landed(plans, to_read, targets, adapters, device)
+            transfers = _transfers(reader, wanted, plans, to_read, targets, adapters, rank, landed)
             boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, landed),
                               threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
                               device=device, ring=ring)
@@ -267,20 +267,19 @@ def _transfers(
     targets: Mapping[str, torch.Tensor],
     adapters: Mapping[str, Adapter] | None,
     rank: int,
-    device: torch.device | None = None,
+    landed: Collection[str] = (),
 ) -> dict[str, tuple[Transfer, ...]]:
     """The coalesced transfers of every parameter read here whose keys have no adapter (those are read whole, key
-    by key, and canonicalized by ``execute_load``). Those that land on the GPU (``device``) are not cut into
+    by key, and canonicalized by ``execute_load``). Those that land on the GPU (``landed``) are not cut into
     pieces here: ``BoxReader`` cuts them into pieces of its staging slots (8 MiB pieces would leave a few KiB of
     each over). Kept with the parameter's spec for the checkpoint's index (``_for_index``): a repeat load of the
     same checkpoint (whose parsed index ``cached_checkpoint`` reuses) plans nothing again."""
     out = {}
     for name in names:
         plan = plans[name]
-        if adapters and any(r.hf_key in adapters for r in plan.reads):
+        if _adapted(plan, adapters):
             continue
-        lands = device is not None and targets[name].device == device and not plan.zero_fill
-        piece_bytes = _WHOLE if lands else PIECE_BYTES
+        piece_bytes = _WHOLE if name in landed else PIECE_BYTES
         strides = targets[name].stride()
         out[name] = _for_index(
             specs[name], ("transfers", rank, strides, piece_bytes), reader.index,
@@ -290,17 +289,25 @@ def _transfers(
     return out
 
 
+def _adapted(plan: HFLoadPlan, adapters: Mapping[str, Adapter] | None) -> bool:
+    """Whether an adapter reads one of the parameter's keys (whole: the parameter has no transfers)."""
+    return bool(adapters) and any(r.hf_key in adapters for r in plan.reads)
+
+
 def _landed(
     plans: Mapping[str, HFLoadPlan],
-    transfers: Mapping[str, tuple[Transfer, ...]],
+    names: list[str],
     targets: Mapping[str, torch.Tensor],
+    adapters: Mapping[str, Adapter] | None,
     device: torch.device | None,
 ) -> set[str]:
-    """The parameters whose every box lands in their local tensor on ``device`` (``_reads_in_order``): the reader's
-    threads read and copy them, so the loop asks it for none of their boxes."""
+    """The parameters read here whose every box lands in their local tensor on ``device`` (no adapter, no padding
+    to zero first; ``_reads_in_order``): the reader's threads read and copy them, so the loop asks it for none of
+    their boxes."""
     if device is None:
         return set()
-    return {n for n in transfers if targets[n].device == device and not plans[n].zero_fill}
+    return {n for n in names
+            if targets[n].device == device and not plans[n].zero_fill and not _adapted(plans[n], adapters)}
 
 
 def _owned_bytes(
