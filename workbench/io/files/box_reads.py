@@ -409,7 +409,8 @@ class BoxReader:
         assert self._ring is not None
         while self._unissued:
             slot = self._ring.try_take()
-            while slot is None and self._land_issued and self._copy_landed(block=False):
+            stream = self._current_stream() if slot is None and self._land_issued else None
+            while slot is None and self._land_issued and self._copy_landed(False, stream):
                 slot = self._ring.try_take()
             if slot is None:
                 return
@@ -530,7 +531,7 @@ class BoxReader:
         """On a reader thread: wait for the slot's last copy, then read the piece into it."""
         assert piece.slot is not None
         piece.slot.ready()
-        view = memoryview(piece.slot.buffer.numpy())
+        view = piece.slot.bytes
         request = piece.request
         fd, dfd = self._fds_of[id(request)]
         if piece.direct is not None:
@@ -621,6 +622,7 @@ class BoxReader:
         places are disjoint), giving each slot back with its copy's event and starting the next reads; ``block``:
         until every piece is copied."""
         ring = self._ring
+        stream = self._current_stream() if self._land_issued or (block and self._landing) else None
         while self._land_error is None and (self._land_issued or (block and self._landing)):
             assert ring is not None
             if not self._land_issued:  # every slot is held elsewhere (another reader of this process): wait for one
@@ -628,11 +630,11 @@ class BoxReader:
                 self._issue_landing(ring.take())
                 self.wait_seconds += time.perf_counter() - began
                 continue
-            if not self._copy_landed(block):
+            if not self._copy_landed(block, stream):
                 return
             self._pump()
 
-    def _copy_landed(self, block: bool) -> bool:
+    def _copy_landed(self, block: bool, stream: torch.cuda.Stream | None) -> bool:
         """Queue the copies of the next landing piece whose read has ended (waiting for one if ``block``) and give
         its slot back with their event; False: none had ended. A failure is kept in ``_land_error``."""
         ring = self._ring
@@ -655,7 +657,7 @@ class BoxReader:
         finally:  # after whatever was queued out of the slot, even by a copy that then failed
             event = None
             try:
-                event = self._copied(slot)
+                event = self._copied(slot, stream)
             except Exception as exc:  # a broken device: the load fails, the slot goes back all the same
                 self._land_error = self._land_error or exc
             ring.give(slot, event)
@@ -676,7 +678,7 @@ class BoxReader:
                 slot = ring.take()
                 self.wait_seconds += time.perf_counter() - began
                 return slot
-            self._copy_landed(block=True)  # no _pump: the slot it gives back is for this piece
+            self._copy_landed(True, self._current_stream())  # no _pump: the slot it gives back is for this piece
 
     def _land_read(self, piece: LandingPiece, slot: Slot) -> None:
         """On a reader thread: read the piece into the slot, then tell the loading thread (``_land_ended``)."""
@@ -692,7 +694,7 @@ class BoxReader:
         O_DIRECT where ``direct`` says so)."""
         slot.ready()
         fd, _ = self._fd(piece.file)
-        view = memoryview(slot.buffer.numpy())
+        view = slot.bytes
         if piece.solid is not None and self._cold(piece.file, fd, piece.solid[0], piece.nbytes):
             dfd = self._direct_fd(piece.file)
             if dfd is not None:
@@ -722,15 +724,21 @@ class BoxReader:
         for p in parts:
             p.dest.copy_(_place(slot.typed(p.dtype, twin), p))
 
-    def _copied(self, slot: Slot) -> torch.cuda.Event | None:
-        """The slot's event recorded on the current stream after what was queued out of it (None on the CPU): the
-        slot is read into again only once it has run."""
-        assert self.device is not None
-        if self.device.type != "cuda":
+    def _copied(self, slot: Slot, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
+        """The slot's event recorded on ``stream`` (the current one) after what was queued out of it (None on the
+        CPU): the slot is read into again only once it has run."""
+        if stream is None:
             return None
+        assert self.device is not None
         event = slot.done_event(self.device)
-        event.record(torch.cuda.current_stream(self.device))
+        event.record(stream)
         return event
+
+    def _current_stream(self) -> torch.cuda.Stream | None:
+        """The calling thread's current stream on the reader's device, which the copies it queues run on (None on
+        the CPU): asked once per drain, not once per piece."""
+        assert self.device is not None
+        return torch.cuda.current_stream(self.device) if self.device.type == "cuda" else None
 
     def _stop_landing(self) -> None:
         """Drop the pieces not started; the slots of those started go back once their reads have ended."""
@@ -1004,6 +1012,9 @@ class BoxReader:
                                   f"({len(self.index.keys)} keys)") from None
 
     def _fd(self, file: str) -> tuple[int, int]:
+        got = self._fds.get(file)  # opened already (a dict read needs no lock): most calls, from every thread
+        if got is not None:
+            return got
         with self._lock:
             got = self._fds.get(file)
             if got is None:

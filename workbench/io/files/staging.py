@@ -35,9 +35,17 @@ class Slot:
     buffer: torch.Tensor
     event: torch.cuda.Event | None = None
     twins: dict[torch.device, torch.Tensor] = field(default_factory=dict)
-    _views: dict[tuple[torch.device | None, torch.dtype], torch.Tensor] = field(
+    _views: dict[object, torch.Tensor | memoryview] = field(
         default_factory=dict, init=False, repr=False)
     _done: dict[torch.device, torch.cuda.Event] = field(default_factory=dict, init=False, repr=False)
+
+    @property
+    def bytes(self) -> memoryview:
+        """The slot's buffer as a writable memoryview (made once: a reading thread reads into it per piece)."""
+        view = self._views.get("bytes")
+        if view is None:
+            view = self._views["bytes"] = memoryview(self.buffer.numpy())
+        return view
 
     def typed(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
         """The slot's buffer (``device`` None) or its twin on ``device``, as a flat tensor of ``dtype`` (kept: a
@@ -68,7 +76,7 @@ class Slot:
     def ready(self) -> None:
         """Wait until the last copy out of the slot has run: then it may be written. On the thread that fills it."""
         event, self.event = self.event, None
-        if event is not None:
+        if event is not None and not event.query():  # done: no wait (query keeps the GIL, a wait gives it up)
             event.synchronize()  # a failed copy (a broken device) raises here; the slot stays usable
 
 
