@@ -8,7 +8,10 @@ stages of its median load (``LoadReport.timings``), the CPU seconds of its loadi
 pieces and parts its reader planned. To compare two versions of the code, run it twice in one session on one
 machine, each with its own ``PYTHONPATH``.
 
-    python bench/moe_warm.py --ranks 2 --mesh 1 2 1 --size-gb 4 [--threads 16] [--dir /tmp]
+    python bench/moe_warm.py --ranks 2 --mesh 1 2 1 --size-gb 4 [--threads 16] [--dir /tmp] [--profile 20]
+
+``--profile N`` runs rank 0's last load under ``cProfile`` (its loading thread only) and prints the N functions it
+spent most time in, by own time and by cumulative time.
 """
 
 from __future__ import annotations
@@ -64,21 +67,41 @@ def _rank(cfg: dict) -> dict:
 
     landing.plan_landing = counted
     runs = []
-    for _ in range(cfg["loads"]):
+    profile = None
+    for i in range(cfg["loads"]):
+        if cfg["profile"] and rank == 0 and i == cfg["loads"] - 1:
+            import cProfile
+
+            profile = cProfile.Profile()
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
         began, cpu = time.perf_counter(), time.thread_time()
+        if profile is not None:
+            profile.enable()
         report = wb.load_hf(model, folder, key_map=key_map, read_threads=cfg["threads"])
+        if profile is not None:
+            profile.disable()
         cpu = time.thread_time() - cpu
         if cuda:
             torch.cuda.synchronize()
         runs.append((time.perf_counter() - began, str(report.timings), cpu, report.bytes_owned))
     landing.plan_landing = real
+    profiled = ""
+    if profile is not None:
+        import io
+        import pstats
+
+        text = io.StringIO()
+        stats = pstats.Stats(profile, stream=text)
+        stats.sort_stats("tottime").print_stats(cfg["profile"])
+        stats.sort_stats("cumulative").print_stats(cfg["profile"])
+        profiled = text.getvalue()
     later = sorted(runs[1:], key=lambda r: r[0])
     median = later[len(later) // 2]
     return {"seconds": [round(r[0], 3) for r in runs], "median": statistics.median(r[0] for r in runs[1:]),
-            "stages": median[1], "cpu": median[2], "owned": median[3], "planned": planned}
+            "stages": median[1], "cpu": median[2], "owned": median[3], "planned": planned,
+            "profile": profiled}
 
 
 def main() -> None:
@@ -89,11 +112,12 @@ def main() -> None:
     parser.add_argument("--loads", type=int, default=7)
     parser.add_argument("--threads", type=int, default=16, help="load_hf's read_threads")
     parser.add_argument("--dir", default=None)
+    parser.add_argument("--profile", type=int, default=0, help="print this many functions of rank 0's last load")
     args = parser.parse_args()
     mesh = tuple(args.mesh or (args.ranks, 1, 1))
     folder = Path(tempfile.mkdtemp(prefix="wb-moe-warm-", dir=args.dir))
     cfg = {"mesh": mesh, "size_gb": args.size_gb, "loads": args.loads, "threads": args.threads,
-           "folder": str(folder / "ckpt")}
+           "profile": args.profile, "folder": str(folder / "ckpt")}
     try:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         results = wb.launch(_rank, nprocs=args.ranks, backend=backend, args=(cfg,), timeout=600)
@@ -107,6 +131,8 @@ def main() -> None:
     for rank, r in enumerate(out):
         print(f"  rank {rank}: {r['stages']}; loading thread on the CPU {r['cpu']:.3f} s; planned {r['planned']}; "
               f"loads {r['seconds']}")
+    if out[0]["profile"]:
+        print(f"rank 0's last load under cProfile (its loading thread):\n{out[0]['profile']}")
 
 
 if __name__ == "__main__":

@@ -77,6 +77,7 @@ DIRECT_COLD_SHARE = 0.1  # auto: O_DIRECT when at most this share of a request's
 LANDING_RUN_BYTES = 64 << 10  # a box given a tensor lands there run by run when its runs are this long
 DIRECT_ENV = "WORKBENCH_READ_DIRECT"  # the default of ``direct``: auto, 1 (True) or 0 (False)
 _SAMPLES = 32  # pages of a range cached_share asks mincore about
+PACKED_CACHED_SHARE = 0.9  # auto: a landing packs its pieces full in a file with this share of its pages cached
 COLD_REGION_BYTES = 64 << 20  # auto decides once per region of a file this long (the first request in it samples)
 _AUTO_SAMPLES = 8  # pages of a request that auto asks about (one mincore call each, ~4 us: 32 cost a warm load of
 # 8 MiB requests a quarter of its time)
@@ -222,7 +223,7 @@ class BoxReader:
         budget_bytes: bytes of buffers read ahead and not yet handed out, at most (at least one request).
         pin_memory: allocate buffers in pinned memory (for host-to-device copies that overlap).
         device: a CUDA device to read into: requests in the expected order are read through the process's pinned
-            staging ring (``staging.py``, 16 slots of 8 MiB pinned once per process) in slot-sized pieces, in
+            staging ring (``staging.py``, 16 slots of 16 MiB pinned once per process) in slot-sized pieces, in
             order, as far ahead as the ring's free slots allow; when the consumer asks for a box, the pieces of its
             request are copied, on the current stream, into a buffer on this device, and ``read`` hands out a device
             tensor. ``budget_bytes`` then bounds device buffers; pinned memory is the ring's whatever the load.
@@ -594,8 +595,22 @@ class BoxReader:
     def _start_landing(self, boxes: list[tuple[FileBox, torch.Tensor]]) -> None:
         assert self._ring is not None
         starts = {fb.file: self._fd(fb.file)[1] for fb, _ in boxes}
-        self._landing.extend(kept_landing(boxes, self._how, starts, self._ring.slot_bytes))
+        packed = [file for file in starts if self._cached(file)]
+        self._landing.extend(kept_landing(boxes, self._how, starts, self._ring.slot_bytes, packed))
         self._pump()
+
+    def _cached(self, file: str) -> bool:
+        """Whether a landing packs ``file``'s pieces full (``plan_landing``'s ``packed``): where none of it is read
+        with O_DIRECT (``direct`` False, or the file refused it), or (auto) where at least ``PACKED_CACHED_SHARE``
+        of its sampled data pages are in the page cache."""
+        if self.direct is False or file in self.direct_refused:
+            return True
+        if self.direct is True:
+            return False
+        fd, start = self._fd(file)
+        pages = self._page_map(file, fd)
+        share = pages.share(start, pages.size - start, _SAMPLES)
+        return share is not None and share >= PACKED_CACHED_SHARE
 
     def _how(self, fb: FileBox) -> str:
         """How a landing box is read (``plan_landing``): its runs packed, or its span (shared: its pages hold a
@@ -903,13 +918,17 @@ class BoxReader:
         known = self._cold_regions.get(region)
         if known is not None:
             return known
+        share = self._page_map(file, fd).share(begin, nbytes, _AUTO_SAMPLES)
+        cold = self._cold_regions[region] = share is not None and share <= DIRECT_COLD_SHARE  # unknown: page cache
+        return cold
+
+    def _page_map(self, file: str, fd: int) -> _PageMap:
+        """The file's mapping that ``mincore`` asks which pages are cached (made once per reader)."""
         with self._lock:
             pages = self._maps.get(file)
             if pages is None:
                 pages = self._maps[file] = _PageMap(fd)
-        share = pages.share(begin, nbytes, _AUTO_SAMPLES)
-        cold = self._cold_regions[region] = share is not None and share <= DIRECT_COLD_SHARE  # unknown: page cache
-        return cold
+            return pages
 
     def _direct_fd(self, file: str) -> int | None:
         """The file opened with O_DIRECT (once), or None where it was refused."""

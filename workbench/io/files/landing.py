@@ -14,7 +14,9 @@ piece while they fit. A part is read as its span (viewed with the file's strides
 along) or as its runs packed one after the other, as the caller says (``BoxReader`` keeps its own rule: the span
 where it is dense or its gaps hold no whole page). Where a piece's parts are one range of the file, each at its own
 place relative to the page the range starts in, the piece is ``solid``: its aligned cover fits the slot and can be
-read with ``O_DIRECT`` straight into it.
+read with ``O_DIRECT`` straight into it. A solid piece of ``_KEEP_SOLID`` bytes is joined by no part from elsewhere
+(it stays O_DIRECT-able), except in files the caller names ``packed`` (cached: read through the page cache, where
+fewer, fuller pieces cost the loading thread less; a warm MoE load planned half as many).
 
 Pure arithmetic on offsets and views: nothing is read here. ``kept_landing`` keeps a plan for its geometry (boxes and
 the dtype, shape, strides and offset of each tensor they land in), so a repeat load into the same model plans
@@ -25,7 +27,7 @@ from __future__ import annotations
 
 import itertools
 import math
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Collection, Iterator, Mapping, Sequence
 from dataclasses import dataclass, field
 
 import torch
@@ -84,6 +86,7 @@ def plan_landing(
     boxes: Sequence[tuple[FileBox, torch.Tensor, str]],
     data_start: Mapping[str, int],
     slot_bytes: int,
+    packed: Collection[str] = (),
 ) -> list[LandingPiece]:
     """The pieces that read ``boxes`` into slots of ``slot_bytes``, in order. Each is ``(box, dest, how)``: a box of
     a file, the view of its sizes it lands in, and how it is read: ``"runs"`` (its runs packed one after the other),
@@ -91,7 +94,8 @@ def plan_landing(
     too: never in a solid piece, so O_DIRECT does not read for one rank what the page cache reads once for both).
 
     ``data_start`` is each file's first data byte (after its header). Every part's bytes end at most ``ALIGN``
-    before the slot's end, so a solid piece's aligned cover always fits.
+    before the slot's end, so a solid piece's aligned cover always fits. In the files of ``packed`` every piece is
+    filled up to its slot (none kept solid for O_DIRECT).
 
     Raises:
         ValueError: ``dest`` does not have the box's sizes, or the slot cannot hold a page and one element.
@@ -99,7 +103,7 @@ def plan_landing(
     if slot_bytes < 3 * ALIGN:
         raise ValueError(f"a landing slot of {slot_bytes} bytes is too small: at least {3 * ALIGN}")
     limit = slot_bytes - 2 * ALIGN  # a part's bytes; with its place in its first page and its last page's rest
-    packer = _Packer(slot_bytes)
+    packer = _Packer(slot_bytes, frozenset(packed))
     for i, (fb, dest, how) in enumerate(boxes):
         if tuple(dest.shape) != fb.sizes:
             raise ValueError(f"{fb} cannot land in a tensor of shape {tuple(dest.shape)}")
@@ -123,16 +127,18 @@ def kept_landing(
     how: Callable[[FileBox], str],
     data_start: Mapping[str, int],
     slot_bytes: int,
+    packed: Collection[str] = (),
 ) -> list[LandingPiece]:
     """``plan_landing`` of ``(box, dest, how(box))`` for each of ``boxes``, kept for the same geometry: the same
-    boxes, each landing in a tensor of the same dtype, shape, strides and storage offset, the same data starts and
-    slot size (a repeat load into the same model). A hit plans nothing and calls no ``how``: its parts' places are
-    made again as views of the tensors given now, so the memo holds no tensor (it keeps no model's memory alive)."""
-    key = (slot_bytes, tuple(sorted(data_start.items())),
+    boxes, each landing in a tensor of the same dtype, shape, strides and storage offset, the same data starts, slot
+    size and ``packed`` files (a repeat load into the same model). A hit plans nothing and calls no ``how``: its
+    parts' places are made again as views of the tensors given now, so the memo holds no tensor (it keeps no model's
+    memory alive)."""
+    key = (slot_bytes, tuple(sorted(data_start.items())), tuple(sorted(packed)),
            tuple((fb, dest.dtype, tuple(dest.shape), dest.stride(), dest.storage_offset()) for fb, dest in boxes))
     kept = _KEPT.get(key)
     if kept is None:
-        pieces = plan_landing([(fb, dest, how(fb)) for fb, dest in boxes], data_start, slot_bytes)
+        pieces = plan_landing([(fb, dest, how(fb)) for fb, dest in boxes], data_start, slot_bytes, packed)
         _KEPT.put(key, [(p.file, p.reads, p.used, p.solid,
                          tuple((q.at, q.nbytes, q.sizes, q.strides, q.dtype, q.box, q.dest.storage_offset(),
                                 q.dest.stride()) for q in p.parts)) for p in pieces])
@@ -206,17 +212,31 @@ def _runs(fb: FileBox) -> tuple[int, list[int]]:
     return run, starts
 
 
-class _Packer:
-    """Parts packed into pieces in order: one file a piece, at most a slot each."""
+class _Open:
+    """The piece being packed for one file: its reads, its parts, the bytes used and its solid range."""
 
-    def __init__(self, slot_bytes: int) -> None:
+    def __init__(self, file: str) -> None:
+        self.file = file
+        self.reads: list[tuple[int, int, int]] = []
+        self.parts: list[LandingPart] = []
+        self.used = 0
+        self.solid: tuple[int, int] | None = None
+
+    def piece(self) -> LandingPiece:
+        return LandingPiece(self.file, tuple(self.reads), tuple(self.parts), self.used, self.solid)
+
+
+class _Packer:
+    """Parts packed into pieces in order, at most a slot each. A piece holds one file's parts; a part of another file
+    ends it, except in the files of ``packed``, each of which keeps its own piece open until it is full (boxes next
+    to each other in a load often sit in different files), and where a solid piece is joined by parts from elsewhere
+    whatever its size."""
+
+    def __init__(self, slot_bytes: int, packed: frozenset[str] = frozenset()) -> None:
         self.slot_bytes = slot_bytes
+        self.packed = packed
         self.pieces: list[LandingPiece] = []
-        self._file: str | None = None
-        self._reads: list[tuple[int, int, int]] = []
-        self._parts: list[LandingPart] = []
-        self._used = 0
-        self._solid: tuple[int, int] | None = None
+        self._open: dict[str, _Open] = {}  # by file, in the order they were opened
 
     def add(self, fb: FileBox, dest: torch.Tensor, span: bool, base: int, shared: bool = False, box: int = -1
             ) -> None:
@@ -231,57 +251,58 @@ class _Packer:
             ranges = [(base + s, run) for s in starts]
             nbytes = run * len(starts)
             strides = _contiguous(fb.sizes)
-        at = self._place(fb.file, ranges, nbytes, size, shared)
+        for other in [f for f in self._open if f != fb.file and (fb.file not in self.packed or f not in self.packed)]:
+            self._flush(other)
+        piece = self._open.get(fb.file)
+        at = None if piece is None else self._place(piece, ranges, nbytes, size, shared)
         if at is None:
-            self._flush()
-            at = self._place(fb.file, ranges, nbytes, size, shared)
+            self._flush(fb.file)
+            piece = self._open[fb.file] = _Open(fb.file)
+            at = self._place(piece, ranges, nbytes, size, shared)
             assert at is not None, "a part larger than a slot"
-        self._parts.append(LandingPart(at, nbytes, fb.sizes, strides, fb.dtype, dest, box))
+        piece.parts.append(LandingPart(at, nbytes, fb.sizes, strides, fb.dtype, dest, box))
         pos = at
         for offset, n in ranges:
-            last = self._reads[-1] if self._reads else None
+            last = piece.reads[-1] if piece.reads else None
             if last is not None and last[0] + last[2] == offset and last[1] + last[2] == pos:
-                self._reads[-1] = (last[0], last[1], last[2] + n)
+                piece.reads[-1] = (last[0], last[1], last[2] + n)
             else:
-                self._reads.append((offset, pos, n))
+                piece.reads.append((offset, pos, n))
             pos += n
-        self._used = at + nbytes
+        piece.used = at + nbytes
 
-    def _place(self, file: str, ranges: list[tuple[int, int]], nbytes: int, size: int, shared: bool) -> int | None:
-        """Where the part goes in the current piece (None: it does not fit; start a new one); keeps ``_solid``."""
+    def _place(self, piece: _Open, ranges: list[tuple[int, int]], nbytes: int, size: int, shared: bool) -> int | None:
+        """Where the part goes in ``piece`` (None: it does not fit; start a new one); keeps its ``solid``."""
         one_range = len(ranges) == 1 and not shared
         begin = ranges[0][0]
-        if self._file is None:  # a new piece: at its place within its first page when that keeps it aligned
+        if not piece.parts:  # a new piece: at its place within its first page when that keeps it aligned
             natural = begin % ALIGN
             at = natural if one_range and natural % size == 0 else 0
-            self._file = file
-            self._solid = (begin, begin + nbytes) if one_range and at == natural else None
+            piece.solid = (begin, begin + nbytes) if one_range and at == natural else None
             return at
-        if file != self._file:
-            return None
-        if self._solid is not None and one_range and begin == self._solid[1] and self._used % size == 0:
-            at = self._used  # the range goes on (a key whose elements would straddle their size does not: padded)
+        solid = piece.solid
+        if solid is not None and one_range and begin == solid[1] and piece.used % size == 0:
+            at = piece.used  # the range goes on (a key whose elements would straddle their size does not: padded)
             if at + nbytes <= self.slot_bytes - ALIGN:
-                self._solid = (self._solid[0], begin + nbytes)
+                piece.solid = (solid[0], begin + nbytes)
                 return at
             return None
-        if self._solid is not None and self._used >= _KEEP_SOLID:
+        if solid is not None and piece.used >= _KEEP_SOLID and piece.file not in self.packed:
             return None
-        at = -(-self._used // max(_PAD, size)) * max(_PAD, size)
+        at = -(-piece.used // max(_PAD, size)) * max(_PAD, size)
         if at + nbytes > self.slot_bytes - ALIGN:
             return None
-        self._solid = None
+        piece.solid = None
         return at
 
-    def _flush(self) -> None:
-        if self._parts:
-            assert self._file is not None
-            self.pieces.append(LandingPiece(self._file, tuple(self._reads), tuple(self._parts), self._used,
-                                            self._solid))
-        self._file, self._reads, self._parts, self._used, self._solid = None, [], [], 0, None
+    def _flush(self, file: str) -> None:
+        piece = self._open.pop(file, None)
+        if piece is not None and piece.parts:
+            self.pieces.append(piece.piece())
 
     def done(self) -> list[LandingPiece]:
-        self._flush()
+        for file in list(self._open):
+            self._flush(file)
         return self.pieces
 
 
