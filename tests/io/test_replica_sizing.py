@@ -7,6 +7,7 @@ import torch
 from torch.distributed.tensor import Replicate
 
 import workbench as wb
+from workbench.io.files.staging import SLOT_BYTES
 from workbench.io.hf.load import replica_readers
 
 MESH = wb.MeshSpec((2,), ("dp",))
@@ -39,15 +40,17 @@ def test_each_key_read_counts_as_two_mib_of_work() -> None:
 
 
 def test_a_fused_parameter_counts_a_read_a_staging_slot_not_a_read_a_key() -> None:
-    """64 experts of 256 KiB fused in one 16 MiB parameter are read as two slot-sized pieces, not 64 reads: its work
-    is 16 + 2 x 2 = 20 MiB (64 reads would make it 144). By hand: fused -> 0 (20 MiB); then eight 1 MiB norms (3 MiB
-    of work each) -> 1, 1, 1, 1, 1, 1, 1 (21 MiB after the seventh), and the eighth -> 0 (20 < 21)."""
-    fused_keys = [f"e{i}" for i in range(64)]
-    specs = {"fused": wb.LoadSpec.from_placements("fused", fused_keys, (64 * 65536,), MESH, [Replicate()],
+    """128 experts of 256 KiB fused in one 32 MiB parameter are read as two slot-sized pieces (16 MiB slots), not
+    128 reads: its work is 32 + 2 x 2 = 36 MiB (128 reads would make it 288). By hand: fused -> 0 (36 MiB); then
+    twelve 1.5 MiB norms (3.5 MiB of work each) -> 1 for the first eleven (38.5 MiB after the eleventh, as 35 < 36),
+    and the twelfth -> 0 (36 < 38.5)."""
+    assert SLOT_BYTES == (16 << 20) + 2 * 4096  # the hand count above assumes it
+    fused_keys = [f"e{i}" for i in range(128)]
+    specs = {"fused": wb.LoadSpec.from_placements("fused", fused_keys, (128 * 65536,), MESH, [Replicate()],
                                                 fused_dim=0)}
-    norms = [f"n{i}" for i in range(8)]
-    specs.update({n: wb.LoadSpec.from_placements(n, [n], (1 << 18,), MESH, [Replicate()]) for n in norms})
+    norms = [f"n{i}" for i in range(12)]
+    specs.update({n: wb.LoadSpec.from_placements(n, [n], (3 << 17,), MESH, [Replicate()]) for n in norms})
     layout = wb.Layout(MESH, specs)
-    targets = {"fused": torch.empty(64 * 65536), **{n: torch.empty(1 << 18) for n in norms}}
+    targets = {"fused": torch.empty(128 * 65536), **{n: torch.empty(3 << 17) for n in norms}}
     readers = replica_readers(layout, specs, 0, targets)
-    assert {n: r.reader for n, r in readers.items()} == {"fused": 0, **{n: 1 for n in norms[:7]}, "n7": 0}
+    assert {n: r.reader for n, r in readers.items()} == {"fused": 0, **{n: 1 for n in norms[:11]}, "n11": 0}

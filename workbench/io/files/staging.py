@@ -3,11 +3,13 @@
 A read from a file lands in host memory; a copy to a GPU overlaps the next read only from pinned memory, and
 pinning is slow (about half a second per GB on the machines measured, ``bench/warm_limits.py``). A buffer per
 request, pinned afresh, made the first load of a process spend most of its time pinning. The ring pins
-``slots x slot_bytes`` once (128 MiB and 128 KiB by default) and every load of the process reuses it: the loader
+``slots x slot_bytes`` once (256 MiB and 128 KiB by default) and every load of the process reuses it: the loader
 takes a slot for the next piece it reads ahead, a reader thread waits for the slot's last copy to have run and reads
 into it, and the loader, when it needs the piece, queues the slot's copy to the GPU and gives the slot back with
-that copy's event. Sixteen slots of 8 MiB (and two pages) reach the page cache's copy limit on the H200 hosts
-measured (27 GB/s per GPU with two GPUs reading at once, 40 GB/s with one; ``bench/warm_limits.py``).
+that copy's event. Sixteen slots reach the page cache's copy limit on the H200 hosts measured (27 GB/s per GPU with
+two GPUs reading at once, 40 GB/s with one; ``bench/warm_limits.py``); 16 MiB a slot rather than 8 halves the pieces
+of a load, each of which costs its loading thread and a reading thread their Python (a warm 4 GB Qwen3-MoE on 2 H200s,
+same call: EP2 0.109 s against 0.134, FSDP2 0.102 against 0.107, ETP2 0.140 against 0.147; ``bench/RESULTS.md``).
 """
 
 from __future__ import annotations
@@ -21,9 +23,9 @@ import torch
 __all__ = ["SLOTS", "SLOT_BYTES", "StagingRing", "staging_ring"]
 
 _ALIGN = 4096  # slots start on a page: O_DIRECT reads land in them
-# 8 MiB of data and the two pages an unaligned range's O_DIRECT cover may add: a slot carries 8 MiB whole (a
-# 1 MiB-per-expert box in 8 experts a slot, not 7 and a remainder)
-SLOT_BYTES = (8 << 20) + 2 * _ALIGN
+# 16 MiB of data and the two pages an unaligned range's O_DIRECT cover may add: a slot carries 16 MiB whole (a
+# 1 MiB-per-expert box in 16 experts a slot, not 15 and a remainder)
+SLOT_BYTES = (16 << 20) + 2 * _ALIGN
 SLOTS = 16
 
 
