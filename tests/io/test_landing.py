@@ -157,6 +157,7 @@ def _case(draw: st.DrawFn) -> dict:
         "data_start": {f: draw(st.integers(1, 2000)) * 8 for f in FILES},
         "key_at": {f: draw(st.integers(0, 1200)) * 8 for f in FILES},
         "seed": draw(st.integers(0, 2**16)),
+        "packed": draw(st.sampled_from([(), FILES[:1], FILES])),  # cached files: pieces packed full, one open each
     }
 
 
@@ -242,7 +243,7 @@ def test_planned_pieces_land_every_box_exactly(case: dict) -> None:
             assert np.all(own <= asked) and np.all(asked <= span), "a span cut into parts reads the wrong bytes"
         alone[b["file"]] += asked
 
-    pieces = plan_landing(plan, data_start, slot_bytes)
+    pieces = plan_landing(plan, data_start, slot_bytes, case["packed"])
     event(f"pieces > boxes: {len(pieces) > len(plan)}")
     event(f"a solid piece: {any(p.solid for p in pieces)}")
     event(f"a piece of several parts: {any(len(p.parts) > 1 for p in pieces)}")
@@ -292,6 +293,77 @@ def test_plan_landing_refuses_a_small_slot_and_a_dest_of_another_shape() -> None
         plan_landing([(fb, torch.zeros(4, 5), "runs")], {"a.safetensors": 8}, 3 * ALIGN)
     with pytest.raises(ValueError, match="expected runs, span or shared"):
         plan_landing([(fb, torch.zeros(4, 4), "all")], {"a.safetensors": 8}, 3 * ALIGN)
+
+
+def _small_boxes(files: list[str], rows: int = 4, cols: int = 256) -> list[tuple[FileBox, torch.Tensor, str]]:
+    """A float32 box of ``rows`` x ``cols`` per entry of ``files``, each at its own offset (4 KiB apart, gaps between),
+    landing in a tensor of its own."""
+    return [(FileBox(f, 2 * ALIGN * i, (rows, cols), (cols * 4, 4), torch.float32), torch.empty(rows, cols), "span")
+            for i, f in enumerate(files)]
+
+
+def test_a_packed_file_keeps_its_piece_open_across_boxes_of_other_files() -> None:
+    """Six 4 KiB boxes alternating between two files. Unpacked, each file change ends a piece: six pieces. Packed,
+    each file keeps one piece open: two pieces of three parts, each part where the file's bytes are."""
+    boxes = _small_boxes(["a.safetensors", "b.safetensors"] * 3)
+    starts = {"a.safetensors": 64, "b.safetensors": 128}
+    assert [len(p.parts) for p in plan_landing(boxes, starts, 64 * ALIGN)] == [1] * 6
+    pieces = plan_landing(boxes, starts, 64 * ALIGN, packed=FILES)
+    assert [(p.file, len(p.parts)) for p in pieces] == [("a.safetensors", 3), ("b.safetensors", 3)]
+    for p in pieces:
+        assert [off for off, _, _ in p.reads] == [starts[p.file] + 2 * ALIGN * i for i in (
+            (0, 2, 4) if p.file == "a.safetensors" else (1, 3, 5))]
+    only_a = plan_landing(boxes, starts, 64 * ALIGN, packed=("a.safetensors",))  # b's end each other, not a's
+    assert sorted((p.file, len(p.parts)) for p in only_a) == [("a.safetensors", 3)] + [("b.safetensors", 1)] * 3
+
+
+def test_a_large_solid_piece_is_joined_by_other_parts_only_in_a_packed_file() -> None:
+    """A 2 MiB box (solid: O_DIRECT-able, above ``_KEEP_SOLID``), then a 4 KiB box 8 KiB after it: unpacked, the
+    second starts its own piece (the first stays solid); packed, it joins the first, which is solid no more."""
+    big = FileBox("a.safetensors", 0, (512, 1024), (4096, 4), torch.float32)
+    small = FileBox("a.safetensors", (2 << 20) + 2 * ALIGN, (1024,), (4,), torch.float32)
+    boxes = [(big, torch.empty(512, 1024), "span"), (small, torch.empty(1024), "span")]
+    starts = {"a.safetensors": ALIGN}
+    unpacked = plan_landing(boxes, starts, 1024 * ALIGN)
+    assert [(len(p.parts), p.solid) for p in unpacked] == [
+        (1, (ALIGN, ALIGN + (2 << 20))), (1, (ALIGN + (2 << 20) + 2 * ALIGN, (2 << 20) + 4 * ALIGN))]
+    packed = plan_landing(boxes, starts, 1024 * ALIGN, packed=FILES)
+    assert [(len(p.parts), p.solid) for p in packed] == [(2, None)]
+    assert [(off, n) for off, _, n in packed[0].reads] == [(ALIGN, 2 << 20), ((2 << 20) + 3 * ALIGN, ALIGN)]
+
+
+@pytest.mark.parametrize(("direct", "share", "packed"), [
+    (False, 0.0, True),  # no O_DIRECT at all: nothing to keep a piece solid for
+    (True, 1.0, False),  # always O_DIRECT
+    ("auto", 1.0, True),  # cached
+    ("auto", 0.95, True),
+    ("auto", 0.5, False),  # partly cached: a cold read may want O_DIRECT
+    ("auto", None, False),  # mincore could not tell
+])
+def test_a_reader_packs_the_files_it_reads_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                                  direct, share, packed: bool) -> None:
+    tensors = _tensors(5)
+    _save_two_files(tmp_path, tensors)
+    index = read_checkpoint(tmp_path)
+    entries = _entries(index, tensors, 5, per_key=0)
+    monkeypatch.setattr("workbench.io.files.box_reads._PageMap.share", lambda self, *a, **k: share)
+    seen: list[tuple[str, ...]] = []
+    real = landing.plan_landing
+
+    def spy(boxes, data_start, slot_bytes, packed=()):
+        seen.append(tuple(sorted(packed)))
+        return real(boxes, data_start, slot_bytes, packed)
+
+    monkeypatch.setattr(landing, "plan_landing", spy)
+    landing._KEPT.clear()
+    ring = StagingRing(4, 64 << 10, pinned=False)
+    with BoxReader(index, [(fb, dest) for fb, dest, _ in entries], device="cpu", ring=ring, threads=2,
+                   direct=direct) as r:
+        assert _within(20, r.finish) is None
+    files = tuple(sorted({fb.file for fb, _, _ in entries}))
+    assert seen == [files if packed else ()]
+    for fb, dest, want in entries:
+        assert torch.equal(_bits(dest), _bits(want)), fb
 
 
 # -- BoxReader's landing on the CPU seam -----------------------------------------------------------------------------

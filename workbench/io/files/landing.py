@@ -230,7 +230,7 @@ class _Packer:
     """Parts packed into pieces in order, at most a slot each. A piece holds one file's parts; a part of another file
     ends it, except in the files of ``packed``, each of which keeps its own piece open until it is full (boxes next
     to each other in a load often sit in different files), and where a solid piece is joined by parts from elsewhere
-    whatever its size."""
+    whatever its size. Without ``packed`` the pieces are those of one open piece at a time."""
 
     def __init__(self, slot_bytes: int, packed: frozenset[str] = frozenset()) -> None:
         self.slot_bytes = slot_bytes
@@ -251,7 +251,7 @@ class _Packer:
             ranges = [(base + s, run) for s in starts]
             nbytes = run * len(starts)
             strides = _contiguous(fb.sizes)
-        for other in [f for f in self._open if f != fb.file and (fb.file not in self.packed or f not in self.packed)]:
+        for other in [f for f in self._open if f != fb.file and f not in self.packed]:
             self._flush(other)
         piece = self._open.get(fb.file)
         at = None if piece is None else self._place(piece, ranges, nbytes, size, shared)
