@@ -4,9 +4,9 @@
 (fsdp, ep, etp) ``--mesh``, save it once, read its files into the page cache, then time ``--loads`` calls of
 ``wb.load_hf`` into the same model. Printed: the median of the loads after the first (the first plans what later
 loads keep), GB/s per GPU (the ranks' owned bytes / ranks / the slowest rank's median), and for each rank the
-stages of its median load (``LoadReport.timings``), the CPU seconds of its loading thread, and how many landing
-pieces and parts its reader planned. To compare two versions of the code, run it twice in one session on one
-machine, each with its own ``PYTHONPATH``.
+stages of its median load (``LoadReport.timings``), the CPU seconds of its loading thread, how many landing pieces
+and parts its reader planned, and the garbage collections its loads met (how many, the longest pause). To compare
+two versions of the code, run it twice in one session on one machine, each with its own ``PYTHONPATH``.
 
     python bench/moe_warm.py --ranks 2 --mesh 1 2 1 --size-gb 4 [--threads 16] [--dir /tmp] [--profile 20]
 
@@ -17,6 +17,7 @@ spent most time in, by own time and by cumulative time.
 from __future__ import annotations
 
 import argparse
+import gc
 import shutil
 import statistics
 import sys
@@ -66,6 +67,16 @@ def _rank(cfg: dict) -> dict:
         return pieces
 
     landing.plan_landing = counted
+    pauses: list[tuple[int, float]] = []  # (generation, seconds) of each garbage collection during the loads
+    began_gc = [0.0]
+
+    def collected(phase: str, info: dict) -> None:
+        if phase == "start":
+            began_gc[0] = time.perf_counter()
+        else:
+            pauses.append((info["generation"], time.perf_counter() - began_gc[0]))
+
+    gc.callbacks.append(collected)
     runs = []
     profile = None
     for i in range(cfg["loads"]):
@@ -87,6 +98,7 @@ def _rank(cfg: dict) -> dict:
             torch.cuda.synchronize()
         runs.append((time.perf_counter() - began, str(report.timings), cpu, report.bytes_owned))
     landing.plan_landing = real
+    gc.callbacks.remove(collected)
     profiled = ""
     if profile is not None:
         import io
@@ -101,7 +113,8 @@ def _rank(cfg: dict) -> dict:
     median = later[len(later) // 2]
     return {"seconds": [round(r[0], 3) for r in runs], "median": statistics.median(r[0] for r in runs[1:]),
             "stages": median[1], "cpu": median[2], "owned": median[3], "planned": planned,
-            "profile": profiled}
+            "profile": profiled, "gc": (len(pauses), max((t for _, t in pauses), default=0.0),
+                                        sum(1 for g, _ in pauses if g == 2))}
 
 
 def main() -> None:
@@ -130,7 +143,8 @@ def main() -> None:
           f"{slowest:.3f} s (median of loads 2-{args.loads}), {owned / len(out) / slowest / 1e9:.2f} GB/s per GPU")
     for rank, r in enumerate(out):
         print(f"  rank {rank}: {r['stages']}; loading thread on the CPU {r['cpu']:.3f} s; planned {r['planned']}; "
-              f"loads {r['seconds']}")
+              f"loads {r['seconds']}; garbage collections {r['gc'][0]} (generation 2: {r['gc'][2]}), the longest "
+              f"{r['gc'][1] * 1e3:.1f} ms")
     if out[0]["profile"]:
         print(f"rank 0's last load under cProfile (its loading thread):\n{out[0]['profile']}")
 
