@@ -21,6 +21,7 @@ from workbench.io.files.index import CheckpointIndex, torch_dtype
 from workbench.io.files.read import CheckpointReader
 from workbench.io.files.staging import SLOT_BYTES, StagingRing
 from workbench.io.files.transfers import PIECE_BYTES, Transfer, copy_transfers, landing_views, plan_transfers
+from workbench.io.gc_paused import gc_paused
 from workbench.io.hf.load_timings import LoadClock, LoadTimings
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
@@ -96,6 +97,7 @@ class LoadReport:
         return html_of(self)
 
 
+@gc_paused()
 def load_hf(
     model_or_state_dict: torch.nn.Module | Mapping[str, torch.Tensor],
     path: str | Path,
@@ -148,6 +150,9 @@ def load_hf(
             (any exception, on any rank) is a LoadFailed on every rank: the model's values must not be used. An
             interrupt (``KeyboardInterrupt``) while reading, sharing replicated parameters or reporting the status
             is raised again on its rank once every rank has agreed (chained to the LoadFailed its peers raise).
+
+    Automatic garbage collection is paused while it runs (``io/gc_paused.py``): a full collection of the process
+    meeting a load made it 0.2 s longer on one rank.
 
     .. note:: SPMD under torch.distributed: every rank calls it.
     """
