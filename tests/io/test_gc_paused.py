@@ -4,6 +4,7 @@ collection as it found it: on after a load that succeeded or failed, still off w
 from __future__ import annotations
 
 import gc
+import threading
 from pathlib import Path
 
 import pytest
@@ -66,4 +67,25 @@ def test_collection_the_caller_turned_off_stays_off() -> None:
         gc.enable()
     with gc_paused():
         assert not gc.isenabled()
+    assert gc.isenabled()
+
+
+def test_collection_comes_back_when_the_last_of_two_overlapping_loads_ends() -> None:
+    """Two loads on two threads, the first to begin ending first: collection stays off until the second ends."""
+    second_inside, first_ended = threading.Event(), threading.Event()
+    seen: list[bool] = []
+
+    def second() -> None:
+        with gc_paused():
+            second_inside.set()
+            first_ended.wait(10)
+            seen.append(gc.isenabled())  # the first block has ended, this one still runs
+
+    with gc_paused():
+        worker = threading.Thread(target=second)
+        worker.start()
+        assert second_inside.wait(10)
+    first_ended.set()
+    worker.join(10)
+    assert seen == [False]
     assert gc.isenabled()

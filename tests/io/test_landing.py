@@ -338,10 +338,25 @@ def test_a_large_solid_piece_is_joined_by_other_parts_only_in_a_packed_file() ->
     ("auto", 1.0, True),  # cached
     ("auto", 0.95, True),
     ("auto", 0.5, False),  # partly cached: a cold read may want O_DIRECT
-    ("auto", None, False),  # mincore could not tell
+    ("auto", None, True),  # mincore cannot tell: auto reads through the page cache
 ])
 def test_a_reader_packs_the_files_it_reads_through_the_page_cache(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
                                                                   direct, share, packed: bool) -> None:
+    _check_packing(tmp_path, monkeypatch, direct, share, packed)
+
+
+@pytest.mark.parametrize("direct", [True, "auto"])
+def test_a_reader_packs_every_file_where_o_direct_is_refused(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
+                                                             direct) -> None:
+    """No O_DIRECT on this platform: every read goes through the page cache, so every file is packed, even with
+    ``direct=True`` and no page cached."""
+    monkeypatch.delattr(os, "O_DIRECT", raising=False)
+    _check_packing(tmp_path, monkeypatch, direct, 0.0, True)
+
+
+def _check_packing(tmp_path: Path, monkeypatch: pytest.MonkeyPatch, direct, share, packed: bool) -> None:
+    """A reader of two files' boxes (``direct``; ``mincore`` answering ``share``) plans with both files packed or
+    neither, and lands every box bit for bit."""
     tensors = _tensors(5)
     _save_two_files(tmp_path, tensors)
     index = read_checkpoint(tmp_path)

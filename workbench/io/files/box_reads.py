@@ -601,16 +601,17 @@ class BoxReader:
 
     def _cached(self, file: str) -> bool:
         """Whether a landing packs ``file``'s pieces full (``plan_landing``'s ``packed``): where none of it is read
-        with O_DIRECT (``direct`` False, or the file refused it), or (auto) where at least ``PACKED_CACHED_SHARE``
-        of its sampled data pages are in the page cache."""
-        if self.direct is False or file in self.direct_refused:
+        with O_DIRECT (``direct`` False, or the file refuses it), or (auto) where at least ``PACKED_CACHED_SHARE``
+        of its sampled data pages are in the page cache, or ``mincore`` cannot tell (auto then reads it through the
+        page cache too)."""
+        if self.direct is False or self._direct_fd(file) is None:
             return True
         if self.direct is True:
             return False
         fd, start = self._fd(file)
         pages = self._page_map(file, fd)
-        share = pages.share(start, pages.size - start, _SAMPLES)
-        return share is not None and share >= PACKED_CACHED_SHARE
+        share = pages.share(start, pages.size - start, _AUTO_SAMPLES)
+        return share is None or share >= PACKED_CACHED_SHARE
 
     def _how(self, fb: FileBox) -> str:
         """How a landing box is read (``plan_landing``): its runs packed, or its span (shared: its pages hold a

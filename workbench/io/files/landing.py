@@ -94,8 +94,8 @@ def plan_landing(
     too: never in a solid piece, so O_DIRECT does not read for one rank what the page cache reads once for both).
 
     ``data_start`` is each file's first data byte (after its header). Every part's bytes end at most ``ALIGN``
-    before the slot's end, so a solid piece's aligned cover always fits. In the files of ``packed`` every piece is
-    filled up to its slot (none kept solid for O_DIRECT).
+    before the slot's end, so a solid piece's aligned cover always fits. In the files of ``packed`` each keeps its own
+    open piece, and a solid piece there is joined by parts from elsewhere whatever its size.
 
     Raises:
         ValueError: ``dest`` does not have the box's sizes, or the slot cannot hold a page and one element.

@@ -276,9 +276,9 @@ def _transfers(
 ) -> dict[str, tuple[Transfer, ...]]:
     """The coalesced transfers of every parameter read here whose keys have no adapter (those are read whole, key
     by key, and canonicalized by ``execute_load``). Those that land on the GPU (``landed``) are not cut into
-    pieces here: ``BoxReader`` cuts them into pieces of its staging slots (8 MiB pieces would leave a few KiB of
-    each over). Kept with the parameter's spec for the checkpoint's index (``_for_index``): a repeat load of the
-    same checkpoint (whose parsed index ``cached_checkpoint`` reuses) plans nothing again."""
+    pieces here: ``BoxReader`` cuts them into pieces of its staging slots (pieces of exactly a slot's data would
+    leave a few KiB of each over). Kept with the parameter's spec for the checkpoint's index (``_for_index``): a
+    repeat load of the same checkpoint (whose parsed index ``cached_checkpoint`` reuses) plans nothing again."""
     out = {}
     for name in names:
         plan = plans[name]
