@@ -358,9 +358,8 @@ def _reads_in_order(
     """Every read the consumer will ask for, in its order: a parameter's coalesced transfers (``FileBox``-es; with
     the place in the local tensor where the bytes can land there: a tensor on the GPU the load reads into
     (``landed``, ``_landed``; a copy there casts) or a CPU tensor of the checkpoint's dtype with no padding to zero
-    first), or, for
-    one with adapters, the owned box of each key, or the whole key (once per parameter) where an adapter
-    canonicalizes it."""
+    first), or, for one with adapters, the owned box of each key, or the whole key (once per parameter) where an
+    adapter canonicalizes it."""
     reads: list[Any] = []
     for name in names:
         if name in transfers:
