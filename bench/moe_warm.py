@@ -11,7 +11,9 @@ two versions of the code, run it twice in one session on one machine, each with 
     python bench/moe_warm.py --ranks 2 --mesh 1 2 1 --size-gb 4 [--threads 16] [--dir /tmp] [--profile 20]
 
 ``--profile N`` runs rank 0's last load under ``cProfile`` (its loading thread only) and prints the N functions it
-spent most time in, by own time and by cumulative time.
+spent most time in, by own time and by cumulative time. ``--each-replica``: every replica reads its replicated
+parameters (``read_replicas_once=False``). ``--layers N --hidden H --moe-intermediate I``: a model of another shape
+(many small parameters: what a load costs per parameter).
 """
 
 from __future__ import annotations
@@ -43,8 +45,9 @@ def _rank(cfg: dict) -> dict:
     from workbench.io.files import landing
     from workbench.models import build_qwen3_moe, qwen3_moe_key_map
 
-    shape = pick_shape(argparse.Namespace(vocab=32768, hidden=1024, moe_intermediate=512, layers=None, heads=16,
-                                          kv_heads=4, head_dim=64, experts=32, size_gb=cfg["size_gb"]))
+    shape = pick_shape(argparse.Namespace(vocab=32768, hidden=cfg["hidden"], moe_intermediate=cfg["moe_intermediate"],
+                                          layers=cfg["layers"], heads=16, kv_heads=4, head_dim=64, experts=32,
+                                          size_gb=cfg["size_gb"]))
     rank = dist.get_rank()
     cuda = torch.cuda.is_available()
     device = torch.device("cuda", torch.cuda.current_device()) if cuda else torch.device("cpu")
@@ -90,7 +93,8 @@ def _rank(cfg: dict) -> dict:
         began, cpu = time.perf_counter(), time.thread_time()
         if profile is not None:
             profile.enable()
-        report = wb.load_hf(model, folder, key_map=key_map, read_threads=cfg["threads"])
+        report = wb.load_hf(model, folder, key_map=key_map, read_threads=cfg["threads"],
+                             read_replicas_once=cfg["replicas_once"])
         if profile is not None:
             profile.disable()
         cpu = time.thread_time() - cpu
@@ -126,11 +130,18 @@ def main() -> None:
     parser.add_argument("--threads", type=int, default=16, help="load_hf's read_threads")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--profile", type=int, default=0, help="print this many functions of rank 0's last load")
+    parser.add_argument("--layers", type=int, default=None, help="this many layers (default: as --size-gb asks)")
+    parser.add_argument("--hidden", type=int, default=1024)
+    parser.add_argument("--moe-intermediate", type=int, default=512)
+    parser.add_argument("--each-replica", action="store_true",
+                        help="every replica reads its replicated parameters (read_replicas_once=False)")
     args = parser.parse_args()
     mesh = tuple(args.mesh or (args.ranks, 1, 1))
     folder = Path(tempfile.mkdtemp(prefix="wb-moe-warm-", dir=args.dir))
     cfg = {"mesh": mesh, "size_gb": args.size_gb, "loads": args.loads, "threads": args.threads,
-           "profile": args.profile, "folder": str(folder / "ckpt")}
+           "profile": args.profile, "replicas_once": not args.each_replica,
+           "layers": args.layers, "hidden": args.hidden, "moe_intermediate": args.moe_intermediate,
+           "folder": str(folder / "ckpt")}
     try:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         results = wb.launch(_rank, nprocs=args.ranks, backend=backend, args=(cfg,), timeout=600)

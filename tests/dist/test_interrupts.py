@@ -170,13 +170,18 @@ def test_an_interrupt_during_a_load_fails_every_rank_at_once(tmp_path: Path) -> 
         assert results[rank]["after"]["error"] is None and results[rank]["after"]["loaded"], results[rank]["after"]
 
 
-def _loads(root: str, world: int, steps: list[tuple[str, str | None, str]]) -> dict:
+def _loads(root: str, world: int, steps: list[tuple[str, str | None, str]], landing: bool = False) -> dict:
     """Every rank loads the old checkpoint once per step ``(name, fault point, action)``, the fault armed on
-    ``FAILING`` only (``interrupt``: a KeyboardInterrupt, ``bug``: a RuntimeError); what each load raised."""
+    ``FAILING`` only (``interrupt``: a KeyboardInterrupt, ``bug``: a RuntimeError); what each load raised.
+    ``landing``: the loads take a GPU load's path (``load._CPU_LANDING_RING``): boxes land from the reading threads."""
     import torch.distributed as dist
 
     from tests.faults.harness import _local_state
+    from workbench.io.files.staging import StagingRing
+    from workbench.io.hf import load as load_module
 
+    if landing:
+        load_module._CPU_LANDING_RING = StagingRing(3, 3 * 4096, pinned=False)
     rank = dist.get_rank()
     layout = layout_of(world)
     clean = _local_state(layout, rank)
@@ -190,6 +195,7 @@ def _loads(root: str, world: int, steps: list[tuple[str, str | None, str]]) -> d
         try:
             wb.load_hf(fresh, Path(root) / "source", layout=layout, timeout=TIMEOUT)
             got["loaded"] = all(torch.equal(fresh[n], clean[n]) for n in clean)
+            got["values"] = fresh
         except BaseException as exc:  # the interrupt too: the old code let it out of the interrupted rank alone
             got = {"error": type(exc).__name__, "message": str(exc), "cause": type(exc.__cause__).__name__,
                    "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
@@ -200,29 +206,58 @@ def _loads(root: str, world: int, steps: list[tuple[str, str | None, str]]) -> d
     return out
 
 
-def test_a_failure_while_sharing_replicas_fails_every_rank_at_once(tmp_path: Path) -> None:
+@pytest.mark.parametrize("landing", [False, True], ids=["cpu-path", "gpu-path"])
+def test_a_failure_while_sharing_replicas_fails_every_rank_at_once(tmp_path: Path, landing: bool) -> None:
     # 4 ranks (ep=2 x fsdp=2): the replicated norm, embed and proj are read once per replica group and broadcast in
     # three batches (over ep, and over ep+fsdp). Rank 1 is interrupted before the first batch and before the second
     # (after one broadcast ran), raises a plain error before the second, and is interrupted reporting its status.
     # Every rank ends well under the timeout (30 s): rank 1 with its interrupt (chained to the LoadFailed), the
     # others with a LoadFailed naming rank 1 and the cause. The old code let the interrupt out of rank 1 alone and
     # its peers waited in the next flag exchange for the whole timeout. A load after them all succeeds.
+    # ``landing``: the loads take a GPU load's path (the boxes land from the reading threads), and rank 1 also fails
+    # reading (its peers learn it at the first flag of the broadcasts). The last load's values are checked against
+    # the boxes torch says each rank holds.
     steps = [("share-0", "load.share:0", "interrupt"), ("share-1", "load.share:1", "interrupt"),
-             ("share-bug", "load.share:1", "bug"), ("status", "load.status", "interrupt"), ("after", None, "")]
-    write_old_checkpoint(tmp_path / "source")
-    results = wb.launch(_loads, nprocs=4, args=(str(tmp_path), 4, steps), timeout=150)
-
+             ("share-bug", "load.share:1", "bug"), ("status", "load.status", "interrupt")]
     stages = {"share-0": "sharing replicated parameters", "share-1": "sharing replicated parameters",
               "share-bug": "sharing replicated parameters", "status": "reporting its status"}
+    if landing:
+        steps.append(("read-bug", "load.read", "bug"))
+        stages["read-bug"] = "reading its slices"
+    steps.append(("after", None, ""))
+    write_old_checkpoint(tmp_path / "source")
+    results = wb.launch(_loads, nprocs=4, args=(str(tmp_path), 4, steps, landing), timeout=150)
+
     for name, stage in stages.items():
-        cause = "RuntimeError: injected: a bug" if name == "share-bug" else "KeyboardInterrupt: injected: interrupted"
+        cause = "RuntimeError: injected: a bug" if name.endswith("bug") else "KeyboardInterrupt: injected: interrupted"
         for rank in range(4):
             got = results[rank][name]
             assert got["seconds"] < BOUND, (name, rank, got)
-            if rank == FAILING and name != "share-bug":
+            if rank == FAILING and not name.endswith("bug"):
                 assert got["error"] == "KeyboardInterrupt" and got["cause"] == "LoadFailed", (name, got)
                 continue
             assert got["error"] == "LoadFailed" and got["failed_ranks"] == [FAILING], (name, rank, got)
             assert f"  rank {FAILING} failed while {stage}: {cause}" in got["message"], (name, rank, got["message"])
     for rank in range(4):
         assert results[rank]["after"]["error"] is None and results[rank]["after"]["loaded"], results[rank]["after"]
+        got = results[rank]["after"]["values"]
+        want = _expected_locals(4, rank)
+        assert got.keys() == want.keys() and all(torch.equal(got[n], want[n]) for n in want), rank
+
+
+def _expected_locals(world: int, rank: int) -> dict[str, torch.Tensor]:
+    """This rank's local tensors of the 4-rank harness model (ep=2 x fsdp=2) from the old checkpoint, cut from the
+    global values where torch's own ``compute_local_shape_and_global_offset`` says the rank's box lies."""
+    from torch.distributed.tensor import Replicate, Shard
+
+    from tests.strategies import torch_slices
+
+    assert world == 4
+    values = old_values()
+    wholes = {"embed": values["model.embed.weight"], "proj": values["model.proj.weight"],
+              "norm": values["model.norm.weight"],
+              "experts": torch.cat([values[f"model.experts.{e}.weight"] for e in range(4)])}
+    placements = {"embed": [Replicate(), Shard(0)], "experts": [Shard(0), Shard(0)], "proj": [Replicate(), Shard(1)],
+                  "norm": [Replicate(), Replicate()]}
+    coordinate = [rank // 2, rank % 2]
+    return {n: whole[torch_slices(whole.shape, (2, 2), coordinate, placements[n])] for n, whole in wholes.items()}
