@@ -82,7 +82,11 @@ def _rank(cfg: dict) -> dict:
     gc.callbacks.append(collected)
     runs = []
     profile = None
+    saved = {n: t.detach().clone() for n, t in _locals(model).items()}  # what the last load must bring back
     for i in range(cfg["loads"]):
+        if i == cfg["loads"] - 1:  # the last load starts from zeros: every byte it leaves is one it loaded
+            for t in _locals(model).values():
+                t.zero_()
         if cfg["profile"] and rank == 0 and i == cfg["loads"] - 1:
             import cProfile
 
@@ -113,12 +117,25 @@ def _rank(cfg: dict) -> dict:
         stats.sort_stats("tottime").print_stats(cfg["profile"])
         stats.sort_stats("cumulative").print_stats(cfg["profile"])
         profiled = text.getvalue()
+    exact = all(torch.equal(_bytes(t), _bytes(saved[n])) for n, t in _locals(model).items())
     later = sorted(runs[1:], key=lambda r: r[0])
     median = later[len(later) // 2]
-    return {"seconds": [round(r[0], 3) for r in runs], "median": statistics.median(r[0] for r in runs[1:]),
+    return {"exact": exact, "seconds": [round(r[0], 3) for r in runs],
+            "median": statistics.median(r[0] for r in runs[1:]),
             "stages": median[1], "cpu": median[2], "owned": median[3], "planned": planned,
             "profile": profiled, "gc": (len(pauses), max((t for _, t in pauses), default=0.0),
                                         sum(1 for g, _ in pauses if g == 2))}
+
+
+def _locals(model: torch.nn.Module) -> dict[str, torch.Tensor]:
+    """Every parameter's local tensor (a DTensor's shard: a view of the model's bytes), by name."""
+    return {name: (t.to_local() if hasattr(t, "to_local") else t).detach()
+            for name, t in model.state_dict(keep_vars=True).items()}
+
+
+def _bytes(t: torch.Tensor) -> torch.Tensor:
+    """A tensor's bytes, flat (NaN equals NaN)."""
+    return t.contiguous().reshape(-1).view(torch.uint8)
 
 
 def main() -> None:
@@ -152,6 +169,8 @@ def main() -> None:
     owned = sum(r["owned"] for r in out)
     print(f"mesh (fsdp, ep, etp) {mesh}, {args.size_gb} GB, {args.threads} reading threads: warm load "
           f"{slowest:.3f} s (median of loads 2-{args.loads}), {owned / len(out) / slowest / 1e9:.2f} GB/s per GPU")
+    print(f"  the last load (into zeroed tensors) gave back the saved values bit for bit on every rank: "
+          f"{all(r['exact'] for r in out)}")
     for rank, r in enumerate(out):
         print(f"  rank {rank}: {r['stages']}; loading thread on the CPU {r['cpu']:.3f} s; planned {r['planned']}; "
               f"loads {r['seconds']}; garbage collections {r['gc'][0]} (generation 2: {r['gc'][2]}), the longest "
