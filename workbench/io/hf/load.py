@@ -531,14 +531,24 @@ def _share_replicas(
             return problem or failed, interrupt
         if not reads:
             try:
-                offset = 0
-                for t in tensors:
-                    t.copy_(flat[offset : offset + t.numel()].view(t.shape))
-                    offset += t.numel()
+                _copy_out(flat, tensors)
             except BaseException as exc:  # the group is fine: the next batch's flag tells the peers
                 problem = caught(exc, comm.rank)
         del flat
     return problem, interrupt
+
+
+def _copy_out(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
+    """``flat``'s consecutive pieces into ``tensors`` (of its dtype and device), in order: one
+    ``split_with_sizes_copy`` where every tensor is contiguous (a copy per tensor cost the loading thread a launch
+    each: hundreds for a model's replicated norms and projections), else one copy each."""
+    if all(t.is_contiguous() for t in tensors):
+        torch.split_with_sizes_copy(flat, [t.numel() for t in tensors], out=[t.view(-1) for t in tensors])
+        return
+    offset = 0
+    for t in tensors:
+        t.copy_(flat[offset : offset + t.numel()].view(t.shape))
+        offset += t.numel()
 
 
 def _check_replica_groups(shared: list[Any], mesh: MeshSpec, what: str) -> None:
