@@ -134,3 +134,23 @@ def test_another_checkpoint_is_checked_again(tmp_path: Path) -> None:
     with pytest.raises(CheckpointError, match=r"b: checkpoint dtype float16, the model's 'b' is float32"):
         wb.load_hf(model, tmp_path / "bad")
     assert wb.load_hf(model, tmp_path / "good").ok
+
+
+class Pair(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+        self.b = torch.nn.Parameter(torch.zeros(8, 4), requires_grad=False)
+
+
+def test_a_key_map_edited_in_place_between_loads_is_followed(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the layout remembered for the module must not hold the caller's table: editing it is another map
+    monkeypatch.setattr(index_module, "_SETTLED_NS", -(10**12))
+    state = {"x": random_tensor((8, 4), torch.float32, 1), "y": random_tensor((8, 4), torch.float32, 2)}
+    save_checkpoint(tmp_path, state)
+    model, table = Pair(), {"a": "x", "b": "y"}
+    wb.load_hf(model, tmp_path, key_map=table)
+    assert torch.equal(bits(model.a.data), bits(state["x"])) and torch.equal(bits(model.b.data), bits(state["y"]))
+    table["a"], table["b"] = "y", "x"
+    wb.load_hf(model, tmp_path, key_map=table)
+    assert torch.equal(bits(model.a.data), bits(state["y"])) and torch.equal(bits(model.b.data), bits(state["x"]))

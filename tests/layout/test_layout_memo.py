@@ -60,6 +60,13 @@ def test_a_repeat_call_reuses_the_layout_and_a_change_is_seen() -> None:
         assert renamed.specs["a"].hf_keys == ("model.a",)
         assert layout_and_locals(model, {r"(.*)": r"model.\1"})[0] is renamed  # an equal table is the same map
 
+        # the same table object, edited in place: another map (a remembered object would keep the old entries)
+        table = {r"(.*)": r"first.\1"}  # a new map: the layout remembered with it
+        assert layout_and_locals(model, table)[0].specs["a"].hf_keys == ("first.a",)
+        table[r"(.*)"] = r"other.\1"
+        edited, _ = layout_and_locals(model, table)
+        assert edited.specs["a"].hf_keys == ("other.a",)
+
 
 def test_the_memo_keeps_no_module_alive() -> None:
     with _compat.fake_process_group(0, 4):

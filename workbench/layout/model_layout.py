@@ -250,7 +250,7 @@ def local_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor], layout: L
 class _Remembered:
     """A module's layout, valid while the module holds the very same tensors under the same names."""
 
-    key_map: KeyMap | None
+    key_map: Any  # a callable key map itself; a table's entries, frozen (``_frozen_map``)
     # per state-dict entry: its name, a weak reference to the tensor (an entry keeps no model alive), what the
     # layout read of it, and its parameter name in the layout (None: not in the checkpoint)
     tensors: tuple[tuple[str, weakref.ref, tuple[Any, ...], str | None], ...]
@@ -263,13 +263,12 @@ class _Remembered:
         for raw, tensor in tensors.items():
             name = clean_name(raw)
             rows.append((raw, weakref.ref(tensor), _meta(tensor), name if name in layout.specs else None))
-        return _Remembered(key_map, tuple(rows), layout)
+        return _Remembered(_frozen_map(key_map), tuple(rows), layout)
 
     def locals_if_same(self, key_map: KeyMap | None, tensors: Mapping[str, torch.Tensor]) -> dict | None:
         """The layout's local tensors when ``tensors`` are the very objects the layout was read from, with the same
         metadata, under the same key map; else None."""
-        same_map = self.key_map is key_map or (isinstance(key_map, Mapping) and self.key_map == key_map)
-        if not same_map or len(tensors) != len(self.tensors):
+        if self.key_map != _frozen_map(key_map) or len(tensors) != len(self.tensors):
             return None
         from workbench._compat import dtensor_local
 
@@ -280,6 +279,15 @@ class _Remembered:
             if name is not None:  # a DTensor is the one with placements
                 out[name] = (dtensor_local(tensor) if meta[2] is not None else tensor).detach()
         return out
+
+
+def _frozen_map(key_map: KeyMap | None) -> Any:
+    """What a layout remembers of its key map: a table's entries as they are now (a table the caller edits in place
+    afterwards is another map: remembering the object would keep a layout of the old entries), a callable itself
+    (compared by identity: a callable must map alike on every call)."""
+    if isinstance(key_map, Mapping):
+        return tuple((k, v if isinstance(v, str) else tuple(v)) for k, v in key_map.items())
+    return key_map
 
 
 def _meta(tensor: torch.Tensor) -> tuple[Any, ...]:
