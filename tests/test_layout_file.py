@@ -241,6 +241,18 @@ def test_a_parameter_without_dtype_reads_back_as_the_format_default() -> None:
     assert set(back.dtypes.values()) == {"float32"}  # sample_meshes/README.md: dtype defaults to float32
 
 
+def test_the_text_of_a_layout_follows_a_dtype_set_in_place() -> None:
+    # the text is remembered per layout object, but its dtypes dict can be set in place (the save's fingerprint
+    # memo follows such a change): the layout file must describe the layout as it is
+    layout = load_layout(ROOT / "sample_meshes" / "toy_expert_tp.toml")
+    name = next(iter(layout.specs))
+    other = "float16" if layout.dtypes[name] != "float16" else "bfloat16"
+    assert parse_layout(layout.to_toml()).dtypes[name] == layout.dtypes[name] != other
+    layout.dtypes[name] = other
+    assert parse_layout(layout.to_toml()).dtypes[name] == other
+    assert layout.to_toml() is layout.to_toml()  # unchanged since: remembered
+
+
 def test_checkpoint_layout_file(tmp_path: Path) -> None:
     from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout, write_checkpoint_layout
 

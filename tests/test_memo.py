@@ -3,7 +3,7 @@ that happens to reuse a freed one's id."""
 
 from __future__ import annotations
 
-from workbench.memo import LRU, remember_by_identity
+from workbench.memo import LRU, remember_by_identity, remember_while_same
 
 
 def test_lru_keeps_the_most_recent() -> None:
@@ -24,3 +24,18 @@ def test_a_hit_needs_the_same_objects_not_just_their_ids() -> None:
     cache.put((id(impostor), "x"), ((anchor,), "stale"))  # as if impostor had reused a freed anchor's id
     assert remember_by_identity(cache, (impostor,), "x", lambda: "fresh") == "fresh"
     assert calls == [1]
+
+
+def test_a_value_is_kept_while_its_snapshot_compares_equal() -> None:
+    cache, calls = LRU(2), []
+    table = {"a": 1}
+
+    def compute() -> int:
+        calls.append(1)
+        return sum(table.values())
+
+    assert remember_while_same(cache, table, dict(table), compute) == 1
+    assert remember_while_same(cache, table, dict(table), compute) == 1 and len(calls) == 1
+    table["b"] = 2  # the same object, changed in place: computed again
+    assert remember_while_same(cache, table, dict(table), compute) == 3 and len(calls) == 2
+    assert remember_while_same(cache, {"a": 1, "b": 2}, {"a": 1, "b": 2}, compute) == 3 and len(calls) == 3  # another

@@ -12,7 +12,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Hashable, Sequence
 from typing import Any, TypeVar
 
-__all__ = ["LRU", "remember_by_identity"]
+__all__ = ["LRU", "remember_by_identity", "remember_while_same"]
 
 _T = TypeVar("_T")
 
@@ -65,4 +65,15 @@ def remember_by_identity(
         return hit[1]
     value = compute()
     cache.put(key, (tuple(anchors), value))
+    return value
+
+
+def remember_while_same(cache: LRU, anchor: Any, state: Any, compute: Callable[[], _T]) -> _T:
+    """``compute()`` once per the very object ``anchor`` while ``state`` (a snapshot of what can change inside it in
+    place: copies, not the live dicts) compares equal to the snapshot it was computed with; kept in ``cache``."""
+    known = cache.get(id(anchor))
+    if known is not None and known[0] is anchor and known[1] == state:
+        return known[2]
+    value = compute()
+    cache.put(id(anchor), (anchor, state, value))
     return value

@@ -11,7 +11,7 @@ import re
 from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any
 
-from workbench.memo import LRU, remember_by_identity
+from workbench.memo import LRU, remember_while_same
 from workbench.mesh import format_mesh_dim
 
 if TYPE_CHECKING:
@@ -32,9 +32,10 @@ def layout_to_toml(layout: Layout) -> str:
     one, and consecutive parameters that differ only in their numbers (``layers.0.x``, ``layers.1.x``) share one
     ``[[param]]`` table with a ``for`` loop; parameters are never reordered, so a layer-major layout gets one table
     per parameter of a layer. A parameter with no given dtype is written without one, and reads back with the file
-    format's default (float32). Remembered per layout object (a training loop's repeat saves write it at no cost).
+    format's default (float32). Remembered per layout object while its specs and dtypes are unchanged (a training
+    loop's repeat saves write it at no cost; a dtype set in place is written).
     """
-    return remember_by_identity(_TEXTS, (layout,), None, lambda: _layout_text(layout))
+    return remember_while_same(_TEXTS, layout, (dict(layout.specs), dict(layout.dtypes)), lambda: _layout_text(layout))
 
 
 _TEXTS = LRU(4)

@@ -29,7 +29,7 @@ import torch
 from workbench.errors import PlanError
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
-from workbench.memo import LRU
+from workbench.memo import LRU, remember_while_same
 from workbench.mesh import MeshDimRef
 from workbench.plan.load_plan import expected_key_shape
 from workbench.plan.policy import SavePolicy
@@ -127,7 +127,7 @@ class PlanCacheInfo:
 
 
 _PLANS = LRU(16)  # a few models x policies x budgets; each entry holds one rank's plans (or a world's)
-_FINGERPRINTS = LRU(8)  # id(layout) -> (layout, specs, dtypes, fingerprint): skips re-hashing a known layout
+_FINGERPRINTS = LRU(8)  # id(layout) -> (layout, (specs, dtypes), fingerprint): skips re-hashing a known layout
 
 
 def plan_cache_info() -> PlanCacheInfo:
@@ -144,14 +144,7 @@ def clear_plan_cache() -> None:
 def layout_fingerprint(layout: Layout) -> str:
     """``layout.fingerprint()``, remembered for a layout object whose specs and dtypes are unchanged (a dict
     compare of the same spec objects costs microseconds; hashing DeepSeek-V3's 989 specs about 10 ms)."""
-    known = _FINGERPRINTS.get(id(layout))
-    if known is not None:
-        obj, specs, dtypes, fingerprint = known
-        if obj is layout and layout.specs == specs and layout.dtypes == dtypes:
-            return fingerprint
-    fingerprint = layout.fingerprint()
-    _FINGERPRINTS.put(id(layout), (layout, dict(layout.specs), dict(layout.dtypes), fingerprint))
-    return fingerprint
+    return remember_while_same(_FINGERPRINTS, layout, (dict(layout.specs), dict(layout.dtypes)), layout.fingerprint)
 
 
 def _patterns(fp32_keys_pattern: Sequence[str] | str | None) -> tuple[str, ...]:
