@@ -34,8 +34,9 @@ def test_a_value_is_kept_while_its_snapshot_compares_equal() -> None:
         calls.append(1)
         return sum(table.values())
 
-    assert remember_while_same(cache, table, dict(table), compute) == 1
-    assert remember_while_same(cache, table, dict(table), compute) == 1 and len(calls) == 1
+    assert remember_while_same(cache, table, (table,), compute) == 1
+    assert remember_while_same(cache, table, (table,), compute) == 1 and len(calls) == 1
     table["b"] = 2  # the same object, changed in place: computed again
-    assert remember_while_same(cache, table, dict(table), compute) == 3 and len(calls) == 2
-    assert remember_while_same(cache, {"a": 1, "b": 2}, {"a": 1, "b": 2}, compute) == 3 and len(calls) == 3  # another
+    assert remember_while_same(cache, table, (table,), compute) == 3 and len(calls) == 2
+    other = {"a": 1, "b": 2}  # an equal object is another anchor
+    assert remember_while_same(cache, other, (other,), compute) == 3 and len(calls) == 3

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import threading
 from collections import OrderedDict
-from collections.abc import Callable, Hashable, Sequence
+from collections.abc import Callable, Hashable, Mapping, Sequence
 from typing import Any, TypeVar
 
 __all__ = ["LRU", "remember_by_identity", "remember_while_same"]
@@ -68,12 +68,13 @@ def remember_by_identity(
     return value
 
 
-def remember_while_same(cache: LRU, anchor: Any, state: Any, compute: Callable[[], _T]) -> _T:
-    """``compute()`` once per the very object ``anchor`` while ``state`` (a snapshot of what can change inside it in
-    place: copies, not the live dicts) compares equal to the snapshot it was computed with; kept in ``cache``."""
+def remember_while_same(cache: LRU, anchor: Any, state: tuple[Mapping[Any, Any], ...], compute: Callable[[], _T]) -> _T:
+    """``compute()`` once per the very object ``anchor`` while the mappings ``state`` (those inside it that can change
+    in place) hold what they held when it was computed: a hit compares them live with copies kept then (no copy on
+    a hit); kept in ``cache``."""
     known = cache.get(id(anchor))
     if known is not None and known[0] is anchor and known[1] == state:
         return known[2]
     value = compute()
-    cache.put(id(anchor), (anchor, state, value))
+    cache.put(id(anchor), (anchor, tuple(dict(m) for m in state), value))
     return value

@@ -35,7 +35,7 @@ def layout_to_toml(layout: Layout) -> str:
     format's default (float32). Remembered per layout object while its specs and dtypes are unchanged (a training
     loop's repeat saves write it at no cost; a dtype set in place is written).
     """
-    return remember_while_same(_TEXTS, layout, (dict(layout.specs), dict(layout.dtypes)), lambda: _layout_text(layout))
+    return remember_while_same(_TEXTS, layout, (layout.specs, layout.dtypes), lambda: _layout_text(layout))
 
 
 _TEXTS = LRU(4)

@@ -144,7 +144,7 @@ def clear_plan_cache() -> None:
 def layout_fingerprint(layout: Layout) -> str:
     """``layout.fingerprint()``, remembered for a layout object whose specs and dtypes are unchanged (a dict
     compare of the same spec objects costs microseconds; hashing DeepSeek-V3's 989 specs about 10 ms)."""
-    return remember_while_same(_FINGERPRINTS, layout, (dict(layout.specs), dict(layout.dtypes)), layout.fingerprint)
+    return remember_while_same(_FINGERPRINTS, layout, (layout.specs, layout.dtypes), layout.fingerprint)
 
 
 def _patterns(fp32_keys_pattern: Sequence[str] | str | None) -> tuple[str, ...]:
