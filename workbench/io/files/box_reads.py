@@ -41,6 +41,7 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import errno
+import itertools
 import math
 import mmap
 import os
@@ -48,7 +49,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Literal
@@ -209,6 +210,35 @@ class _Piece:
     future: Future | None = None
 
 
+class _Upcoming:
+    """Landing pieces not started yet, in order, taken from an iterator as they are needed (one looked at ahead)."""
+
+    def __init__(self) -> None:
+        self._pieces: Iterator[LandingPiece] = iter(())
+        self._next: LandingPiece | None = None
+
+    def extend(self, pieces: Iterable[LandingPiece]) -> None:
+        """Add ``pieces`` after those already here."""
+        self._pieces = itertools.chain(self._pieces, pieces)
+
+    def __bool__(self) -> bool:
+        if self._next is None:
+            self._next = next(self._pieces, None)
+        return self._next is not None
+
+    def popleft(self) -> LandingPiece:
+        """The next piece (IndexError: none left)."""
+        if not self:
+            raise IndexError("no landing piece left")
+        piece, self._next = self._next, None
+        assert piece is not None
+        return piece
+
+    def clear(self) -> None:
+        """Drop every piece not taken."""
+        self._pieces, self._next = iter(()), None
+
+
 class BoxReader:
     """Serve ``read(key, box)`` (or ``read(file_box)``) from reads issued ahead, in the order ``expected`` lists them.
 
@@ -293,7 +323,7 @@ class BoxReader:
         self._pool = _pool(max(1, threads))
         self._futures: list[Future] = []  # every task this reader submitted to the shared pool
         # boxes that land in tensors on the device: read and copied by the reading threads, piece by piece
-        self._landing: deque[LandingPiece] = deque()  # not started yet, in order
+        self._landing = _Upcoming()  # pieces not started yet, in order, made as they are taken
         self._land_issued: dict[int, tuple[Future, Slot]] = {}  # by slot: pieces being read or read, not copied
         self._land_ended: queue.SimpleQueue[tuple[LandingPiece, Slot, BaseException | None]] = queue.SimpleQueue()
         self._lands: dict[FileBox, deque[torch.Tensor]] = {}  # what ``read`` hands back for each
@@ -594,7 +624,7 @@ class BoxReader:
 
     def _start_landing(self, boxes: list[tuple[FileBox, torch.Tensor]]) -> None:
         assert self._ring is not None
-        starts = {fb.file: self._fd(fb.file)[1] for fb, _ in boxes}
+        starts = {file: self._fd(file)[1] for file in dict.fromkeys(fb.file for fb, _ in boxes)}
         packed = [file for file in starts if self._cached(file)]
         self._landing.extend(kept_landing(boxes, self._how, starts, self._ring.slot_bytes, packed))
         self._pump()

@@ -128,12 +128,13 @@ def kept_landing(
     data_start: Mapping[str, int],
     slot_bytes: int,
     packed: Collection[str] = (),
-) -> list[LandingPiece]:
+) -> Iterator[LandingPiece]:
     """``plan_landing`` of ``(box, dest, how(box))`` for each of ``boxes``, kept for the same geometry: the same
     boxes, each landing in a tensor of the same dtype, shape, strides and storage offset, the same data starts, slot
     size and ``packed`` files (a repeat load into the same model). A hit plans nothing and calls no ``how``: its
     parts' places are made again as views of the tensors given now, so the memo holds no tensor (it keeps no model's
-    memory alive)."""
+    memory alive). The pieces come one at a time, as the caller takes them: on a hit, a piece's views are made only
+    when it is taken, so the first reads start before the last piece is made (a reader takes pieces as slots free)."""
     key = (slot_bytes, tuple(sorted(data_start.items())), tuple(sorted(packed)),
            tuple((fb, dest.dtype, tuple(dest.shape), dest.stride(), dest.storage_offset()) for fb, dest in boxes))
     kept = _KEPT.get(key)
@@ -142,12 +143,16 @@ def kept_landing(
         _KEPT.put(key, [(p.file, p.reads, p.used, p.solid,
                          tuple((q.at, q.nbytes, q.sizes, q.strides, q.dtype, q.box, q.dest.storage_offset(),
                                 q.dest.stride()) for q in p.parts)) for p in pieces])
-        return pieces
-    dests = [dest for _, dest in boxes]
-    return [LandingPiece(file, reads, tuple(
-                LandingPart(at, nbytes, sizes, strides, dtype, dests[box].as_strided(sizes, steps, offset), box)
-                for at, nbytes, sizes, strides, dtype, box, offset, steps in parts), used, solid)
-            for file, reads, used, solid, parts in kept]
+        return iter(pieces)
+    return _remade(kept, [dest for _, dest in boxes])
+
+
+def _remade(kept: list[tuple], dests: list[torch.Tensor]) -> Iterator[LandingPiece]:
+    """The kept pieces, each part's place a view of ``dests`` made as the piece is taken."""
+    for file, reads, used, solid, parts in kept:
+        yield LandingPiece(file, reads, tuple(
+            LandingPart(at, nbytes, sizes, strides, dtype, dests[box].as_strided(sizes, steps, offset), box)
+            for at, nbytes, sizes, strides, dtype, box, offset, steps in parts), used, solid)
 
 
 def _split(
