@@ -46,7 +46,13 @@ SAVE_POINTS: tuple[str, ...] = (
     "rename",  # rank 0, just before the atomic rename that publishes
     "cleanup",  # rank 0, deleting the replaced checkpoint after publishing (the save has succeeded)
 )
-LOAD_POINTS: tuple[str, ...] = ("load.plan", "load.read", "load.share", "load.status")
+LOAD_POINTS: tuple[str, ...] = (
+    "load.plan",  # the layout derived, before the checkpoint is checked
+    "load.planned",  # the reads planned and those landing on the GPU started, before the ranks agree
+    "load.read",  # asking for one parameter's slices, after the agreement
+    "load.share",  # each batch of replicated parameters broadcast (detail: its ordinal)
+    "load.status",  # preparing this rank's status for the final agreement
+)
 
 _ACTIONS = ("raise", "efbig", "enospc", "memory", "bug", "kill")
 

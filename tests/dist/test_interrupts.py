@@ -15,7 +15,7 @@ import torch
 
 import workbench as wb
 from tests.faults.harness import layout_of, new_values, old_values, write_old_checkpoint
-from tests.io.support import read_checkpoint
+from tests.io.support import all_slots_free, read_checkpoint
 
 FAILING = 1
 TIMEOUT = 30.0
@@ -198,12 +198,40 @@ def _loads(root: str, world: int, steps: list[tuple[str, str | None, str]], land
             got["values"] = fresh
         except BaseException as exc:  # the interrupt too: the old code let it out of the interrupted rank alone
             got = {"error": type(exc).__name__, "message": str(exc), "cause": type(exc.__cause__).__name__,
-                   "failed_ranks": list(getattr(exc, "failed_ranks", ()))}
+                   "failed_ranks": list(getattr(exc, "failed_ranks", ())),
+                   "untouched": all(not t.any() for t in fresh.values())}
         finally:
             undo()
         got["seconds"] = time.perf_counter() - start
+        if landing:  # every slot of the ring back, whatever the load did
+            got["ring_free"] = all_slots_free(load_module._CPU_LANDING_RING)
         out[name] = got
     return out
+
+
+def test_a_failure_after_the_reads_started_and_before_the_agreement_changes_no_tensor(tmp_path: Path) -> None:
+    # A GPU load's path (boxes land from the reading threads): every rank plans its reads and starts those landing
+    # on the device into the staging ring before the ranks agree that every rank checked the checkpoint, so the
+    # reads overlap the agreement. Rank 1 then raises (a bug, an interrupt) before the agreement: every rank fails
+    # well under the timeout, the peers with a LoadFailed naming rank 1 and the stage, and no rank has copied a byte
+    # into its tensors (they are still zeros) or kept a slot of its ring. A load after them succeeds.
+    steps = [("bug", "load.planned", "bug"), ("interrupt", "load.planned", "interrupt"), ("after", None, "")]
+    write_old_checkpoint(tmp_path / "source")
+    results = wb.launch(_loads, nprocs=2, args=(str(tmp_path), 2, steps, True), timeout=150)
+
+    for name, cause in (("bug", "RuntimeError: injected: a bug"), ("interrupt", "KeyboardInterrupt: injected")):
+        for rank in range(2):
+            got = results[rank][name]
+            assert got["seconds"] < BOUND and got["untouched"] and got["ring_free"], (name, rank, got)
+            if rank == FAILING:
+                assert got["error"] == ("RuntimeError" if name == "bug" else "KeyboardInterrupt"), (name, got)
+                continue
+            assert got["error"] == "LoadFailed" and got["failed_ranks"] == [FAILING], (name, rank, got)
+            assert f"  rank {FAILING} failed while planning its reads: {cause}" in got["message"], got["message"]
+            assert "no tensor was changed" in got["message"], got["message"]
+    for rank in range(2):
+        after = results[rank]["after"]
+        assert after["error"] is None and after["loaded"] and after["ring_free"], (rank, after)
 
 
 @pytest.mark.parametrize("landing", [False, True], ids=["cpu-path", "gpu-path"])

@@ -10,6 +10,7 @@ import torch
 
 from workbench.io.files.file_plan import FilePlan, plan_files
 from workbench.io.files.index import INDEX_NAME, write_index
+from workbench.io.files.staging import StagingRing
 from workbench.io.files.write import write_safetensors
 
 
@@ -79,3 +80,13 @@ def read_checkpoint(path: Path) -> dict[str, torch.Tensor]:
     with CheckpointReader(path) as reader:
         keys = reader.keys()
         return {k: reader.read(k) for k in keys}
+
+
+def all_slots_free(ring: StagingRing) -> bool:
+    """Whether every slot of ``ring`` is free now (taken with try_take, then given back)."""
+    taken = []
+    while (slot := ring.try_take()) is not None:
+        taken.append(slot)
+    for slot in taken:
+        ring.give(slot)
+    return len(taken) == ring.slots and len({id(s) for s in taken}) == ring.slots

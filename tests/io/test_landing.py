@@ -28,6 +28,7 @@ from hypothesis import strategies as st
 from safetensors.torch import save_file
 
 from tests.io import test_box_reads as box_reads_tests
+from tests.io.support import all_slots_free
 from workbench.errors import CheckpointError
 from workbench.io.files import landing
 from workbench.io.files.box_reads import BoxReader
@@ -75,16 +76,6 @@ def _file_box(file: str, key_offset: int, shape: tuple[int, ...], dtype: torch.d
     strides = _byte_strides(shape, dtype.itemsize)
     offset = key_offset + sum(s.start * st_ for s, st_ in zip(box, strides))
     return FileBox(file, offset, tuple(s.stop - s.start for s in box), strides, dtype)
-
-
-def _all_slots_free(ring: StagingRing) -> bool:
-    """Whether every slot of ``ring`` is free now (taken with try_take, then given back)."""
-    taken = []
-    while (slot := ring.try_take()) is not None:
-        taken.append(slot)
-    for slot in taken:
-        ring.give(slot)
-    return len(taken) == ring.slots and len({id(s) for s in taken}) == ring.slots
 
 
 def _within(seconds: float, fn: Callable[[], object]) -> BaseException | None:
@@ -448,7 +439,7 @@ def test_boxes_land_bit_for_bit_through_the_cpu_seam(tmp_path: Path, slot_bytes:
         assert _within(20, r.finish) is None
         assert r.bytes_read == sum(fb.nbytes for fb, _, _ in entries)
         assert r.bytes_fetched >= r.bytes_read
-    assert _all_slots_free(ring)
+    assert all_slots_free(ring)
     for i, (fb, dest, want) in enumerate(entries):
         assert torch.equal(_bits(dest), _bits(want)), (i, fb, dest.dtype)
 
@@ -511,7 +502,7 @@ def test_a_failed_read_mid_landing_is_raised_by_finish_naming_the_file(tmp_path:
         assert file in str(exc) and "injected read failure" in str(exc)
         assert _within(20, r.finish) is exc  # again: the same failure, at once
     assert faulty.calls < total  # the landing stopped: what was not started was not read
-    assert _all_slots_free(ring)
+    assert all_slots_free(ring)
 
 
 def test_read_after_a_failure_raises_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
@@ -528,7 +519,7 @@ def test_read_after_a_failure_raises_it(tmp_path: Path, monkeypatch: pytest.Monk
         assert raised.value is exc
         with pytest.raises(CheckpointError):
             r.read(entries[-1][0])
-    assert _all_slots_free(ring)
+    assert all_slots_free(ring)
 
 
 def test_a_truncated_file_is_a_short_read(tmp_path: Path) -> None:
@@ -543,7 +534,7 @@ def test_a_truncated_file_is_a_short_read(tmp_path: Path) -> None:
         exc = _within(20, r.finish)
         assert isinstance(exc, CheckpointError), exc
         assert re.search(rf"{re.escape(file)}: short read at byte \d+", str(exc)), str(exc)
-    assert _all_slots_free(ring)
+    assert all_slots_free(ring)
 
 
 def test_close_while_landing_returns_promptly_and_frees_every_slot(tmp_path: Path,
@@ -567,7 +558,7 @@ def test_close_while_landing_returns_promptly_and_frees_every_slot(tmp_path: Pat
     time.sleep(0.1)
     assert slow.calls == after  # nothing reads once close returned
     assert after < 100
-    assert _all_slots_free(ring)
+    assert all_slots_free(ring)
 
 
 # -- O_DIRECT --------------------------------------------------------------------------------------------------------
@@ -603,7 +594,7 @@ def test_large_contiguous_boxes_land_with_o_direct(disk: Path) -> None:
         assert _within(20, r.finish) is None
         assert r.bytes_direct > 0 and not r.direct_refused
         assert r.bytes_direct >= sum(fb.nbytes for fb, _, _ in entries) // 2
-    assert _all_slots_free(ring)
+    assert all_slots_free(ring)
     for i, (fb, dest, want) in enumerate(entries):
         assert torch.equal(_bits(dest), _bits(want)), (i, fb)
 
@@ -672,7 +663,7 @@ def test_a_box_read_without_a_tensor_among_landing_boxes_does_not_wait_forever_f
             r.finish()
 
     assert _within(20, run) is None
-    assert _all_slots_free(ring)
+    assert all_slots_free(ring)
     for i, (_, dest) in enumerate(entries):
         assert torch.equal(dest, w[i * n:(i + 1) * n]), i
 
@@ -726,7 +717,7 @@ def test_a_repeat_landing_plans_nothing_and_lands_in_the_tensors_given_now(tmp_p
         assert len(calls) == 2  # other strides: planned afresh
         for i, (_, dest) in enumerate(third):
             assert torch.equal(dest, w[8 * i:8 * i + 8]), i
-    assert _all_slots_free(ring)
+    assert all_slots_free(ring)
 
 
 class _Concurrent:
@@ -773,6 +764,6 @@ def test_a_box_read_into_a_buffer_reads_ahead_while_landed_pieces_wait_for_their
         assert torch.equal(r.read(staged), w[:16 * n])
         assert slow.most >= 2, slow.most  # read ahead, not one piece at a time
         assert _within(20, r.finish) is None
-    assert _all_slots_free(ring)
+    assert all_slots_free(ring)
     for i, (_, dest) in enumerate(landing_boxes):
         assert torch.equal(dest, w[(32 + i) * n:(33 + i) * n]), i

@@ -167,6 +167,7 @@ def load_hf(
     interrupt: BaseException | None = None  # not an Exception: raised again once every rank has agreed
     replicas: dict[str, ReplicaRead] = {}
     batches: dict[str, ReplicaBatch] = {}
+    stage = "checking the checkpoint against the layout"
     try:
         layout, targets = layout_and_locals(model_or_state_dict, key_map, layout=layout)
         fault_point("load.plan", rank)
@@ -177,33 +178,37 @@ def load_hf(
         if strict and (missing or unexpected or mismatched):
             raise CheckpointError(_problem(path, missing, unexpected, mismatched))
         wanted, replicas, batches = checked.wanted, checked.replicas, checked.batches
+        clock.lap("check")
+        # planned, and the boxes landing on the GPU start reading into the staging ring, before the agreement: the
+        # reads overlap it, and nothing is copied into the model until every rank has checked the checkpoint
+        stage = "planning its reads"
+        plans = {name: spec.memo(("load_plan", rank), lambda spec=spec: plan_hf_load(spec, rank))
+                 for name, spec in wanted.items()}
+        to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
+        device = next((targets[n].device for n in to_read if targets[n].device.type == "cuda"), None)
+        ring = None
+        if device is None and _CPU_LANDING_RING is not None:  # the CPU seam: the GPU's path, copies at once
+            device, ring = torch.device("cpu"), _CPU_LANDING_RING
+        on_gpu = device is not None and device.type == "cuda"
+        landed = _landed(plans, to_read, targets, adapters, device)
+        transfers = _transfers(reader, wanted, plans, to_read, targets, adapters, rank, landed)
+        boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, landed),
+                          threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
+                          device=device, ring=ring)
+        fault_point("load.planned", rank)
+        clock.lap("plan")
     except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word at the agreement
         mine = exc
         interrupt = None if isinstance(exc, Exception) else exc
-    clock.lap("check")
+        clock.lap("plan" if stage == "planning its reads" else "check")
     try:
-        shared = _agree(channel, mine, rank, "checking the checkpoint against the layout", what,
-                        share=replica_digests(batches))
+        shared = _agree(channel, mine, rank, stage, what, share=replica_digests(batches))
         _check_replica_groups(shared, layout.mesh, what)
-        assert reader is not None
+        assert reader is not None and boxes is not None
         clock.lap("agree")
         problem = None
         loaded = owned = received = 0
         try:
-            plans = {name: spec.memo(("load_plan", rank), lambda spec=spec: plan_hf_load(spec, rank))
-                     for name, spec in wanted.items()}
-            to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
-            device = next((targets[n].device for n in to_read if targets[n].device.type == "cuda"), None)
-            ring = None
-            if device is None and _CPU_LANDING_RING is not None:  # the CPU seam: the GPU's path, copies at once
-                device, ring = torch.device("cpu"), _CPU_LANDING_RING
-            on_gpu = device is not None and device.type == "cuda"
-            landed = _landed(plans, to_read, targets, adapters, device)
-            transfers = _transfers(reader, wanted, plans, to_read, targets, adapters, rank, landed)
-            boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, landed),
-                              threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
-                              device=device, ring=ring)
-            clock.lap("plan")
             for name, plan in plans.items():
                 nbytes = _owned_bytes(wanted[name], plan, reader, adapters, rank)
                 owned += nbytes
