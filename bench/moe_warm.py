@@ -42,7 +42,7 @@ def _rank(cfg: dict) -> dict:
     from save_load import DIMS, _fill, pick_shape
     from torch.distributed.device_mesh import init_device_mesh
 
-    from workbench.io.files import landing
+    from workbench.io.files import landing, staging
     from workbench.models import build_qwen3_moe, qwen3_moe_key_map
 
     shape = pick_shape(argparse.Namespace(vocab=32768, hidden=cfg["hidden"], moe_intermediate=cfg["moe_intermediate"],
@@ -80,20 +80,24 @@ def _rank(cfg: dict) -> dict:
             pauses.append((info["generation"], time.perf_counter() - began_gc[0]))
 
     gc.callbacks.append(collected)
-    runs = []
+    # each ring pinned once, before the loads (a ring is used only by a load into GPU memory)
+    rings = [(staging.StagingRing(*r) if r else staging.StagingRing()) if cuda else None for r in cfg["rings"]]
+    runs: dict[int, list] = {i: [] for i in range(len(rings))}
     profile = None
     saved = {n: t.detach().clone() for n, t in _locals(model).items()}  # what the last load must bring back
-    for i in range(cfg["loads"]):
-        if i == cfg["loads"] - 1:  # the last load starts from zeros: every byte it leaves is one it loaded
+    for i in range(cfg["loads"] * len(rings)):  # round robin over the rings: a slow spell hits each of them
+        which = i % len(rings)
+        if i == cfg["loads"] * len(rings) - 1:  # the last load starts from zeros: every byte it leaves, it loaded
             for t in _locals(model).values():
                 t.zero_()
-        if cfg["profile"] and rank == 0 and i == cfg["loads"] - 1:
+        if cfg["profile"] and rank == 0 and i == cfg["loads"] * len(rings) - 1:
             import cProfile
 
             profile = cProfile.Profile()
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
+        staging._RING = rings[which]  # the process's ring for this load
         began, cpu = time.perf_counter(), time.thread_time()
         if profile is not None:
             profile.enable()
@@ -104,7 +108,8 @@ def _rank(cfg: dict) -> dict:
         cpu = time.thread_time() - cpu
         if cuda:
             torch.cuda.synchronize()
-        runs.append((time.perf_counter() - began, str(report.timings), cpu, report.bytes_owned))
+        runs[which].append((time.perf_counter() - began, str(report.timings), cpu, report.bytes_owned))
+    staging._RING = None
     landing.plan_landing = real
     gc.callbacks.remove(collected)
     profiled = ""
@@ -118,11 +123,14 @@ def _rank(cfg: dict) -> dict:
         stats.sort_stats("cumulative").print_stats(cfg["profile"])
         profiled = text.getvalue()
     exact = all(torch.equal(_bytes(t), _bytes(saved[n])) for n, t in _locals(model).items())
-    later = sorted(runs[1:], key=lambda r: r[0])
-    median = later[len(later) // 2]
-    return {"exact": exact, "seconds": [round(r[0], 3) for r in runs],
-            "median": statistics.median(r[0] for r in runs[1:]),
-            "stages": median[1], "cpu": median[2], "owned": median[3], "planned": planned,
+    by_ring = []
+    for ring_runs in runs.values():
+        later = sorted(ring_runs[1:], key=lambda r: r[0])
+        median = later[len(later) // 2]
+        by_ring.append({"seconds": [round(r[0], 3) for r in ring_runs],
+                        "median": statistics.median(r[0] for r in ring_runs[1:]),
+                        "stages": median[1], "cpu": median[2], "owned": median[3]})
+    return {"exact": exact, "rings": by_ring, "planned": planned,
             "profile": profiled, "gc": (len(pauses), max((t for _, t in pauses), default=0.0),
                                         sum(1 for g, _ in pauses if g == 2))}
 
@@ -138,6 +146,17 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _rings(text: str | None) -> list[tuple[int, int] | None]:
+    """``--rings`` as (slots, slot bytes) pairs; [None] (the library's ring) when not given."""
+    if not text:
+        return [None]
+    rings = []
+    for item in text.split(","):
+        slots, mib = item.lower().split("x")
+        rings.append((int(slots), (int(mib) << 20) + 2 * 4096))  # and the two pages an O_DIRECT cover may add
+    return rings
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--ranks", type=int, default=2)
@@ -150,6 +169,9 @@ def main() -> None:
     parser.add_argument("--layers", type=int, default=None, help="this many layers (default: as --size-gb asks)")
     parser.add_argument("--hidden", type=int, default=1024)
     parser.add_argument("--moe-intermediate", type=int, default=512)
+    parser.add_argument("--rings", default=None,
+                        help="staging rings to compare, round robin in the same processes: SLOTSxMIB,... (e.g. "
+                             "16x16,32x4; default: the library's ring)")
     parser.add_argument("--each-replica", action="store_true",
                         help="every replica reads its replicated parameters (read_replicas_once=False)")
     args = parser.parse_args()
@@ -158,23 +180,27 @@ def main() -> None:
     cfg = {"mesh": mesh, "size_gb": args.size_gb, "loads": args.loads, "threads": args.threads,
            "profile": args.profile, "replicas_once": not args.each_replica,
            "layers": args.layers, "hidden": args.hidden, "moe_intermediate": args.moe_intermediate,
-           "folder": str(folder / "ckpt")}
+           "folder": str(folder / "ckpt"), "rings": _rings(args.rings)}
     try:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         results = wb.launch(_rank, nprocs=args.ranks, backend=backend, args=(cfg,), timeout=600)
         out = [results[rank] for rank in sorted(results)]
     finally:
         shutil.rmtree(folder, ignore_errors=True)
-    slowest = max(r["median"] for r in out)
-    owned = sum(r["owned"] for r in out)
-    print(f"mesh (fsdp, ep, etp) {mesh}, {args.size_gb} GB, {args.threads} reading threads: warm load "
-          f"{slowest:.3f} s (median of loads 2-{args.loads}), {owned / len(out) / slowest / 1e9:.2f} GB/s per GPU")
     print(f"  the last load (into zeroed tensors) gave back the saved values bit for bit on every rank: "
           f"{all(r['exact'] for r in out)}")
+    for which, ring in enumerate(cfg["rings"]):
+        rows = [r["rings"][which] for r in out]
+        slowest = max(r["median"] for r in rows)
+        owned = sum(r["owned"] for r in rows)
+        named = "the default ring" if ring is None else f"ring {ring[0]} x {ring[1] >> 20} MiB"
+        print(f"mesh (fsdp, ep, etp) {mesh}, {args.size_gb} GB, {args.threads} reading threads, {named}: warm load "
+              f"{slowest:.3f} s (median of loads 2-{args.loads}), {owned / len(out) / slowest / 1e9:.2f} GB/s per GPU")
+        for rank, r in enumerate(rows):
+            print(f"  rank {rank}: {r['stages']}; loading thread on the CPU {r['cpu']:.3f} s; loads {r['seconds']}")
     for rank, r in enumerate(out):
-        print(f"  rank {rank}: {r['stages']}; loading thread on the CPU {r['cpu']:.3f} s; planned {r['planned']}; "
-              f"loads {r['seconds']}; garbage collections {r['gc'][0]} (generation 2: {r['gc'][2]}), the longest "
-              f"{r['gc'][1] * 1e3:.1f} ms")
+        print(f"  rank {rank}: planned {r['planned']}; garbage collections {r['gc'][0]} (generation 2: {r['gc'][2]}), "
+              f"the longest {r['gc'][1] * 1e3:.1f} ms")
     if out[0]["profile"]:
         print(f"rank 0's last load under cProfile (its loading thread):\n{out[0]['profile']}")
 

@@ -64,7 +64,8 @@ def _pread_all(fd: int, dst, size: int, threads: int) -> None:
         list(pool.map(one, range(0, size, BLOCK)))
 
 
-def _worker(rank: int, procs: int, path: str, size: int, threads: int, repeats: int, barrier, results) -> None:
+def _worker(rank: int, procs: int, path: str, size: int, threads: int, repeats: int, barrier, results,
+            rings: tuple[tuple[int, int], ...] = (), only: str = "") -> None:
     import torch
 
     torch.cuda.set_device(rank)
@@ -98,12 +99,34 @@ def _worker(rank: int, procs: int, path: str, size: int, threads: int, repeats: 
     def pread() -> None:
         _pread_all(fd, host, size, threads)
 
+    def pread_reuse(block: int):
+        """``pread`` of the file in blocks of ``block`` bytes, each thread into its own buffer again and again (no
+        GPU): the CPU copy when its destination can stay in the last-level cache, against ``pread``'s 4 GB one."""
+        buffers = [torch.empty(block, dtype=torch.uint8, pin_memory=True) for _ in range(threads)]
+        free = list(range(threads))
+
+        def one(off: int) -> None:
+            mine = free.pop()
+            try:
+                n = min(block, size - off)
+                if os.preadv(fd, [memoryview(buffers[mine].numpy())[:n]], off) != n:
+                    raise OSError(f"short read at {off}")
+            finally:
+                free.append(mine)
+
+        with ThreadPoolExecutor(threads) as pool:
+            list(pool.map(one, range(0, size, block)))
+
+    kept_rings = {(b, n): [torch.empty(b, dtype=torch.uint8, pin_memory=True) for _ in range(n)] for b, n in rings}
+
     def pread_h2d(block: int, slots: int):
         """Blocks of ``block`` bytes read into a ring of ``slots`` pinned buffers, each copied to the GPU when read;
         a slot is read into again once its copy's event has passed. The ring is pinned afresh each run and the
-        pinning's own seconds reported: a load in a fresh process pays them."""
+        pinning's own seconds reported (a load in a fresh process pays them), unless ``--rings`` pinned it once
+        before the runs (as the loader's staging ring is: made once, kept by the process)."""
         t = time.perf_counter()
-        ring = [torch.empty(block, dtype=torch.uint8, pin_memory=True) for _ in range(slots)]
+        ring = kept_rings.get((block, slots)) or [torch.empty(block, dtype=torch.uint8, pin_memory=True)
+                                                  for _ in range(slots)]
         pin = time.perf_counter() - t
         done = [torch.cuda.Event() for _ in ring]
         offsets = list(range(0, size, block))
@@ -168,10 +191,14 @@ def _worker(rank: int, procs: int, path: str, size: int, threads: int, repeats: 
         return {f"register {block >> 20} MiB: cudaHost(Un)Register s": reg}
 
     tests = [("h2d", h2d), ("pread", pread)]
-    for block, slots in ((4 << 20, 32), (8 << 20, 16), (8 << 20, 32), (16 << 20, 16), (16 << 20, 32), (64 << 20, 32)):
+    for block, slots in rings or ((4 << 20, 32), (8 << 20, 16), (8 << 20, 32), (16 << 20, 16), (16 << 20, 32),
+                                  (64 << 20, 32)):
         tests.append((f"pread+h2d {block >> 20} MiB x {slots}", lambda b=block, n=slots: pread_h2d(b, n)))
+    for block in sorted({b for b, _ in rings}):
+        tests.append((f"pread reuse {block >> 20} MiB a thread", lambda b=block: pread_reuse(b)))
     for block in (BLOCK, 256 << 20, 1 << 30):
         tests.append((f"register {block >> 20} MiB", lambda b=block: register(b)))
+    tests = [(name, fn) for name, fn in tests if not only or any(word in name for word in only.split(","))]
     for name, fn in tests:
         try:
             timed(name, fn)
@@ -203,19 +230,25 @@ def main() -> None:
     ap.add_argument("--threads", type=int, default=16)
     ap.add_argument("--repeats", type=int, default=3)
     ap.add_argument("--dir", type=Path, default=Path("/tmp"))
+    ap.add_argument("--rings", default="", help="pread+h2d rings to measure instead of the usual six, each pinned once "
+                    "before the runs, as MIBxSLOTS,... (e.g. 16x16,4x16); also adds 'pread reuse' for each block size")
+    ap.add_argument("--only", default="", help="run only the tests whose names hold one of these words (comma list)")
+    ap.add_argument("--both-only", action="store_true", help="skip the one-process pass")
     args = ap.parse_args()
+    rings = tuple((int(b) << 20, int(n)) for b, n in (r.split("x") for r in args.rings.split(",") if r))
     size = int(args.size_gb * (1 << 30)) // BLOCK * BLOCK
     paths = [args.dir / f"warm_limits_{r}.bin" for r in range(args.procs)]
     for p in paths:
         _make_file(p, size)
         _fill(p)
     ctx = mp.get_context("spawn")
-    for procs in sorted({1, args.procs}):
+    for procs in [args.procs] if args.both_only else sorted({1, args.procs}):
         barrier = ctx.Barrier(procs)
         results = ctx.Queue()
         workers = [
             ctx.Process(
-                target=_worker, args=(r, procs, str(paths[r]), size, args.threads, args.repeats, barrier, results)
+                target=_worker,
+                args=(r, procs, str(paths[r]), size, args.threads, args.repeats, barrier, results, rings, args.only),
             )
             for r in range(procs)
         ]
