@@ -13,7 +13,8 @@ two versions of the code, run it twice in one session on one machine, each with 
 ``--profile N`` runs rank 0's last load under ``cProfile`` (its loading thread only) and prints the N functions it
 spent most time in, by own time and by cumulative time. ``--each-replica``: every replica reads its replicated
 parameters (``read_replicas_once=False``). ``--layers N --hidden H --moe-intermediate I``: a model of another shape
-(many small parameters: what a load costs per parameter).
+(many small parameters: what a load costs per parameter). ``--rings 16x16,16x8``: the loads go round robin over
+these staging rings (slots x MiB a slot, each pinned once before the loads), one line of figures per ring.
 """
 
 from __future__ import annotations
