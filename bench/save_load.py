@@ -15,13 +15,13 @@ Qwen3-MoE built by ``build_qwen3_moe`` on a (fsdp, ep, etp) mesh, filled with ra
    shards), then ``consolidate_safetensors_files_on_every_rank`` into HF files (fsynced here: torch does not);
 4. ``wb.save_hf`` synchronous (budgets 256 MiB and 1 GiB; direct with the writeback window off) and asynchronous
    (until the call returns, until ``wait()`` returns);
-5. ``wb.load_hf`` of that checkpoint into another topology (default fsdp=N x ep=1 x etp=1), ``--repeats`` times
-   cold (page cache dropped first), round robin with the read limit: ``dd bs=64M`` of the same files through the
-   page cache and with ``iflag=direct`` (the faster median counts); then as often warm (the files read through the
-   page cache first: a cold load with O_DIRECT leaves it empty). Medians, and the bytes the disk read for the ranks
-   (``/proc/self/io`` ``read_bytes``, readahead included) over the bytes they own, summed over ranks; beside it the
-   slices ``load_hf`` returned over owned (1.000 up to O_DIRECT's 4 KiB alignment: it cannot show read
-   amplification, the OS count can);
+5. ``wb.load_hf`` of that checkpoint into another topology (default fsdp=N x ep=1 x etp=1), ``--repeats`` times cold
+   (page cache dropped first), round robin with the read limit: ``dd bs=64M`` of the same files through the page
+   cache and with ``iflag=direct`` (the faster median counts); then ``--warm-repeats`` times (default as often) warm
+   (the files read through the page cache first: a cold load with O_DIRECT leaves it empty). Medians, and the bytes
+   the disk read for the ranks (``/proc/self/io`` ``read_bytes``, readahead included) over the bytes they own, summed
+   over ranks; beside it the slices ``load_hf`` returned over owned (1.000 up to O_DIRECT's 4 KiB alignment: it
+   cannot show read amplification, the OS count can);
 6. each rank's peak RSS increase during each ``wb.save_hf`` (``ru_maxrss``, peak reset just before the save) over the
    schedule's predicted peak (``SaveResult.predicted_peak_bytes``); on CUDA the device peak too.
 
@@ -363,11 +363,11 @@ def _rank_main(cfg: dict[str, Any]) -> dict[str, Any]:
             out.setdefault("cached_after_cold", []).append(cached(files))
     out["load"] = {"read": report.bytes_read, "owned": report.bytes_owned, "seconds": report.seconds, "ok": report.ok,
                    "os_read": statistics.median(out["os_read"]), "stages": str(report.timings)}
-    for rep in range(cfg["repeats"]):
+    for rep in range(cfg["warm_repeats"]):
         if rank == 0 and not cached(files) >= 1.0:
             fill(files)
         t0 = start()
-        profiler = _start_profile() if cfg["profile_load"] and rank == 0 and rep == cfg["repeats"] - 1 else None
+        profiler = _start_profile() if cfg["profile_load"] and rank == 0 and rep == cfg["warm_repeats"] - 1 else None
         report = wb.load_hf(model_b, ckpt, key_map=key_map, cast=True)
         if profiler is not None:
             out.setdefault("profile", {})["load-warm"] = _stop_profile(profiler, root / "profile-load-warm-rank0.txt")
@@ -693,6 +693,9 @@ def main() -> None:
                         help="wb.save_hf's max_shard_bytes in MB (default: wb's own, 5 GB)")
     parser.add_argument("--repeats", type=int, default=2,
                         help="runs of each disk test and each save method (round robin); the best counts")
+    parser.add_argument("--warm-repeats", type=int, default=None,
+                        help="warm loads (default: --repeats); the first after the cold loads plans the warm page "
+                             "cache's landing once (its pieces pack cached files fuller), the rest reuse it")
     parser.add_argument("--dir", default=None, help="target directory (default: a new one under /tmp)")
     parser.add_argument("--keep", action="store_true", help="keep the checkpoints")
     parser.add_argument("--lean", action="store_true", help="skip the 256 MiB and full-policy saves (small disks)")
@@ -751,7 +754,8 @@ def main() -> None:
 
     cfg = {"shape": shape, "mesh": mesh, "load_mesh": load_mesh, "root": str(root), "backend": args.backend,
            "threads": args.threads, "seed": args.seed, "profile": args.profile, "verify": not args.no_verify,
-           "skip_dcp": args.skip_dcp, "repeats": args.repeats, "lean": args.lean, "load_only": args.load_only,
+           "skip_dcp": args.skip_dcp, "repeats": args.repeats,
+           "warm_repeats": args.warm_repeats or args.repeats, "lean": args.lean, "load_only": args.load_only,
            "profile_load": args.profile_load,
            "save_kwargs": ({} if args.max_shard_mb is None else {"max_shard_bytes": args.max_shard_mb * 10**6})
            | ({} if args.min_segment_kb is None else {"min_segment_bytes": args.min_segment_kb << 10}),
@@ -936,7 +940,8 @@ def load_report(results: dict[int, Any], nbytes: int, load_mesh: tuple[int, ...]
                 + (" (the read limit)" if limit_key != "read-dd" else ""), "read-dd-direct", r0["read_dd_bytes"], "—"),
             row(f"wb.load_hf into {lm}, page cache dropped ({left:.0%} of the files cached after)", "load", nbytes,
                 f"{os_read / GB:.3f} GB / {owned / GB:.3f} GB = {os_read / owned:.3f}; {read / owned:.4f}"),
-            row(f"wb.load_hf into {lm}, warm page cache", "load-warm", nbytes, f"—; {warm_read / warm_owned:.4f}"),
+            row(f"wb.load_hf into {lm}, warm page cache (median of {len(times['load-warm'])})", "load-warm", nbytes,
+                f"—; {warm_read / warm_owned:.4f}"),
             "", "Each rank's last load, by stage (`LoadReport.timings`):", ""]
     rows += [f"- rank {rank} {what}: {r[key]['stages']}" for rank, r in sorted(results.items())
              for what, key in (("cold", "load"), ("warm", "load_warm"))]
