@@ -122,8 +122,9 @@ def load_hf(
     tensor) are one strided box (``transfers.plan_transfers``), read in pieces of 8 MiB and copied by one op each;
     into a CPU tensor of the checkpoint's dtype the bytes land in place, with no copy. Per-key canonical
     ``adapters`` (whole keys) run first where given; tail (FP8) padding is zeroed. The ranks agree twice over the
-    load's own gloo group (within ``timeout``): after checking the checkpoint against the layout, and at the end,
-    so a failure on one rank is an error on every rank.
+    load's own gloo group (within ``timeout``): after checking the checkpoint against the layout and planning the
+    reads, and at the end, so a failure on one rank is an error on every rank. The reads that land on a GPU start
+    into the staging ring before the first agreement (they overlap it); nothing is copied into the model before it.
 
     Args:
         strict: every missing, unexpected, mis-shaped or differently typed key is an error (else those
