@@ -454,3 +454,34 @@ def test_staging_into_a_device_other_than_cuda_is_refused(tmp_path: Path) -> Non
     save_file({"k": _tensor((4, 4), torch.float32, 0)}, str(tmp_path / "model.safetensors"))
     with pytest.raises(ValueError, match=r"stages reads into a CUDA device, not cpu"):
         BoxReader(read_checkpoint(tmp_path), [("k", None)], device="cpu")
+
+
+def test_upcoming_pieces_come_in_order_as_taken_and_a_failure_to_make_one_stays() -> None:
+    """``BoxReader``'s queue of landing pieces: taken in order from iterators joined one after the other, made only
+    as they are looked at, and an error making one raised again on every later look (no piece after it is lost)."""
+    from workbench.io.files.box_reads import _Upcoming
+
+    made = []
+
+    def pieces(names, fail_at=None):
+        for name in names:
+            if name == fail_at:
+                raise RuntimeError(f"cannot make {name}")
+            made.append(name)
+            yield name
+
+    queue = _Upcoming()
+    assert not queue
+    with pytest.raises(IndexError):
+        queue.popleft()
+    queue.extend(pieces("ab"))
+    queue.extend(pieces("cd", fail_at="d"))
+    assert made == []  # nothing made before it is looked at
+    assert queue.popleft() == "a" and made == ["a"]
+    assert queue and made == ["a", "b"]  # one looked at ahead
+    assert [queue.popleft(), queue.popleft()] == ["b", "c"]
+    for _ in range(2):
+        with pytest.raises(RuntimeError, match="cannot make d"):
+            bool(queue)
+    queue.clear()
+    assert not queue

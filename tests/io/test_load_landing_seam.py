@@ -6,6 +6,8 @@ run at once (``BoxReader``'s CPU seam). The expected values are the tensors the 
 
 from __future__ import annotations
 
+import os
+import time
 from pathlib import Path
 
 import pytest
@@ -99,3 +101,34 @@ def test_a_repeat_load_lands_through_the_kept_plan(tmp_path: Path, monkeypatch) 
     _load(other, tmp_path, cast=True)
     _expect(other, state, 1.0)
     assert len(calls) == 1
+
+
+def test_the_reads_start_before_the_agreement_and_nothing_lands_before_it(tmp_path: Path, monkeypatch) -> None:
+    """At the first agreement (held 0.2 s here) the reading threads have already read pieces into the ring, and the
+    model is still all zeros: the reads overlap the agreement, the copies wait for it. On the first load (planned)
+    and on a repeat (the kept plan, its pieces made as they are taken)."""
+    from workbench.io.files import box_reads
+
+    state = _state()
+    save_checkpoint(tmp_path, state, {k: i % 3 for i, k in enumerate(state)})
+    reads: list[int] = []
+    real_preadv = os.preadv
+    monkeypatch.setattr(box_reads.os, "preadv", lambda fd, bufs, off, *a: reads.append(off) or real_preadv(
+        fd, bufs, off, *a))
+    seen: list[tuple[int, bool]] = []
+    real_agree = load_module._agree
+
+    def held(*args, **kwargs):  # the first agreement (the last one is not _agree's)
+        time.sleep(0.2)
+        seen.append((len(reads), all(not p.any() for p in model.parameters())))
+        return real_agree(*args, **kwargs)
+
+    monkeypatch.setattr(load_module, "_agree", held)
+    for _ in range(2):
+        model = Model()
+        seen.clear()
+        reads.clear()
+        assert _load(model, tmp_path, cast=True).ok
+        assert len(seen) == 1 and seen[0][0] > 0 and seen[0][1], seen
+        _expect(model, state, 1.0)
+    assert landing._KEPT.hits == 1

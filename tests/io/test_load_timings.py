@@ -38,7 +38,7 @@ def test_the_stages_add_up_to_the_load(tmp_path: Path) -> None:
     assert timings.total >= 0.8 * report.seconds - 1e-3
 
 
-@pytest.mark.parametrize(("point", "stage"), [("load.plan", "check"), ("load.read", "read")])
+@pytest.mark.parametrize(("point", "stage"), [("load.plan", "check"), ("load.planned", "plan"), ("load.read", "read")])
 def test_a_slow_stage_is_counted_where_it_was_slow(tmp_path: Path, point: str, stage: str) -> None:
     target, path = _saved(tmp_path)
     slept = []

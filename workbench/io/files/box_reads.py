@@ -211,19 +211,27 @@ class _Piece:
 
 
 class _Upcoming:
-    """Landing pieces not started yet, in order, taken from an iterator as they are needed (one looked at ahead)."""
+    """Landing pieces not started yet, in order, taken from an iterator as they are needed (one looked at ahead). An
+    error making the next piece is raised again on every later look: the pieces after it are never silently lost."""
 
     def __init__(self) -> None:
         self._pieces: Iterator[LandingPiece] = iter(())
         self._next: LandingPiece | None = None
+        self._error: BaseException | None = None
 
     def extend(self, pieces: Iterable[LandingPiece]) -> None:
         """Add ``pieces`` after those already here."""
         self._pieces = itertools.chain(self._pieces, pieces)
 
     def __bool__(self) -> bool:
+        if self._error is not None:
+            raise self._error
         if self._next is None:
-            self._next = next(self._pieces, None)
+            try:
+                self._next = next(self._pieces, None)
+            except BaseException as exc:
+                self._error = exc
+                raise
         return self._next is not None
 
     def popleft(self) -> LandingPiece:
@@ -235,8 +243,8 @@ class _Upcoming:
         return piece
 
     def clear(self) -> None:
-        """Drop every piece not taken."""
-        self._pieces, self._next = iter(()), None
+        """Drop every piece not taken (and an error making one)."""
+        self._pieces, self._next, self._error = iter(()), None, None
 
 
 class BoxReader:

@@ -147,8 +147,10 @@ def load_hf(
 
     Raises:
         CheckpointError: on the rank whose checkpoint check failed (one error listing every missing, unexpected,
-            mis-shaped and differently typed key); LoadFailed on its peers, naming it. A failure while reading
-            (any exception, on any rank) is a LoadFailed on every rank: the model's values must not be used. An
+            mis-shaped and differently typed key); LoadFailed on its peers, naming it. A failure while planning
+            the reads (a shard that cannot be opened, say) is raised likewise, on its rank as itself and on its
+            peers as a LoadFailed; no tensor was changed. A failure while reading (any exception, on any rank)
+            is a LoadFailed on every rank: the model's values must not be used. An
             interrupt (``KeyboardInterrupt``) while reading, sharing replicated parameters or reporting the status
             is raised again on its rank once every rank has agreed (chained to the LoadFailed its peers raise).
 
