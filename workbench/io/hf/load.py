@@ -170,7 +170,8 @@ def load_hf(
     interrupt: BaseException | None = None  # not an Exception: raised again once every rank has agreed
     replicas: dict[str, ReplicaRead] = {}
     batches: dict[str, ReplicaBatch] = {}
-    stage = "checking the checkpoint against the layout"
+    stage = _CHECKING
+    started: _StartedReads | None = None
     try:
         layout, targets = layout_and_locals(model_or_state_dict, key_map, layout=layout)
         fault_point("load.plan", rank)
@@ -184,30 +185,21 @@ def load_hf(
         clock.lap("check")
         # planned, and the boxes landing on the GPU start reading into the staging ring, before the agreement: the
         # reads overlap it, and nothing is copied into the model until every rank has checked the checkpoint
-        stage = "planning its reads"
-        plans = {name: spec.memo(("load_plan", rank), lambda spec=spec: plan_hf_load(spec, rank))
-                 for name, spec in wanted.items()}
-        to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
-        device = next((targets[n].device for n in to_read if targets[n].device.type == "cuda"), None)
-        ring = None
-        if device is None and _CPU_LANDING_RING is not None:  # the CPU seam: the GPU's path, copies at once
-            device, ring = torch.device("cpu"), _CPU_LANDING_RING
-        on_gpu = device is not None and device.type == "cuda"
-        landed = _landed(plans, to_read, targets, adapters, device)
-        transfers = _transfers(reader, wanted, plans, to_read, targets, adapters, rank, landed)
-        boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, landed),
-                          threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
-                          device=device, ring=ring)
+        stage = _PLANNING
+        started = _start_reads(reader, wanted, replicas, targets, adapters, rank, read_threads=read_threads,
+                               budget_bytes=budget_bytes, read_direct=read_direct)
+        boxes = started.boxes
         fault_point("load.planned", rank)
         clock.lap("plan")
     except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word at the agreement
         mine = exc
         interrupt = None if isinstance(exc, Exception) else exc
-        clock.lap("plan" if stage == "planning its reads" else "check")
+        clock.lap("plan" if stage == _PLANNING else "check")
     try:
         shared = _agree(channel, mine, rank, stage, what, share=replica_digests(batches))
         _check_replica_groups(shared, layout.mesh, what)
-        assert reader is not None and boxes is not None
+        assert reader is not None and started is not None and boxes is not None
+        plans, landed, transfers, on_gpu = started.plans, started.landed, started.transfers, started.on_gpu
         clock.lap("agree")
         problem = None
         loaded = owned = received = 0
@@ -270,6 +262,54 @@ def load_hf(
             boxes.close()
         if reader is not None:
             reader.close()
+
+
+_CHECKING = "checking the checkpoint against the layout"
+_PLANNING = "planning its reads"
+
+
+@dataclass(frozen=True, slots=True)
+class _StartedReads:
+    """A rank's reads, planned and started: each wanted parameter's plan, those whose boxes land in their tensors
+    from the reading threads (``_landed``), the coalesced transfers, whether copies are queued on a GPU, and the
+    reader, already reading the landing pieces into the staging ring."""
+
+    plans: dict[str, HFLoadPlan]
+    landed: set[str]
+    transfers: dict[str, tuple[Transfer, ...]]
+    on_gpu: bool
+    boxes: BoxReader
+
+
+def _start_reads(
+    reader: CheckpointReader,
+    wanted: Mapping[str, LoadSpec],
+    replicas: Mapping[str, ReplicaRead],
+    targets: Mapping[str, torch.Tensor],
+    adapters: Mapping[str, Adapter] | None,
+    rank: int,
+    *,
+    read_threads: int,
+    budget_bytes: int,
+    read_direct: bool | Literal["auto"] | None,
+) -> _StartedReads:
+    """Plan what this rank reads (a replicated parameter only where it is this rank's turn) and start the reader.
+    Into a GPU (or through the CPU seam) the reader starts reading the landing pieces at once; it copies nothing
+    into the model until the loading thread drains it (``BoxReader.finish``)."""
+    plans = {name: spec.memo(("load_plan", rank), lambda spec=spec: plan_hf_load(spec, rank))
+             for name, spec in wanted.items()}
+    to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
+    device = next((targets[n].device for n in to_read if targets[n].device.type == "cuda"), None)
+    ring = None
+    if device is None and _CPU_LANDING_RING is not None:  # the CPU seam: the GPU's path, copies at once
+        device, ring = torch.device("cpu"), _CPU_LANDING_RING
+    on_gpu = device is not None and device.type == "cuda"
+    landed = _landed(plans, to_read, targets, adapters, device)
+    transfers = _transfers(reader, wanted, plans, to_read, targets, adapters, rank, landed)
+    boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, landed),
+                      threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
+                      device=device, ring=ring)
+    return _StartedReads(plans, landed, transfers, on_gpu, boxes)
 
 
 def _transfers(
