@@ -103,6 +103,38 @@ def test_a_target_path_that_is_a_file_is_refused_and_left_alone(tmp_path: Path) 
     assert _snapshot(box) == before  # no hidden .notes.txt.incomplete left behind either
 
 
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_a_directory_that_is_not_a_checkpoint_is_refused_and_left_alone(tmp_path: Path, async_save: bool) -> None:
+    # ``save_hf(model, "runs")`` meant for ``runs/step-200``: the directory holds a published checkpoint and a user's
+    # notes. A save replaces the directory at its path whole, so it used to delete both without a word.
+    runs = tmp_path / "runs"
+    runs.mkdir()
+    wb.save_hf(_model(), runs / "step-100")
+    (runs / "notes").mkdir()
+    (runs / "notes" / "results.csv").write_text("step,loss\n100,1.5\n")
+    plain = tmp_path / "data"
+    plain.mkdir()
+    (plain / "train.jsonl").write_text("{}\n")
+    for target, why in ((runs, "it holds directories: notes/, step-100/"),
+                        (plain, f"no {INDEX_NAME} and no .safetensors file, but train.jsonl")):
+        before = _snapshot(target)
+        with pytest.raises(CheckpointError, match="nothing was published") as info:
+            handle = wb.save_hf(_model(), target, async_save=async_save)
+            if async_save:
+                handle.wait()
+        message = str(info.value)
+        assert str(target) in message and why in message and "not a checkpoint" in message, message
+        assert _snapshot(target) == before  # every file kept, no hidden .NAME.incomplete left beside it
+    assert wb.latest_checkpoint(runs).path == runs / "step-100"
+    empty = tmp_path / "empty"
+    empty.mkdir()
+    for target in (runs / "step-100", empty):  # a checkpoint is replaced, an empty directory filled
+        result = wb.save_hf(_model(), target, async_save=async_save)
+        if async_save:
+            result.wait()
+        assert (target / INDEX_NAME).is_file()
+
+
 @pytest.mark.parametrize(
     ("case", "expected"),
     [

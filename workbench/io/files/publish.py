@@ -32,6 +32,7 @@ from typing import Any
 from workbench.errors import CheckpointError
 from workbench.faults import fault_point
 from workbench.io.files.complete import OLD_SUFFIX, content_problems, is_complete, validate_final
+from workbench.io.files.index import INDEX_NAME
 from workbench.io.files.ownership import (
     HEARTBEAT_PERIOD,
     MARKER_NAME,
@@ -50,6 +51,22 @@ __all__ = ["OLD_SUFFIX", "AtomicRenamePublisher", "exchange_paths", "is_complete
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 1 << 1
 _UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+def not_a_checkpoint(path: Path) -> str | None:
+    """Why the existing directory ``path`` is not one a save may replace (None: it may be): an empty directory may
+    be, and so may one that holds files only (no directory) among them an index or a ``.safetensors`` file."""
+    names, folders = [], []
+    with os.scandir(path) as entries:
+        for entry in entries:
+            (folders if entry.is_dir(follow_symlinks=False) else names).append(entry.name)
+    if folders:
+        shown = ", ".join(f"{n}/" for n in sorted(folders)[:4]) + (", ..." if len(folders) > 4 else "")
+        return f"it holds directories: {shown}"
+    if names and INDEX_NAME not in names and not any(n.endswith(".safetensors") for n in names):
+        shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+        return f"no {INDEX_NAME} and no .safetensors file, but {shown}"
+    return None
 
 
 @functools.cache
@@ -170,7 +187,8 @@ class AtomicRenamePublisher:
         to ``NAME`` when ``NAME`` is missing, and is deleted when ``NAME`` exists. Calling it again starts over.
 
         Raises:
-            CheckpointError: ``final`` exists and is not a directory, or its parent is missing or not
+            CheckpointError: ``final`` exists and is not a directory, or is a directory that is not a checkpoint
+                (``not_a_checkpoint``: a save would delete what it holds), or its parent is missing or not
                 writable; or ``temporary`` belongs to a live save (of this process, or of another whose heartbeat
                 is fresh: its host, pid, job and heartbeat age are named); or the directory cannot be made.
         """
@@ -183,6 +201,12 @@ class AtomicRenamePublisher:
             raise CheckpointError(
                 f"cannot save to {final}: it exists and is a file, not a checkpoint directory; "
                 "move it away or choose another path"
+            )
+        if final.is_dir() and (why := not_a_checkpoint(final)) is not None:
+            raise CheckpointError(
+                f"cannot save to {final}: it is a directory that is not a checkpoint ({why}); a save replaces the "
+                "directory at its path whole, so this one would be deleted: save to a new path (a subdirectory, "
+                "say) or move what it holds away"
             )
         self._repair_aside()
         self._release()  # a second prepare starts over: what this publisher made is now a stale leftover

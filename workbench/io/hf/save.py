@@ -121,7 +121,9 @@ def save_hf(
     Args:
         model_or_state_dict: a module whose parameters are DTensors (FSDP2, EP, ETP...) or plain tensors, or
             a state dict of them.
-        path: the checkpoint directory to create or replace.
+        path: the checkpoint directory to create or replace. An existing directory is replaced only when it is
+            empty or a checkpoint (files only, among them an index or a ``.safetensors`` file); any other is
+            refused before anything is written (a SaveFailed on every rank, saying why) and left as it was.
         layout: the model's Layout (default: ``Layout.from_model(model, key_map)``). Each tensor is saved in its
             own dtype: a parameter the layout gives no dtype takes its tensor's, and a given dtype that disagrees
             with the tensor is an error (LayoutError on that rank, SaveFailed on its peers, before any data moves).
