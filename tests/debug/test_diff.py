@@ -237,3 +237,41 @@ def test_round_trip_keeps_both_dtypes_honest(tmp_path) -> None:
     assert finding.kind == "precision_lost"
     assert finding.evidence["expected_dtype"] == finding.evidence["actual_dtype"] == "float32"
     assert "rounded to bfloat16" in finding.hint
+
+
+def test_experts_shifted_by_one_are_called_shifted_not_copies(tmp_path) -> None:
+    # expert i holds expert i+1's tensor (mod 3): no tensor appears twice, so "a copy (which ... holds too)" was wrong
+    good = {k: v for k, v in _experts().items() if ".layers.0." in k and "down_proj" in k and ".experts.3." not in k}
+    keys = sorted(good)
+    bad = {keys[i]: good[keys[(i + 1) % 3]] for i in range(3)}
+    report = diff_checkpoints(write(tmp_path / "ref", good), write(tmp_path / "bad", bad))
+    assert [f.kind for f in report.findings] == ["misplaced_tensor"] * 3
+    for i, key in enumerate(keys):
+        (finding,) = report.by_key(key)
+        held = keys[(i + 1) % 3]
+        assert finding.transform == f"holds {held}'s tensor, while {held} holds yet another one"
+        assert "the keys are shifted" in finding.hint and "copy" not in finding.transform
+
+
+def test_nan_and_inf_are_named_not_hidden_by_max_abs_diff(reference, tmp_path) -> None:
+    bad = broken(tmp_path, "n", _set(NORM, lambda x: x.index_fill(0, torch.tensor([1, 2]), float("nan"))
+                                     .index_fill(0, torch.tensor([5]), float("inf"))))
+    (finding,) = diff_checkpoints(reference, bad).findings
+    assert finding.kind == "value_mismatch" and finding.evidence["max_abs_diff"] == 0.0
+    assert finding.evidence["actual_nan"] == 2 and finding.evidence["actual_inf"] == 1
+    assert "2 NaN and 1 infinite values where the reference is finite" in finding.hint
+
+
+def test_a_dtype_mismatch_says_which_way_the_cast_goes_and_never_guesses_values(tmp_path) -> None:
+    g = torch.Generator().manual_seed(7)
+    master = torch.randn(8, 6, generator=g)
+    ref = write(tmp_path / "ref", {"w": master.bfloat16(), "v": master.bfloat16()})
+    # the fp32 master weights saved where bf16 is expected: cast down they are the reference bit for bit
+    ck = write(tmp_path / "ck", {"w": master, "v": master.bfloat16().t().contiguous().float()})
+    report = diff_checkpoints(ref, ck)
+    (w,) = report.by_key("w")
+    assert w.kind == "dtype_mismatch" and w.transform == "the reference is this cast to bfloat16"
+    assert w.evidence["verified"] == "bit for bit" and "master weights" in w.hint
+    (v,) = report.by_key("v")  # transposed and cast: the shapes differ, so nothing is said about the values
+    assert v.kind == "dtype_mismatch" and "shaped [6, 8] where [8, 6] is expected" in v.hint
+    assert "values were not compared" in v.hint and "differ beyond a cast" not in v.hint

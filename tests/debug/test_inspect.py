@@ -90,6 +90,21 @@ def test_key_in_header_but_not_in_index(tmp_path) -> None:
     assert "lm_head.weight" in kinds["index_inconsistent"]
 
 
+def test_safetensors_files_the_index_does_not_name_are_findings(tmp_path) -> None:
+    # a stale single-file save beside a sharded one: transformers reads model.safetensors before the index, so the
+    # folder loads the stale weights, and the old inspect said "integrity: ok"; a leftover shard of an older save
+    path = write(tmp_path / "ck", model(), writers={k: i % 2 for i, k in enumerate(model())})
+    assert (path / INDEX_NAME).is_file() and not _kinds(path)
+    stale = model(seed=1)
+    save_file(stale, str(path / "model.safetensors"))
+    save_file({"model.norm.weight": stale["model.norm.weight"]}, str(path / "model-00003-of-00003.safetensors"))
+    ins = inspect_checkpoint(path)
+    assert _kinds(path) == {"index_inconsistent": {"model.safetensors", "model-00003-of-00003.safetensors"}}
+    text = ins.to_text()
+    assert "transformers loads model.safetensors before the index" in text and "integrity: ok" not in text, text
+    assert ins.exit_status == 1
+
+
 def test_index_paths_never_escape_the_folder(tmp_path) -> None:
     outside = tmp_path / "secret.safetensors"
     save_file({"stolen": torch.zeros(3)}, str(outside))

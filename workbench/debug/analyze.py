@@ -209,15 +209,25 @@ def _blockwise_equal(ref: TensorView, act: TensorView, fn, block_bytes: int) -> 
 
 
 def _dtype(ref, act, key, evidence, block_bytes) -> Finding:
-    if ref.shape == act.shape and _blockwise_equal(ref, act, lambda t: t.to(act.dtype), block_bytes):
-        return Finding("dtype_mismatch", key, {**evidence, "transform": f"cast to {_name(act.dtype)}",
-                                               "verified": "bit for bit"},
-                       f"saved as {_name(act.dtype)}, expected {_name(ref.dtype)}; the values are exactly the cast: "
+    saved, expected = _name(act.dtype), _name(ref.dtype)
+    if ref.shape != act.shape:  # the values cannot be compared: say both, claim nothing about them
+        return Finding("dtype_mismatch", key, evidence,
+                       f"stored as {saved}, expected {expected}, and shaped {list(act.stored_shape)} where "
+                       f"{list(ref.stored_shape)} is expected: a cast does not explain the shape (one shard, a "
+                       "transposed or another parameter's tensor, or another model config?); the values were not "
+                       "compared")
+    if _blockwise_equal(ref, act, lambda t: t.to(act.dtype), block_bytes):
+        return Finding("dtype_mismatch", key, {**evidence, "transform": f"cast to {saved}", "verified": "bit for bit"},
+                       f"saved as {saved}, expected {expected}; the values are exactly the cast: "
                        "save this key in the expected dtype (check fp32_keys_pattern and the save dtype)")
-    if ref.shape == act.shape:
-        evidence = {**evidence, **_stats(ref, act, block_bytes)}
-    return Finding("dtype_mismatch", key, evidence,
-                   f"stored as {_name(act.dtype)}, expected {_name(ref.dtype)}, and the values differ beyond a cast")
+    if _blockwise_equal(act, ref, lambda t: t.to(ref.dtype), block_bytes):
+        return Finding("dtype_mismatch", key, {**evidence, "transform": f"the reference is this cast to {expected}",
+                                               "verified": "bit for bit"},
+                       f"saved as {saved}, expected {expected}; cast to {expected} it is the reference bit for bit: "
+                       f"the higher-precision source of the reference (master weights) was saved; cast it to "
+                       f"{expected} when saving if that is what its loaders expect")
+    return Finding("dtype_mismatch", key, {**evidence, **_stats(ref, act, block_bytes)},
+                   f"stored as {saved}, expected {expected}, and the values differ beyond a cast")
 
 
 def _round_trip(ref, act, key, evidence, block_bytes) -> Finding | None:
@@ -232,8 +242,9 @@ def _round_trip(ref, act, key, evidence, block_bytes) -> Finding | None:
 
 
 def _stats(ref: TensorView, act: TensorView, block_bytes: int) -> dict[str, Any]:
-    """Elements that differ, max abs diff (finite values), first differing flat index, all-zero actual."""
-    differ, max_abs, first, nonzero = 0, 0.0, None, 0
+    """Elements that differ, max abs diff (finite values), first differing flat index, all-zero actual, and the NaN
+    and infinite values of the actual where the reference is finite (``actual_nan``, ``actual_inf``: when any)."""
+    differ, max_abs, first, nonzero, nan, inf = 0, 0.0, None, 0, 0, 0
     step = act.rows_per_block(block_bytes, 8)
     row = math.prod(act.shape[1:])
     for a in range(0, act.shape[0], step):
@@ -246,6 +257,9 @@ def _stats(ref: TensorView, act: TensorView, block_bytes: int) -> dict[str, Any]
         differ += count
         nonzero += int(torch.count_nonzero(bits(y)))
         if y.dtype.is_floating_point or y.dtype.is_complex or x.dtype.is_floating_point:
+            finite_ref = torch.isfinite(x)
+            nan += int((torch.isnan(y) & finite_ref).sum())
+            inf += int((torch.isinf(y) & finite_ref).sum())
             diff = (x.double() - y.double()).abs()
             diff = diff[torch.isfinite(diff)]
             if diff.numel():
@@ -258,6 +272,10 @@ def _stats(ref: TensorView, act: TensorView, block_bytes: int) -> dict[str, Any]
                            "first_differing_index": first}
     if nonzero == 0:
         out["actual_all_zero"] = True
+    if nan:
+        out["actual_nan"] = nan
+    if inf:
+        out["actual_inf"] = inf
     return out
 
 
@@ -265,6 +283,11 @@ def _value_mismatch(ref, act, key, evidence, block_bytes) -> Finding:
     stats = _stats(ref, act, block_bytes)
     if stats.get("actual_all_zero"):
         hint = "the tensor is all zeros: it was never written (or never loaded before saving)"
+    elif stats.get("actual_nan") or stats.get("actual_inf"):
+        hint = (f"the checkpoint holds {stats.get('actual_nan', 0)} NaN and {stats.get('actual_inf', 0)} infinite "
+                "values where the reference is finite (max_abs_diff counts finite values only): the weights "
+                "diverged or overflowed before the save (a step with a NaN loss, or a cast beyond the dtype's "
+                "range); find the first step whose weights hold them")
     else:
         hint = ("no layout transform (interleave, rank order, gate/up swap, transpose) or precision round trip "
                 "reproduces these values: the weights themselves differ (another step, another run, or a bug "

@@ -161,6 +161,11 @@ def _misplaced(rk: str, ak: str, ref_fp: _Fingerprints, act_fp: _Fingerprints,
         return partner is not None and act_fp.metas[partner] == ref_fp.metas[rk] and \
             act_fp.of(partner) == ref_fp.of(rk)
 
+    def holds_own(other: str) -> bool:
+        partner = act_of.get(other)
+        return partner is not None and act_fp.metas[partner] == ref_fp.metas[other] and \
+            act_fp.of(partner) == ref_fp.of(other)
+
     swapped = [k for k in holders if mutual(k)]
     other = (swapped or holders)[0]
     if not swapped and _all_zero(ref_fp.source, other, meta.nbytes):
@@ -170,10 +175,18 @@ def _misplaced(rk: str, ak: str, ref_fp: _Fingerprints, act_fp: _Fingerprints,
         transform = f"{what}swapped with {act_of[other]} (each holds the other's tensor)"
         hint = ("two keys were swapped (the fused order, the key map, or an expert or layer index off by one): swap "
                 "them back (the transform names the partner)")
-    else:
-        transform = f"holds a copy of {other}'s tensor (which {act_of.get(other, other)} holds too)"
+    elif holds_own(other):
+        transform = f"holds a copy of {other}'s tensor (which {act_of[other]} holds too)"
         hint = ("this key was written with another key's tensor (a wrong index in the key map or the conversion "
                 "loop): write each key from its own parameter")
+    elif act_of.get(other) is None:
+        transform = f"holds {other}'s tensor ({other} itself is not in the checkpoint)"
+        hint = ("the tensor was saved under another key's name (a wrong index or name in the key map): write it under "
+                "its own key")
+    else:
+        transform = f"holds {other}'s tensor, while {act_of[other]} holds yet another one"
+        hint = ("the keys are shifted: each holds another key's tensor (an expert or layer index off by one in the key "
+                "map or the conversion loop): map each key from its own parameter")
     evidence = {"transform": transform, "expected_shape": list(ref_fp.metas[rk].shape), "verified": "by content hash"}
     if meta.shape != ref_fp.metas[rk].shape:
         evidence["actual_shape"] = list(meta.shape)

@@ -102,6 +102,24 @@ def _siblings(path: Path) -> list[Finding]:
     return out
 
 
+def _stray_files(directory: Path, named: set[str]) -> list[Finding]:
+    """A ``.safetensors`` file in an indexed folder that the index does not name: left by another save. An HF loader
+    ignores it, except ``model.safetensors``, which transformers reads before the index (a stale single-file save
+    beside a sharded one is what a user then loads)."""
+    out = []
+    for file in sorted(p.name for p in directory.glob("*.safetensors") if p.name not in named):
+        if file == "model.safetensors":
+            out.append(Finding("index_inconsistent", file, {"file": file, "detail": f"beside {INDEX_NAME}, which "
+                               "does not name it"},
+                               "two checkpoints in one folder: transformers loads model.safetensors before the "
+                               "index, so it reads this file, not the sharded save; delete the one you do not want"))
+        else:
+            out.append(Finding("index_inconsistent", file, {"file": file, "detail": f"not named by {INDEX_NAME}"},
+                               "a file the index does not name (left by another save?): loaders ignore it; delete "
+                               "it, or rebuild the index if it belongs to this save"))
+    return out
+
+
 def _index_files(index_file: Path) -> set[str] | None:
     weight_map, _, problems = read_index(index_file)
     if not weight_map and problems:
@@ -174,6 +192,7 @@ def scan_for_findings(path: Path | str) -> ScanResult:
                 index = _scan_without(directory, index_file, bad, findings)
             except (OSError, ValueError):
                 return ScanResult(None, tuple(findings), f"{index_file}: unreadable index")
+            findings.extend(_stray_files(directory, files or set()))
             return ScanResult(index, tuple(findings))
     elif path.is_file() and path.suffix == ".safetensors" and _escaping(path.parent, {path.name}):
         return ScanResult(None, tuple(findings), f"{path}: a link to a file outside its folder; not opened")
@@ -186,6 +205,8 @@ def scan_for_findings(path: Path | str) -> ScanResult:
         error = "; ".join(unreadable or problems) or f"{path}: not a checkpoint"
         return ScanResult(index, tuple(findings), error)
     findings.extend(_classify(p, index.directory) for p in problems)
+    if index.index_file is not None:
+        findings.extend(_stray_files(index.directory, set(index.weight_map.values())))
     for file, extra in index.unlisted_keys.items():
         for key in extra:
             findings.append(Finding("index_inconsistent", key, {"file": file, "detail": "in the file's header but "
