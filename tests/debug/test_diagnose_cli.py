@@ -142,3 +142,18 @@ def test_against_layout_checks_only_the_dtypes_it_gives(tmp_path) -> None:
     wrong = Layout(toy.mesh, toy.specs, dict.fromkeys(toy.specs, "float16"), name="fp16")
     kinds = {(f.kind, f.evidence["expected_dtype"], f.evidence["actual_dtype"]) for f in diagnose(ck, wrong).findings}
     assert kinds == {("dtype_mismatch", "F16", "BF16"), ("dtype_mismatch", "F16", "F32")}
+
+
+def test_against_a_layout_a_fused_key_is_named_by_shape_not_dropped(tmp_path) -> None:
+    # the layout expects gate and up apart; the checkpoint holds them fused: by names and shapes only, the report
+    # says which keys it may hold and never advises dropping it
+    tensors = _toy_tensors()
+    gate, up = (f"model.layers.0.mlp.experts.0.{p}_proj.weight" for p in ("gate", "up"))
+    fused = "model.layers.0.mlp.experts.0.gate_up_proj.weight"
+    tensors[fused] = torch.cat([tensors.pop(gate), tensors.pop(up)])
+    report = diagnose(write(tmp_path / "ck", tensors), str(TOY))
+    (unexpected,) = [f for f in report.findings if f.kind == "unexpected_key"]
+    assert unexpected.key == fused and f"{gate} and {up} fused on dim 0" in unexpected.hint
+    assert "do not drop it" in unexpected.hint
+    missing = {f.key: f.hint for f in report.findings if f.kind == "missing_key"}
+    assert set(missing) == {gate, up} and all(f"half of {fused}" in h for h in missing.values())

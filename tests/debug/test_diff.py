@@ -275,3 +275,23 @@ def test_a_dtype_mismatch_says_which_way_the_cast_goes_and_never_guesses_values(
     (v,) = report.by_key("v")  # transposed and cast: the shapes differ, so nothing is said about the values
     assert v.kind == "dtype_mismatch" and "shaped [6, 8] where [8, 6] is expected" in v.hint
     assert "values were not compared" in v.hint and "differ beyond a cast" not in v.hint
+
+
+def test_a_fused_key_is_its_two_expected_keys_not_one_to_drop(tmp_path) -> None:
+    # gate and up saved fused (gate_up_proj = cat([gate, up])) where the reference has them apart: the old report
+    # said "missing" twice ("re-save with it") and "unexpected: drop it or map it", which would throw the weights away
+    good = {k: v for k, v in _experts().items() if ".layers.0." in k and ".experts.0." in k}
+    gate, up, down = (f"model.layers.0.mlp.experts.0.{p}_proj.weight" for p in ("gate", "up", "down"))
+    fused = "model.layers.0.mlp.experts.0.gate_up_proj.weight"
+    bad = {down: good[down], fused: torch.cat([good[gate], good[up]])}
+    report = diff_checkpoints(write(tmp_path / "ref", good), write(tmp_path / "bad", bad))
+    (finding,) = report.findings
+    assert (finding.kind, finding.key) == ("renamed_key", fused)
+    assert finding.evidence["expected_keys"] == [gate, up] and finding.evidence["verified"] == "by content hash"
+    assert "split it into its keys" in finding.hint and "drop" not in finding.hint
+    swapped = {down: good[down], fused: torch.cat([good[up], good[gate]])}  # up first: the order is named
+    (finding,) = diff_checkpoints(tmp_path / "ref", write(tmp_path / "swapped", swapped)).findings
+    assert finding.evidence["expected_keys"] == [up, gate]
+    other = {down: good[down], fused: torch.cat([good[gate], good[gate] + 1])}  # not the two keys: no such claim
+    kinds = sorted(f.kind for f in diff_checkpoints(tmp_path / "ref", write(tmp_path / "other", other)).findings)
+    assert kinds == ["missing_key", "missing_key", "unexpected_key"]

@@ -144,16 +144,27 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
             out.append(Finding("renamed_key", r.actual, {"expected_key": r.expected, "transform": f"rename {r.rule}"},
                                rename_hint([r])))
         done = set(renamed.values())
+        fused = _fused_by_shape([k for k in unexpected if k not in done],
+                                [k for k in missing if k not in renamed], metas, expected)
+        inside = {part: k for k, parts in fused.items() for part in parts}
         for k in missing:
             if k not in renamed:
+                hint = ("the layout has this key but the checkpoint does not: re-save with it (keys of other EP or PP "
+                        "ranks dropped while consolidating?)")
+                if k in inside:
+                    hint = (f"by shape it may be half of {inside[k]} (fused on dim 0 with a sibling key): split that "
+                            "key in the key map, or save unfused")
                 out.append(Finding("missing_key", k, {"expected_shape": list(expected[k][0]),
-                                                      "parameter": expected[k][2], **held_by(layout, k)},
-                                   "the layout has this key but the checkpoint does not: re-save with it (keys of "
-                                   "other EP or PP ranks dropped while consolidating?)"))
+                                                      "parameter": expected[k][2], **held_by(layout, k)}, hint))
         for k in unexpected:
             if k not in done:
+                hint = "the layout has no such key: add it to the key map, or drop it once you know it is not needed"
+                if k in fused:
+                    a, b = fused[k]
+                    hint = (f"by shape it may be {a} and {b} fused on dim 0 (the layout expects them apart): split "
+                            "it in the key map, or save unfused; do not drop it, it may hold their weights")
                 out.append(Finding("unexpected_key", k, {"shape": list(metas[k].shape), "dtype": metas[k].dtype},
-                                   "the layout has no such key: drop it, or add it to the key map"))
+                                   hint))
         for key, (shape, dtype, name) in expected.items():
             stored = renamed.get(key, key)
             if stored not in metas:
@@ -183,3 +194,20 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
         return Report(subject=subject, reference=reference, findings=tuple(out), stats=stats)
     finally:
         act.close()
+
+
+def _fused_by_shape(unexpected: list[str], missing: list[str], metas: Mapping[str, Any],
+                    expected: Mapping[str, tuple]) -> dict[str, tuple[str, str]]:
+    """Unexpected keys shaped like two missing keys of the same module concatenated on dim 0 (``gate_up_proj``
+    where ``gate_proj`` and ``up_proj`` are expected): ``{key: (first, second)}``, by names and shapes only."""
+    out = {}
+    for k in unexpected:
+        shape = tuple(metas[k].shape)
+        if not shape or shape[0] % 2:
+            continue
+        half = (shape[0] // 2, *shape[1:])
+        module = k.rsplit(".", 2)[0]
+        parts = sorted(m for m in missing if m.rsplit(".", 2)[0] == module and tuple(expected[m][0]) == half)
+        if len(parts) == 2:
+            out[k] = (parts[0], parts[1])
+    return out

@@ -135,6 +135,30 @@ def _digest(source: Source, key: str, start: int, stop: int, block: int) -> byte
     return digest.digest()
 
 
+def _fused(missing: set[str], unexpected: list[str], ref_metas: Mapping[str, KeyMeta],
+           act_metas: Mapping[str, KeyMeta], ref_fp: _Fingerprints, act_fp: _Fingerprints
+           ) -> list[tuple[str, tuple[str, str]]]:
+    """Unexpected keys whose dim-0 halves are two missing reference keys, whole: ``(key, (first, second))``. Only
+    missing keys of the halves' shape and dtype are read (one digest each, of all their bytes)."""
+    found = []
+    whole: dict[str, bytes] = {}
+    for u in unexpected:
+        meta, halves = act_metas[u], act_fp.halves(u)
+        if halves is None:
+            continue
+        shape = (meta.shape[0] // 2, *meta.shape[1:])
+        candidates = [m for m in sorted(missing) if ref_metas[m].shape == shape and ref_metas[m].dtype == meta.dtype]
+        for m in candidates:
+            if m not in whole:
+                whole[m] = _digest(ref_fp.source, m, 0, ref_metas[m].nbytes, ref_fp.block_bytes)
+        by_digest = {whole[m]: m for m in candidates}
+        first, second = by_digest.get(halves[0]), by_digest.get(halves[1])
+        if first is not None and second is not None and first != second:
+            found.append((u, (first, second)))
+            missing = missing - {first, second}
+    return found
+
+
 def _all_zero(source: Source, key: str, nbytes: int, block: int = DEFAULT_BLOCK_BYTES) -> bool:
     for a in range(0, nbytes, block):
         raw = source.read_raw(key, a, min(nbytes, a + block))
@@ -295,6 +319,15 @@ def compare_sources(
             out.append(Finding("renamed_key", u, {"expected_key": hits[0], "transform": "same bytes under another "
                                                   "name"}, rename_hint([])))
             pairs.append((hits[0], u))
+    for u, parts in _fused(left_missing - renamed, rest_unexpected, ref_metas, act_metas, ref_fp, act_fp):
+        renamed.update(parts)
+        rest_unexpected.remove(u)
+        fused_how = f"{parts[0]} and {parts[1]} fused on dim 0, in that order"
+        out.append(Finding("renamed_key", u, {"expected_keys": list(parts), "transform": fused_how,
+                                              "verified": "by content hash"},
+                           "the checkpoint holds two expected keys concatenated on dim 0 under one key (a fused "
+                           "gate_up_proj, say): split it into its keys in the key map or the conversion, or save "
+                           "them unfused; the weights are all there"))
     for m in missing:
         if m not in renamed:
             meta = ref_metas[m]
