@@ -200,14 +200,15 @@ def _fused_by_shape(unexpected: list[str], missing: list[str], metas: Mapping[st
                     expected: Mapping[str, tuple]) -> dict[str, tuple[str, str]]:
     """Unexpected keys shaped like two missing keys of the same module concatenated on dim 0 (``gate_up_proj``
     where ``gate_proj`` and ``up_proj`` are expected): ``{key: (first, second)}``, by names and shapes only."""
+    by_module: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+    for m in sorted(missing):
+        by_module.setdefault((m.rsplit(".", 2)[0], tuple(expected[m][0])), []).append(m)
     out = {}
     for k in unexpected:
         shape = tuple(metas[k].shape)
         if not shape or shape[0] % 2:
             continue
-        half = (shape[0] // 2, *shape[1:])
-        module = k.rsplit(".", 2)[0]
-        parts = sorted(m for m in missing if m.rsplit(".", 2)[0] == module and tuple(expected[m][0]) == half)
+        parts = by_module.get((k.rsplit(".", 2)[0], (shape[0] // 2, *shape[1:])), [])
         if len(parts) == 2:
             out[k] = (parts[0], parts[1])
     return out

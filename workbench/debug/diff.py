@@ -139,23 +139,28 @@ def _fused(missing: set[str], unexpected: list[str], ref_metas: Mapping[str, Key
            act_metas: Mapping[str, KeyMeta], ref_fp: _Fingerprints, act_fp: _Fingerprints
            ) -> list[tuple[str, tuple[str, str]]]:
     """Unexpected keys whose dim-0 halves are two missing reference keys, whole: ``(key, (first, second))``. Only
-    missing keys of the halves' shape and dtype are read (one digest each, of all their bytes)."""
-    found = []
-    whole: dict[str, bytes] = {}
+    missing keys of a half's shape and dtype are read, each once (one digest of all its bytes)."""
+    by_meta: dict[tuple[tuple[int, ...], str], list[str]] = {}
+    for m in sorted(missing):
+        by_meta.setdefault((ref_metas[m].shape, ref_metas[m].dtype), []).append(m)
+    by_digest: dict[tuple[tuple[int, ...], str], dict[bytes, list[str]]] = {}  # made per (shape, dtype) on first use
+    found, taken = [], set()
     for u in unexpected:
-        meta, halves = act_metas[u], act_fp.halves(u)
-        if halves is None:
+        meta = act_metas[u]
+        if not meta.shape or meta.shape[0] % 2:
             continue
-        shape = (meta.shape[0] // 2, *meta.shape[1:])
-        candidates = [m for m in sorted(missing) if ref_metas[m].shape == shape and ref_metas[m].dtype == meta.dtype]
-        for m in candidates:
-            if m not in whole:
-                whole[m] = _digest(ref_fp.source, m, 0, ref_metas[m].nbytes, ref_fp.block_bytes)
-        by_digest = {whole[m]: m for m in candidates}
-        first, second = by_digest.get(halves[0]), by_digest.get(halves[1])
+        group = ((meta.shape[0] // 2, *meta.shape[1:]), meta.dtype)
+        if group not in by_meta or (halves := act_fp.halves(u)) is None:
+            continue
+        if group not in by_digest:
+            index: dict[bytes, list[str]] = {}
+            for m in by_meta[group]:
+                index.setdefault(_digest(ref_fp.source, m, 0, ref_metas[m].nbytes, ref_fp.block_bytes), []).append(m)
+            by_digest[group] = index
+        first, second = (next((m for m in by_digest[group].get(h, ()) if m not in taken), None) for h in halves)
         if first is not None and second is not None and first != second:
             found.append((u, (first, second)))
-            missing = missing - {first, second}
+            taken.update((first, second))
     return found
 
 
