@@ -295,3 +295,19 @@ def test_a_fused_key_is_its_two_expected_keys_not_one_to_drop(tmp_path) -> None:
     other = {down: good[down], fused: torch.cat([good[gate], good[gate] + 1])}  # not the two keys: no such claim
     kinds = sorted(f.kind for f in diff_checkpoints(tmp_path / "ref", write(tmp_path / "other", other)).findings)
     assert kinds == ["missing_key", "missing_key", "unexpected_key"]
+
+
+@pytest.mark.parametrize("shape", [(4, 8, 6), (3, 5, 5), (2, 3, 4, 6)], ids=["stacked", "square", "4d"])
+def test_stacked_slices_stored_transposed_are_named(tmp_path, shape) -> None:
+    # stacked experts saved [E, in, out] where [E, out, in] is expected: each slice along dim 0 transposed (the old
+    # report: "no replication, shard, padding or transpose explains the shapes")
+    w = torch.randn(*shape, generator=torch.Generator().manual_seed(3))
+    report = diff_checkpoints(write(tmp_path / "ref", {"experts.w": w}),
+                              write(tmp_path / "bad", {"experts.w": w.transpose(-1, -2).contiguous()}))
+    (finding,) = report.findings
+    assert finding.kind == "permuted" and finding.transform == "last two dims transposed"
+    assert finding.evidence["verified"] == "bit for bit"
+    off = w.transpose(-1, -2).contiguous()
+    off.view(-1)[0] += 1  # one element off: no transform holds
+    (finding,) = diff_checkpoints(tmp_path / "ref", write(tmp_path / "off", {"experts.w": off})).findings
+    assert finding.transform != "last two dims transposed"

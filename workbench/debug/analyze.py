@@ -139,8 +139,28 @@ def _transposed(ref, act, sig_ref: Signatures, sig_act: Signatures, key, evidenc
                    "or fix the adapter (Conv1D-style weights are stored [in, out])")
 
 
+def _stacked_transposed(ref, act, key, evidence, block_bytes) -> Finding | None:
+    """``act`` is ``ref`` with its last two dims swapped, dim 0 kept (stacked experts ``[E, in, out]`` saved where
+    ``[E, out, in]`` is expected), bit for bit: read in blocks of dim 0, up to ``EXACT_TRANSPOSE_BYTES``."""
+    if len(ref.shape) < 3 or act.shape != (*ref.shape[:-2], ref.shape[-1], ref.shape[-2]):
+        return None
+    if ref.nbytes > EXACT_TRANSPOSE_BYTES:
+        return None
+    step = act.rows_per_block(block_bytes, 2)
+    for a in range(0, act.shape[0], step):
+        b = min(act.shape[0], a + step)
+        if not torch.equal(bits(ref.read_rows(a, b).transpose(-1, -2).contiguous()), bits(act.read_rows(a, b))):
+            return None
+    return Finding("permuted", key, {**evidence, "transform": "last two dims transposed", "verified": "bit for bit"},
+                   "each slice along dim 0 is stored transposed (stacked experts as [E, in, out] instead of "
+                   "[E, out, in]?): transpose the last two dims when saving, or fix the conversion")
+
+
 def _resized(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes) -> Finding | None:
     found = _transposed(ref, act, sig_ref, sig_act, key, evidence, block_bytes)
+    if found is not None:
+        return found
+    found = _stacked_transposed(ref, act, key, evidence, block_bytes)
     if found is not None:
         return found
     differing = [d for d in range(len(ref.shape)) if len(ref.shape) == len(act.shape) and ref.shape[d] != act.shape[d]]
@@ -167,6 +187,10 @@ def _permuted(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes) -> 
             return found
     if len(ref.shape) == 2 and ref.shape[0] == ref.shape[1]:
         found = _transposed(ref, act, sig_ref, sig_act, key, evidence, block_bytes)
+        if found is not None:
+            return found
+    if len(ref.shape) >= 3 and ref.shape[-1] == ref.shape[-2]:
+        found = _stacked_transposed(ref, act, key, evidence, block_bytes)
         if found is not None:
             return found
     for dim in dims:
