@@ -98,3 +98,18 @@ def test_missing_file_against_a_layout(tmp_path) -> None:
     missing = {f.key: f for f in report.findings if f.kind == "missing_key"}
     assert set(missing) == {f"model.layers.0.mlp.experts.1.{p}_proj.weight" for p in ("gate", "up", "down")}
     assert all("is missing" in f.evidence["detail"] for f in missing.values())
+
+
+def test_a_directory_where_a_data_file_should_be_is_a_missing_file_not_a_crash(tmp_path) -> None:
+    # the old code stopped diff and diagnose with "IsADirectoryError: [Errno 21]" and exit 2
+    tensors = _tensors()
+    good = write(tmp_path / "good", tensors)
+    bad = write(tmp_path / "bad", tensors, writers=_split(tensors))
+    lost = _file_of(bad, "model.norm.weight")
+    lost.unlink()
+    lost.mkdir()
+    report = diff_checkpoints(good, bad)
+    assert report.exit_status == 1 and report.stats["equal"] == 3, report.to_text()
+    missing = [f for f in report.findings if f.kind == "missing_key"]
+    assert len(missing) == 17 and all(f.evidence["file"] == lost.name for f in missing)
+    assert workbench_main(["diagnose", str(bad), "--expected", str(good)]) == 1

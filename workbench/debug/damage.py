@@ -82,6 +82,8 @@ def _data_bytes(path: Path) -> int | None:
     try:
         size = os.fstat(fd).st_size
         head = os.pread(fd, 8, 0)
+    except OSError:  # a directory where the file should be, or a read error: the integrity scan names the file
+        return None
     finally:
         os.close(fd)
     if len(head) < 8:
