@@ -66,6 +66,16 @@ def _hang_on_rank_1() -> None:
     dist.barrier()
 
 
+def _hold_the_gil_on_rank_1() -> int:
+    import re
+
+    import torch.distributed as dist
+
+    if dist.get_rank() == 1:  # the hang: C code that never gives up the GIL, so no Python thread runs
+        re.match(r"(a+)+$", "a" * 40 + "b")
+    return dist.get_rank()  # rank 0 is done at once: only a rank's own watchdog can stop rank 1
+
+
 def _line_of(fn, text: str, occurrence: int = 1) -> int:
     """The file line number of the ``occurrence``-th source line of ``fn`` that contains ``text``."""
     lines, first = inspect.getsourcelines(fn)
@@ -251,3 +261,19 @@ def test_a_rank_that_crashes_before_the_function_runs_shows_its_stack_from_its_l
     assert first.message.startswith("killed by signal SIGSEGV; the end of its stderr log:\n"), first.message
     assert "Segmentation fault" in first.message
     assert f'File "{tmp_path / name}.py", line 4 in <module>' in first.message  # the crashing line of the module
+
+
+@pytest.mark.slow
+def test_a_rank_that_holds_the_gil_past_the_timeout_is_stopped_and_named() -> None:
+    # the Python watchdog is a thread: it cannot run while rank 1's regex holds the GIL, and the old launch waited
+    # forever. The C backstop (faulthandler) dumps rank 1's stack into its log and exits it 10 s after the timeout.
+    start = time.perf_counter()
+    with pytest.raises(LaunchError) as info:
+        launch(_hold_the_gil_on_rank_1, nprocs=2, timeout=2)
+    elapsed = time.perf_counter() - start
+    assert elapsed < 60, f"a 2 s timeout took {elapsed:.1f} s to report"
+    (failure,) = info.value.failures
+    assert failure.rank == 1, str(info.value)
+    line = _line_of(_hold_the_gil_on_rank_1, "re.match(")
+    assert "Timeout (0:00:12)!" in failure.message, failure.message
+    assert f'File "{__file__}", line {line} in _hold_the_gil_on_rank_1' in failure.message, failure.message

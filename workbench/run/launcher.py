@@ -36,6 +36,7 @@ from typing import Any
 __all__ = ["LaunchError", "RankFailure", "launch"]
 
 _TIMEOUT_EXIT = 124
+_NATIVE_GRACE = 10.0  # seconds after the timeout before the C backstop exits a rank the Python watchdog could not
 _RECORDS_ENV = "WORKBENCH_LAUNCH_DIR"
 # errors a rank gets because a peer died: reported after the root cause
 _PEER_FAILURE = (
@@ -163,6 +164,7 @@ def _run(payload: bytes, backend: str, timeout: float | None, name: str = "the f
     stop = threading.Event()
     if timeout is not None:  # started after the rendezvous, so every rank's clock starts together
         threading.Thread(target=_watchdog, args=(rank, timeout, stop), daemon=True).start()
+        _arm_native_watchdog(timeout + _NATIVE_GRACE)
     try:
         return fn(*args)
     except BaseException as exc:
@@ -171,6 +173,8 @@ def _run(payload: bytes, backend: str, timeout: float | None, name: str = "the f
         raise
     finally:
         stop.set()
+        if timeout is not None:
+            _disarm_native_watchdog()
         _flush()
         with contextlib.suppress(Exception):
             dist.destroy_process_group()
@@ -223,6 +227,23 @@ def _name_of(fn: Callable[..., Any]) -> str:
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
     return f"{module}.{qualname}" if module and module != "__main__" else qualname
+
+
+def _arm_native_watchdog(seconds: float) -> None:
+    """The watchdog's backstop, in C: a rank whose main thread never gives up the GIL (a long regex, a C extension's
+    loop) keeps the Python watchdog from running, so ``faulthandler`` dumps every thread's stack into the rank's log
+    and exits the rank ``seconds`` after the start (the launcher then reports it with the end of that log)."""
+    import faulthandler
+
+    with contextlib.suppress(Exception):  # stderr may be a stream without a file descriptor
+        faulthandler.dump_traceback_later(seconds, exit=True)
+
+
+def _disarm_native_watchdog() -> None:
+    import faulthandler
+
+    with contextlib.suppress(Exception):
+        faulthandler.cancel_dump_traceback_later()
 
 
 def _watchdog(rank: int, timeout: float, stop: threading.Event) -> None:
