@@ -185,17 +185,13 @@ def _misplaced(rk: str, ak: str, ref_fp: _Fingerprints, act_fp: _Fingerprints,
     if not holders:
         return None
 
-    def mutual(other: str) -> bool:
+    def partner_holds(other: str, whose: str) -> bool:
+        """Whether the checkpoint's key for reference key ``other`` holds ``whose``'s reference tensor."""
         partner = act_of.get(other)
-        return partner is not None and act_fp.metas[partner] == ref_fp.metas[rk] and \
-            act_fp.of(partner) == ref_fp.of(rk)
+        return partner is not None and act_fp.metas[partner] == ref_fp.metas[whose] and \
+            act_fp.of(partner) == ref_fp.of(whose)
 
-    def holds_own(other: str) -> bool:
-        partner = act_of.get(other)
-        return partner is not None and act_fp.metas[partner] == ref_fp.metas[other] and \
-            act_fp.of(partner) == ref_fp.of(other)
-
-    swapped = [k for k in holders if mutual(k)]
+    swapped = [k for k in holders if partner_holds(k, rk)]
     other = (swapped or holders)[0]
     if not swapped and _all_zero(ref_fp.source, other, meta.nbytes):
         return None  # an all-zero tensor matches any zero buffer: the value analysis says "all zeros"
@@ -204,7 +200,7 @@ def _misplaced(rk: str, ak: str, ref_fp: _Fingerprints, act_fp: _Fingerprints,
         transform = f"{what}swapped with {act_of[other]} (each holds the other's tensor)"
         hint = ("two keys were swapped (the fused order, the key map, or an expert or layer index off by one): swap "
                 "them back (the transform names the partner)")
-    elif holds_own(other):
+    elif partner_holds(other, other):
         transform = f"holds a copy of {other}'s tensor (which {act_of[other]} holds too)"
         hint = ("this key was written with another key's tensor (a wrong index in the key map or the conversion "
                 "loop): write each key from its own parameter")
