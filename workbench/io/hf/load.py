@@ -165,7 +165,6 @@ def load_hf(
     rank = channel.rank if rank is None else rank
     what = f"load of {path}"
     reader: CheckpointReader | None = None
-    boxes: BoxReader | None = None
     mine: BaseException | None = None
     interrupt: BaseException | None = None  # not an Exception: raised again once every rank has agreed
     replicas: dict[str, ReplicaRead] = {}
@@ -188,7 +187,6 @@ def load_hf(
         stage = _PLANNING
         started = _start_reads(reader, wanted, replicas, targets, adapters, rank, read_threads=read_threads,
                                budget_bytes=budget_bytes, read_direct=read_direct)
-        boxes = started.boxes
         fault_point("load.planned", rank)
         clock.lap("plan")
     except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word at the agreement
@@ -198,8 +196,9 @@ def load_hf(
     try:
         shared = _agree(channel, mine, rank, stage, what, share=replica_digests(batches))
         _check_replica_groups(shared, layout.mesh, what)
-        assert reader is not None and started is not None and boxes is not None
-        plans, landed, transfers, on_gpu = started.plans, started.landed, started.transfers, started.on_gpu
+        assert reader is not None and started is not None
+        plans, landed, transfers, on_gpu, boxes = (started.plans, started.landed, started.transfers, started.on_gpu,
+                                                   started.boxes)
         clock.lap("agree")
         problem = None
         loaded = owned = received = 0
@@ -247,8 +246,8 @@ def load_hf(
             path=Path(path),
             rank=rank,
             parameters=loaded,
-            bytes_read=boxes.bytes_fetched if boxes is not None else 0,
-            bytes_direct=boxes.bytes_direct if boxes is not None else 0,
+            bytes_read=boxes.bytes_fetched,
+            bytes_direct=boxes.bytes_direct,
             bytes_owned=owned,
             bytes_received=received,
             seconds=time.perf_counter() - start,
@@ -258,8 +257,8 @@ def load_hf(
             timings=clock.timings(),
         )
     finally:
-        if boxes is not None:
-            boxes.close()
+        if started is not None:
+            started.boxes.close()
         if reader is not None:
             reader.close()
 
