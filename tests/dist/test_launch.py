@@ -277,3 +277,28 @@ def test_a_rank_that_holds_the_gil_past_the_timeout_is_stopped_and_named() -> No
     line = _line_of(_hold_the_gil_on_rank_1, "re.match(")
     assert "Timeout (0:00:12)!" in failure.message, failure.message
     assert f'File "{__file__}", line {line} in _hold_the_gil_on_rank_1' in failure.message, failure.message
+
+
+def _listeners_of_this_rank_and_its_agent() -> list:
+    import os
+
+    import torch.distributed as dist
+
+    from tests.listening import listening
+
+    dist.barrier()  # every rank's process group is up (gloo's listeners too)
+    found = listening([os.getpid(), os.getppid()])  # spawned by the agent, which runs in the launching process
+    dist.barrier()
+    return found
+
+
+@pytest.mark.slow
+def test_a_local_launch_listens_on_the_loopback_interface_only() -> None:
+    # torch's agent alone hosts its stores on every interface ('::'), where any host could read and write them
+    from tests.listening import LOOPBACK, listening
+
+    results = launch(_listeners_of_this_rank_and_its_agent, nprocs=2, timeout=60)
+    for rank, found in results.items():
+        assert found, f"rank {rank}: no listening socket seen (the store at least must be)"
+        assert {host for host, _ in found} <= LOOPBACK, f"rank {rank} or its agent listens on {found}"
+    assert listening([os.getpid()]) == [], "the launch left a socket listening in the caller"

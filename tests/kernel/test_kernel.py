@@ -64,6 +64,17 @@ def test_rank_output_modes(kernel: tuple[Any, Any]) -> None:
     assert execute(client, code).streams["stdout"] == "same\n[0] 0\n[1] 1\n"
 
 
+def test_the_ranks_their_agent_and_the_kernel_listen_on_the_loopback_interface_only(kernel: tuple[Any, Any]) -> None:
+    # torch's agent alone hosts its stores on every interface ('::'), where any host could read and write them
+    _, client = kernel
+    code = ("import os\nfrom tests.listening import listening\n"
+            "found = listening([os.getpid(), os.getppid(), int(os.environ['WORKBENCH_KERNEL_PID'])])\n"
+            "print(sorted({host for host, _ in found}), len(found) > 0)")
+    out = execute(client, code)
+    assert out.reply["status"] == "ok", out.error_text
+    assert out.streams["stdout"] == "['127.0.0.1'] True\n", out.streams["stdout"]
+
+
 def test_rich_output_and_result_come_from_rank_0(kernel: tuple[Any, Any]) -> None:
     _, client = kernel
     out = execute(client, "from IPython.display import HTML, display\ndisplay(HTML(f'<b>rank {rank}</b>'))\n"

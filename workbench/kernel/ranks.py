@@ -38,6 +38,7 @@ from workbench.kernel.protocol import (
     parse_listen,
     write_token_file,
 )
+from workbench.run.loopback_store import LoopbackStore
 
 __all__ = ["LOST_EXIT_CODE", "RankInfo", "RankSet", "RanksStopped"]
 
@@ -132,22 +133,27 @@ class RankSet:
             self._log.warning(warning)
         self.log_path: Path | None = None
         self._agent: subprocess.Popen[bytes] | None = None
+        self._store: LoopbackStore | None = None
         if nprocs:
             self._start_local()
 
     # -- local ranks ------------------------------------------------------------------------------------------
     def _start_local(self) -> None:
-        from workbench.run.launcher import _free_port
-
         log_dir = Path(tempfile.mkdtemp(prefix="workbench-kernel-"))
         self.log_path = log_dir / "ranks.log"
+        # the agent and the ranks meet through a store this kernel hosts on 127.0.0.1: the agent's own stores
+        # would listen on every interface
+        self._store = LoopbackStore()
         env = {**os.environ, ENV_CONNECT: self.address, ENV_TOKEN: self._token, ENV_KERNEL_PID: str(os.getpid()),
                ENV_RUN_DIR: str(log_dir),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
+        env.update(self._store.agent_environment(env))
         env.pop(ENV_TOKEN_FILE, None)  # the token comes from the environment, not from a file the kernel may own
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.nprocs),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", f"127.0.0.1:{_free_port()}", "--max-restarts", "0",
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", self._store.endpoint,
+            "--rdzv-conf", ",".join(f"{k}={str(v).lower()}" for k, v in self._store.agent_rendezvous().items()),
+            "--max-restarts", "0",
             "--monitor-interval", "0.1", "--start-method", "spawn",
             "-m", "workbench.kernel.worker", "--backend", self.backend,
         ]
@@ -191,6 +197,9 @@ class RankSet:
                     os.killpg(self._agent.pid, sig)
                 with contextlib.suppress(subprocess.TimeoutExpired):
                     self._agent.wait(grace)
+        if self._store is not None:
+            self._store.close()
+            self._store = None
         self.ranks.clear()
         self._identity.clear()
 

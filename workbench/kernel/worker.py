@@ -43,6 +43,7 @@ from workbench.kernel.protocol import (
     new_identity,
     read_token,
 )
+from workbench.run.loopback_store import connect_store, store_address
 
 __all__ = ["main", "stack_report"]
 
@@ -85,6 +86,7 @@ class _Worker:
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._socket.connect(address)
         self._store: Any = None
+        self._store_port = 0  # the store's connection is one socket that severing the groups must keep
         self._streams: dict[str, _RankStream] = {}
         self.ledger: Any = None  # the collective it is in, readable without it (ledger.Ledger)
         self._aborting: threading.Thread | None = None  # NCCL: the thread aborting the communicators
@@ -132,7 +134,12 @@ class _Worker:
             # it at new_group): no rank can be left alone in a communicator's set-up, which no abort frees
             device = torch.device("cuda", self.local_rank)
         if self._store is None:
-            self._store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
+            address = store_address()
+            if address is None:  # ranks of several hosts: they meet through the agent's store
+                self._store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
+                self._store_port = int(os.environ.get("MASTER_PORT", "0"))
+            else:  # a kernel's local ranks: through the store the kernel hosts on 127.0.0.1
+                self._store, self._store_port = connect_store(address), address[1]
         store = dist.PrefixStore(f"workbench-kernel/gen{self.generation}", self._store)
         self.groups_since = time.time()  # the flight recorder's entries before this belong to destroyed groups
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
@@ -285,7 +292,7 @@ class _Worker:
         elif message.get("close_sockets", True):
             from workbench.kernel.sever import sever
 
-            keep = {int(os.environ.get("MASTER_PORT", "0")), int(self.address.rsplit(":", 1)[1])}
+            keep = {self._store_port, int(self.address.rsplit(":", 1)[1])}
             sever(keep)
 
     def _abort_nccl(self) -> None:

@@ -33,6 +33,8 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+from workbench.run.loopback_store import LoopbackStore, connect_store, store_address
+
 __all__ = ["LaunchError", "RankFailure", "launch"]
 
 _TIMEOUT_EXIT = 124
@@ -101,16 +103,17 @@ def launch(
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}")
     payload = cloudpickle.dumps((fn, tuple(args)))
+    # ranks of this host only meet through a store on 127.0.0.1 (the agent's own would listen on every interface)
+    store = LoopbackStore() if nnodes == 1 and rdzv_endpoint is None else None
     log_dir = tempfile.mkdtemp(prefix="workbench-launch-")
-    endpoint = rdzv_endpoint or f"127.0.0.1:{_free_port()}"
     config = LaunchConfig(
         min_nodes=nnodes,
         max_nodes=nnodes,
         nproc_per_node=nprocs,
         run_id=f"workbench-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=endpoint,
-        rdzv_configs={"rank": node_rank} if nnodes > 1 else {},
+        rdzv_endpoint=store.endpoint if store else rdzv_endpoint or f"127.0.0.1:{_free_port()}",
+        rdzv_configs=store.agent_rendezvous() if store else {"rank": node_rank} if nnodes > 1 else {},
         max_restarts=0,
         monitor_interval=0.1,
         start_method="spawn",
@@ -119,6 +122,8 @@ def launch(
     )
     saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
     extra = {**(env or {}), _RECORDS_ENV: log_dir}
+    if store:
+        extra = {**store.agent_environment({**os.environ, **extra}), **extra}
     old_env = {k: os.environ.get(k) for k in extra}
     os.environ.update(extra)
     import logging
@@ -144,6 +149,8 @@ def launch(
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+        if store:
+            store.close()
         _flush()
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when a rank failed (LaunchError points at it)
     return dict(sorted(results.items()))
@@ -203,7 +210,12 @@ def _bootstrap(payload: bytes, backend: str, rank: int, name: str) -> tuple[Call
             step = f"selecting its GPU (cuda:{local})"
             torch.cuda.set_device(local)
         step = f"initializing the {backend!r} process group"
-        dist.init_process_group(backend)
+        address = store_address()
+        if address is None:  # ranks of several hosts: torch's agent set MASTER_ADDR/MASTER_PORT
+            dist.init_process_group(backend)
+        else:
+            dist.init_process_group(backend, store=connect_store(address), rank=rank,
+                                    world_size=int(os.environ["WORLD_SIZE"]))
     except BaseException as exc:
         text = traceback.format_exc()
         cause = f"{type(exc).__name__}: {exc}"
