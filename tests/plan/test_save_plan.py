@@ -206,6 +206,34 @@ def test_fp32_patterns_check_every_key(hf_keys, runtime, dtype, patterns, key_dt
     assert plan.key_dtypes == key_dtypes and plan.gather_dtype == gather
 
 
+@pytest.mark.parametrize("dtype", [torch.int8, torch.bool, torch.complex64, torch.float8_e4m3fn, torch.uint8])
+def test_a_cast_into_anything_but_a_wide_floating_dtype_is_refused(dtype: torch.dtype) -> None:
+    # a cast into int8 truncates, into bool gives True, into float8 drops what no scale keeps: never silently
+    with pytest.raises(PlanError, match=rf"dtype={dtype}: a save casts floating keys into a floating dtype of 16"):
+        save_dtypes(("a.weight",), F32, dtype=dtype)
+
+
+@pytest.mark.parametrize(
+    ("dtype", "patterns", "how"),
+    [(BF16, None, "dtype=torch.bfloat16"), (F32, None, "dtype=torch.float32"),
+     (None, [r"weight$"], "fp32_keys_pattern, which matches it,")],
+)
+def test_a_cast_of_a_float8_key_is_refused_naming_the_key(dtype, patterns, how) -> None:
+    # its raw float8 values are not the weights: without its block scales, a wider dtype writes wrong numbers
+    with pytest.raises(PlanError) as info:
+        save_dtypes(("l.up", "l.weight"), torch.float8_e4m3fn, dtype=dtype, fp32_keys_pattern=patterns)
+    message = str(info.value)
+    first = "l.weight" if patterns else "l.up"  # the first key the cast would change
+    assert message.startswith(f"HF key '{first}' is float8_e4m3fn: {how} would write its raw float8 values"), message
+    assert "dequantized_state" in message
+
+
+def test_a_float8_key_left_as_it_is_saves_as_float8() -> None:
+    fp8 = torch.float8_e4m3fn
+    assert save_dtypes(("l.weight",), fp8) == (fp8,)
+    assert save_dtypes(("l.weight",), fp8, fp32_keys_pattern=[r"norm"]) == (fp8,)
+
+
 def test_fp32_key_of_a_fused_tensor_is_written_float32_and_exact() -> None:
     mesh = MeshSpec((2,), ("fsdp",))
     s = spec("p", ["l.gate", "l.norm"], (4, 3), mesh, [Shard(0)], fused_dim=0)

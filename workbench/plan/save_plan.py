@@ -149,7 +149,13 @@ def save_dtypes(
     fp32_keys_pattern: Sequence[str] | str | None = None,
 ) -> tuple[torch.dtype, ...]:
     """Dtype each key is saved in: float32 when any pattern ``re.search``-matches it, else ``dtype``
-    (default: the runtime dtype). Non-floating tensors always keep their runtime dtype."""
+    (default: the runtime dtype). Non-floating tensors always keep their runtime dtype.
+
+    Raises:
+        PlanError: ``dtype`` is not a floating dtype of 16 bits or more (a cast into an integer, bool, complex or
+            float8 dtype would write other numbers, or float8 ones without their scales); or a cast would change a
+            float8 tensor (its raw values are meaningless without their block scales: dequantize it first).
+    """
     patterns = (fp32_keys_pattern,) if isinstance(fp32_keys_pattern, str) else tuple(fp32_keys_pattern or ())
     return _save_dtypes(tuple(hf_keys), runtime_dtype, dtype, patterns)
 
@@ -158,18 +164,28 @@ def save_dtypes(
 def _save_dtypes(
     hf_keys: tuple[str, ...], runtime_dtype: torch.dtype, dtype: torch.dtype | None, patterns: tuple[str, ...]
 ) -> tuple[torch.dtype, ...]:
+    if dtype is not None and (not dtype.is_floating_point or dtype.itemsize < 2):
+        raise PlanError(f"dtype={dtype}: a save casts floating keys into a floating dtype of 16 bits or more "
+                        "(bfloat16, float16, float32, float64); leave dtype=None to write each tensor in its own")
     if not runtime_dtype.is_floating_point:
         return tuple(runtime_dtype for _ in hf_keys)
     default = dtype or runtime_dtype
-    if not patterns:
-        return (default,) * len(hf_keys)
     compiled = []
     for pattern in patterns:
         try:
             compiled.append(re.compile(pattern))
         except re.error as exc:
             raise PlanError(f"fp32_keys_pattern {pattern!r} is not a valid regular expression: {exc}") from None
-    return tuple(torch.float32 if any(c.search(k) for c in compiled) else default for k in hf_keys)
+    out = tuple(torch.float32 if any(c.search(k) for c in compiled) else default for k in hf_keys)
+    changed = [k for k, d in zip(hf_keys, out) if d != runtime_dtype]
+    if runtime_dtype.itemsize == 1 and changed:  # float8: raw values, scaled by blocks
+        how = f"dtype={dtype}" if default != runtime_dtype else "fp32_keys_pattern, which matches it,"
+        raise PlanError(
+            f"HF key {changed[0]!r} is {str(runtime_dtype).removeprefix('torch.')}: {how} would write its raw "
+            "float8 values without their block scales. Save the dequantized state "
+            "(workbench.io.hf.fp8.dequantized_state(model, layout), then save_hf(state, path, layout=...)), or keep "
+            "it float8 (no dtype=, and a fp32_keys_pattern that leaves it out)")
+    return out
 
 
 def plan_hf_save(

@@ -17,7 +17,7 @@ from typing import Any
 import torch
 
 from workbench.errors import LayoutError
-from workbench.layout.fp8 import DEFAULT_BLOCK, SCALE_SUFFIX, fp8_scale_names, with_fp8_scales
+from workbench.layout.fp8 import DEFAULT_BLOCK, FLOAT8_DTYPES, SCALE_SUFFIX, fp8_scale_names, with_fp8_scales
 from workbench.layout.model_layout import Layout, local_tensors
 from workbench.mesh import MeshDimRef
 
@@ -95,6 +95,11 @@ def dequantized_state(
     Raises:
         LayoutError: a float8 weight has no scale in ``layout``, or a cut falls inside a block.
     """
+    # a float8 weight is found by its tensor's dtype too (a layout built from specs gives none); the other
+    # parameters keep what the layout gave (none stays none)
+    found = {n: str(t.dtype).removeprefix("torch.") for n, t in local_tensors(model, layout).items()}
+    layout = Layout(layout.mesh, layout.specs, {**layout.dtypes, **{n: d for n, d in found.items()
+                                                                   if d in FLOAT8_DTYPES}}, name=layout.name)
     checked = with_fp8_scales(layout, block=block, suffix=suffix)
     scales = fp8_scale_names(layout, suffix=suffix)
     missing = [s for s in scales.values() if s not in layout.specs]

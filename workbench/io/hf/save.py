@@ -134,7 +134,10 @@ def save_hf(
         max_shard_bytes: the largest file a writer makes (a bigger key gets a file alone).
         fp32_keys_pattern: regexes of HF keys saved in float32 (floating keys only; every other key is saved in
             its tensor's own dtype).
-        dtype: an explicit cast of the other floating keys (default None: none, each tensor's own dtype).
+        dtype: an explicit cast of the other floating keys (default None: none, each tensor's own dtype): a
+            floating dtype of 16 bits or more. A cast (by ``dtype`` or ``fp32_keys_pattern``) that would change a
+            float8 tensor is refused: its raw values mean nothing without their block scales (save
+            ``workbench.io.hf.fp8.dequantized_state`` instead). Refused on every rank; nothing is published.
         config_files: files copied next to the weights (config.json, tokenizer files...); a name that is one of
             the files the save writes (the index, a weight file) is refused.
         max_writers: cap on the number of ranks that write files (default: every rank may write); the allowed
