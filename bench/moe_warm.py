@@ -13,8 +13,11 @@ two versions of the code, run it twice in one session on one machine, each with 
 ``--profile N`` runs rank 0's last load under ``cProfile`` (its loading thread only) and prints the N functions it
 spent most time in, by own time and by cumulative time. ``--each-replica``: every replica reads its replicated
 parameters (``read_replicas_once=False``). ``--layers N --hidden H --moe-intermediate I``: a model of another shape
-(many small parameters: what a load costs per parameter). ``--rings 16x16,16x8``: the loads go round robin over
-these staging rings (slots x MiB a slot, each pinned once before the loads), one line of figures per ring.
+(many small parameters: what a load costs per parameter). ``--seam``: on CPU, the loads take the GPU's
+landing path (``load._CPU_LANDING_RING``), so the loading thread's work per piece can be profiled without a GPU.
+``--rings 16x16,16x8`` (staging rings: slots x MiB a slot, each pinned once before the loads), ``--threads 16,8``
+(``read_threads``) and ``--switch 5,0.5`` (``sys.setswitchinterval`` during a load, ms): the loads go round robin
+over every combination, one line of figures for each.
 """
 
 from __future__ import annotations
@@ -83,30 +86,40 @@ def _rank(cfg: dict) -> dict:
     gc.callbacks.append(collected)
     # each ring pinned once, before the loads (a ring is used only by a load into GPU memory)
     rings = [(staging.StagingRing(*r) if r else staging.StagingRing()) if cuda else None for r in cfg["rings"]]
-    runs: dict[int, list] = {i: [] for i in range(len(rings))}
+    if cfg["seam"] and not cuda:  # the GPU's landing path into CPU tensors: the loading thread's work, on a laptop
+        from workbench.io.hf import load as load_module
+
+        load_module._CPU_LANDING_RING = staging.StagingRing(pinned=False)
+    variants = _variants(cfg)  # (ring index, switch interval, reading threads) of each variant
+    runs: dict[int, list] = {i: [] for i in range(len(variants))}
     profile = None
     saved = {n: t.detach().clone() for n, t in _locals(model).items()}  # what the last load must bring back
-    for i in range(cfg["loads"] * len(rings)):  # round robin over the rings: a slow spell hits each of them
-        which = i % len(rings)
-        if i == cfg["loads"] * len(rings) - 1:  # the last load starts from zeros: every byte it leaves, it loaded
+    default_switch = sys.getswitchinterval()
+    last = cfg["loads"] * len(variants) - 1
+    for i in range(last + 1):  # round robin over the variants: a slow spell hits each of them
+        which = i % len(variants)
+        ring_at, switch, threads = variants[which]
+        if i == last:  # the last load starts from zeros: every byte it leaves, it loaded
             for t in _locals(model).values():
                 t.zero_()
-        if cfg["profile"] and rank == 0 and i == cfg["loads"] * len(rings) - 1:
+        if cfg["profile"] and rank == 0 and i == last:
             import cProfile
 
             profile = cProfile.Profile()
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
-        staging._RING = rings[which]  # the process's ring for this load
+        staging._RING = rings[ring_at]  # the process's ring for this load
+        sys.setswitchinterval(switch or default_switch)
         began, cpu = time.perf_counter(), time.thread_time()
         if profile is not None:
             profile.enable()
-        report = wb.load_hf(model, folder, key_map=key_map, read_threads=cfg["threads"],
+        report = wb.load_hf(model, folder, key_map=key_map, read_threads=threads,
                              read_replicas_once=cfg["replicas_once"])
         if profile is not None:
             profile.disable()
         cpu = time.thread_time() - cpu
+        sys.setswitchinterval(default_switch)
         if cuda:
             torch.cuda.synchronize()
         runs[which].append((time.perf_counter() - began, str(report.timings), cpu, report.bytes_owned))
@@ -147,6 +160,18 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
+def _variants(cfg: dict) -> list[tuple[int, float | None, int]]:
+    """Every (ring index, switch interval or None for the interpreter's, reading threads) the loads go round."""
+    return [(r, s, t) for r in range(len(cfg["rings"])) for s in cfg["switch"] for t in cfg["threads"]]
+
+
+def _named(cfg: dict, variant: tuple[int, float | None, int]) -> str:
+    ring = cfg["rings"][variant[0]]
+    named = "the default ring" if ring is None else f"ring {ring[0]} x {ring[1] >> 20} MiB"
+    switch = "" if variant[1] is None else f", switch interval {variant[1] * 1e3:g} ms"
+    return f"{variant[2]} reading threads, {named}{switch}"
+
+
 def _rings(text: str | None) -> list[tuple[int, int] | None]:
     """``--rings`` as (slots, slot bytes) pairs; [None] (the library's ring) when not given."""
     if not text:
@@ -164,7 +189,9 @@ def main() -> None:
     parser.add_argument("--mesh", type=int, nargs=3, default=None, help="fsdp ep etp (default: fsdp=ranks)")
     parser.add_argument("--size-gb", type=float, default=1.0)
     parser.add_argument("--loads", type=int, default=7)
-    parser.add_argument("--threads", type=int, default=16, help="load_hf's read_threads")
+    parser.add_argument("--threads", default="16", help="load_hf's read_threads; several (16,8): round robin")
+    parser.add_argument("--switch", default=None,
+                        help="sys.setswitchinterval during the loads, in ms; several (5,0.5): round robin")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--profile", type=int, default=0, help="print this many functions of rank 0's last load")
     parser.add_argument("--layers", type=int, default=None, help="this many layers (default: as --size-gb asks)")
@@ -175,13 +202,18 @@ def main() -> None:
                              "16x16,32x4; default: the library's ring)")
     parser.add_argument("--each-replica", action="store_true",
                         help="every replica reads its replicated parameters (read_replicas_once=False)")
+    parser.add_argument("--seam", action="store_true",
+                        help="on CPU: the loads take the GPU's landing path (pieces through an unpinned staging "
+                             "ring, copies by the loading thread), to profile that thread's work without a GPU")
     args = parser.parse_args()
     mesh = tuple(args.mesh or (args.ranks, 1, 1))
     folder = Path(tempfile.mkdtemp(prefix="wb-moe-warm-", dir=args.dir))
-    cfg = {"mesh": mesh, "size_gb": args.size_gb, "loads": args.loads, "threads": args.threads,
-           "profile": args.profile, "replicas_once": not args.each_replica,
+    cfg = {"mesh": mesh, "size_gb": args.size_gb, "loads": args.loads,
+           "profile": args.profile, "threads": [int(t) for t in args.threads.split(",")],
+           "switch": [float(v) / 1e3 for v in args.switch.split(",")] if args.switch else [None],
+           "replicas_once": not args.each_replica,
            "layers": args.layers, "hidden": args.hidden, "moe_intermediate": args.moe_intermediate,
-           "folder": str(folder / "ckpt"), "rings": _rings(args.rings)}
+           "folder": str(folder / "ckpt"), "rings": _rings(args.rings), "seam": args.seam}
     try:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         results = wb.launch(_rank, nprocs=args.ranks, backend=backend, args=(cfg,), timeout=600)
@@ -190,12 +222,11 @@ def main() -> None:
         shutil.rmtree(folder, ignore_errors=True)
     print(f"  the last load (into zeroed tensors) gave back the saved values bit for bit on every rank: "
           f"{all(r['exact'] for r in out)}")
-    for which, ring in enumerate(cfg["rings"]):
+    for which, variant in enumerate(_variants(cfg)):
         rows = [r["rings"][which] for r in out]
         slowest = max(r["median"] for r in rows)
         owned = sum(r["owned"] for r in rows)
-        named = "the default ring" if ring is None else f"ring {ring[0]} x {ring[1] >> 20} MiB"
-        print(f"mesh (fsdp, ep, etp) {mesh}, {args.size_gb} GB, {args.threads} reading threads, {named}: warm load "
+        print(f"mesh (fsdp, ep, etp) {mesh}, {args.size_gb} GB, {_named(cfg, variant)}: warm load "
               f"{slowest:.3f} s (median of loads 2-{args.loads}), {owned / len(out) / slowest / 1e9:.2f} GB/s per GPU")
         for rank, r in enumerate(rows):
             print(f"  rank {rank}: {r['stages']}; loading thread on the CPU {r['cpu']:.3f} s; loads {r['seconds']}")
