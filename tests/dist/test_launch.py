@@ -302,3 +302,35 @@ def test_a_local_launch_listens_on_the_loopback_interface_only() -> None:
         assert found, f"rank {rank}: no listening socket seen (the store at least must be)"
         assert {host for host, _ in found} <= LOOPBACK, f"rank {rank} or its agent listens on {found}"
     assert listening([os.getpid()]) == [], "the launch left a socket listening in the caller"
+
+
+def _store_variables_seen() -> dict:
+    import os
+
+    import torch
+    import torch.distributed as dist
+
+    total = torch.ones(1)
+    dist.all_reduce(total)
+    names = ("WORKBENCH_STORE", "GLOO_SOCKET_IFNAME", "TORCH_DISABLE_SHARE_RDZV_TCP_STORE")
+    return {"sum": float(total), **{n: os.environ.get(n) for n in names}}
+
+
+@pytest.mark.slow
+def test_a_launch_given_its_own_endpoint_ignores_the_store_of_the_ranks_it_runs_in(
+        monkeypatch: pytest.MonkeyPatch) -> None:
+    # a kernel's rank has its kernel's store in its environment: a wb.launch(rdzv_endpoint=...) from a cell must
+    # meet through its own endpoint (here the kernel's store is gone: joining it hung until killed)
+    from workbench.run.launcher import _free_port
+    from workbench.run.loopback_store import LoopbackStore
+
+    with LoopbackStore() as kernels:
+        inherited = kernels.agent_environment({})
+    for name, value in inherited.items():
+        monkeypatch.setenv(name, value)
+    start = time.perf_counter()
+    results = launch(_store_variables_seen, nprocs=2, timeout=60, rdzv_endpoint=f"127.0.0.1:{_free_port()}")
+    assert time.perf_counter() - start < 45
+    assert all(r == {"sum": 2.0, "WORKBENCH_STORE": None, "GLOO_SOCKET_IFNAME": None,
+                     "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": None} for r in results.values()), results
+    assert {n: os.environ.get(n) for n in inherited} == inherited  # the caller's environment given back

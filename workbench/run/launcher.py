@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.run.loopback_store import LoopbackStore, connect_store, store_address
+from workbench.run.loopback_store import LoopbackStore, connect_store, inherited_variables, store_address
 
 __all__ = ["LaunchError", "RankFailure", "launch"]
 
@@ -124,8 +124,12 @@ def launch(
     extra = {**(env or {}), _RECORDS_ENV: log_dir}
     if store:
         extra = {**store.agent_environment({**os.environ, **extra}), **extra}
-    old_env = {k: os.environ.get(k) for k in extra}
+    # no store hosted here: nothing of one hosted for this process's own ranks (a kernel's) reaches these
+    dropped = [] if store else [n for n in inherited_variables() if n not in extra]
+    old_env = {k: os.environ.get(k) for k in [*extra, *dropped]}
     os.environ.update(extra)
+    for name in dropped:
+        del os.environ[name]
     import logging
 
     # torch's elastic agent logs the first process it sees die, often a peer of the real culprit; our

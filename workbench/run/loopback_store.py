@@ -25,12 +25,13 @@ import sys
 from datetime import timedelta
 from typing import Any
 
-__all__ = ["ENV_STORE", "RANKS_PREFIX", "LoopbackStore", "connect_store", "store_address"]
+__all__ = ["ENV_STORE", "RANKS_PREFIX", "LoopbackStore", "connect_store", "inherited_variables", "store_address"]
 
 ENV_STORE = "WORKBENCH_STORE"
 RANKS_PREFIX = "workbench/ranks"
 _LOOPBACK = "127.0.0.1"
 _LOOPBACK_IFNAME = "lo"  # Linux's loopback interface, which gloo and NCCL bind by name
+_ENV_CHOSEN = "WORKBENCH_STORE_IFNAMES"  # which of the interface variables the store chose (not the user)
 
 
 class LoopbackStore:
@@ -45,10 +46,17 @@ class LoopbackStore:
             self._socket.bind((_LOOPBACK, 0))
             self._socket.listen(socket.SOMAXCONN)
             self.port: int = self._socket.getsockname()[1]
+            # the store's server owns (and closes) the descriptor it is given: a duplicate, so that this object
+            # closes only its own and never a number the server already gave back to the process
+            served = os.dup(self._socket.fileno())
+        except BaseException:
+            self._socket.close()
+            raise
+        try:
             self._store: Any = dist.TCPStore(
                 _LOOPBACK, self.port, is_master=True, wait_for_workers=False, multi_tenant=True,
-                master_listen_fd=self._socket.fileno(), timeout=timedelta(minutes=10))
-        except BaseException:
+                master_listen_fd=served, timeout=timedelta(minutes=10))
+        except BaseException:  # whether the server closed ``served`` is not known: left as it is, not closed twice
             self._socket.close()
             raise
 
@@ -63,9 +71,9 @@ class LoopbackStore:
         environ = os.environ if environ is None else environ
         extra = {ENV_STORE: self.endpoint, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}
         if sys.platform.startswith("linux"):
-            for name in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME"):
-                if not environ.get(name):
-                    extra[name] = _LOOPBACK_IFNAME
+            chosen = [n for n in ("GLOO_SOCKET_IFNAME", "NCCL_SOCKET_IFNAME") if not environ.get(n)]
+            extra.update({n: _LOOPBACK_IFNAME for n in chosen})
+            extra[_ENV_CHOSEN] = ",".join(chosen)
         return extra
 
     @staticmethod
@@ -74,7 +82,8 @@ class LoopbackStore:
         return {"is_host": False}
 
     def close(self) -> None:
-        """Stop serving: the store's server thread ends with the last reference, and the socket is closed."""
+        """Stop serving: the store's server ends with the last reference (closing its descriptor), and this
+        object's own socket is closed."""
         self._store = None
         with contextlib.suppress(OSError):
             self._socket.close()
@@ -84,6 +93,15 @@ class LoopbackStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def inherited_variables(environ: dict[str, str] | None = None) -> list[str]:
+    """The variables a launch that hosts no store must not pass on (its ranks meet through the agent's store, maybe
+    across hosts): the address of a store hosted for the ranks this process belongs to (a kernel's rank launching
+    ranks of its own), the loopback interface chosen for them, and the note of what was chosen."""
+    environ = os.environ if environ is None else environ
+    chosen = [n for n in environ.get(_ENV_CHOSEN, "").split(",") if n and environ.get(n) == _LOOPBACK_IFNAME]
+    return [n for n in (ENV_STORE, "TORCH_DISABLE_SHARE_RDZV_TCP_STORE", _ENV_CHOSEN, *chosen) if n in environ]
 
 
 def store_address() -> tuple[str, int] | None:
