@@ -56,9 +56,10 @@ def _start(tmp_path_factory: pytest.TempPathFactory, name: str, **options: Any) 
 
     prefix = tmp_path_factory.mktemp("jupyter-prefix")
     install_kernel(nprocs=2, backend="nccl", name=name, prefix=str(prefix), **options)
-    env = {**os.environ, "TORCH_CPP_LOG_LEVEL": "INFO"} if os.environ.get("WORKBENCH_GPU_LOGS") else None
+    # jupyter_client 8.10 fails on env=None: pass an environment only when one is given
+    logs = {"env": {**os.environ, "TORCH_CPP_LOG_LEVEL": "INFO"}} if os.environ.get("WORKBENCH_GPU_LOGS") else {}
     with jupyter_path(Path(prefix)):
-        manager, client = start_new_kernel(kernel_name=name, startup_timeout=300, env=env)
+        manager, client = start_new_kernel(kernel_name=name, startup_timeout=300, **logs)
     try:
         first = execute(client, "(dist.get_backend(), str(device), torch.cuda.current_device())", timeout=300)
         assert first.result == "('nccl', 'cuda:0', 0)", first.error_text
