@@ -85,7 +85,8 @@ def _rank(cfg: dict) -> dict:
 
     gc.callbacks.append(collected)
     # each ring pinned once, before the loads (a ring is used only by a load into GPU memory)
-    rings = [(staging.StagingRing(*r) if r else staging.StagingRing()) if cuda else None for r in cfg["rings"]]
+    rings = {(r, blocking): _ring(spec, blocking, device) if cuda else None
+             for r, spec in enumerate(cfg["rings"]) for blocking in cfg["blocking"]}
     if cfg["seam"] and not cuda:  # the GPU's landing path into CPU tensors: the loading thread's work, on a laptop
         from workbench.io.hf import load as load_module
 
@@ -98,7 +99,7 @@ def _rank(cfg: dict) -> dict:
     last = cfg["loads"] * len(variants) - 1
     for i in range(last + 1):  # round robin over the variants: a slow spell hits each of them
         which = i % len(variants)
-        ring_at, switch, threads = variants[which]
+        ring_at, blocking, switch, threads = variants[which]
         if i == last:  # the last load starts from zeros: every byte it leaves, it loaded
             for t in _locals(model).values():
                 t.zero_()
@@ -109,7 +110,7 @@ def _rank(cfg: dict) -> dict:
         if cuda:
             torch.cuda.synchronize()
         dist.barrier()
-        staging._RING = rings[ring_at]  # the process's ring for this load
+        staging._RING = rings[ring_at, blocking]  # the process's ring for this load
         sys.setswitchinterval(switch or default_switch)
         began, cpu = time.perf_counter(), time.thread_time()
         if profile is not None:
@@ -160,16 +161,34 @@ def _bytes(t: torch.Tensor) -> torch.Tensor:
     return t.contiguous().reshape(-1).view(torch.uint8)
 
 
-def _variants(cfg: dict) -> list[tuple[int, float | None, int]]:
-    """Every (ring index, switch interval or None for the interpreter's, reading threads) the loads go round."""
-    return [(r, s, t) for r in range(len(cfg["rings"])) for s in cfg["switch"] for t in cfg["threads"]]
+def _ring(spec: tuple[int, int] | None, blocking: bool, device: torch.device) -> object:
+    """A staging ring of ``spec`` (None: the library's), pinned now; ``blocking``: its slots' copy-out events are
+    made with ``blocking=True`` (a reading thread waiting for a slot sleeps in ``cudaEventSynchronize`` instead of
+    spinning)."""
+    from workbench.io.files import staging
+
+    ring = staging.StagingRing(*spec) if spec else staging.StagingRing()
+    if blocking:
+        slots = [ring.take() for _ in range(ring.slots)]
+        for slot in slots:
+            slot._done[device] = torch.cuda.Event(blocking=True)
+            ring.give(slot)
+    return ring
 
 
-def _named(cfg: dict, variant: tuple[int, float | None, int]) -> str:
+def _variants(cfg: dict) -> list[tuple[int, bool, float | None, int]]:
+    """Every (ring index, blocking events, switch interval or None for the interpreter's, reading threads) the
+    loads go round."""
+    return [(r, b, s, t) for r in range(len(cfg["rings"])) for b in cfg["blocking"] for s in cfg["switch"]
+            for t in cfg["threads"]]
+
+
+def _named(cfg: dict, variant: tuple[int, bool, float | None, int]) -> str:
     ring = cfg["rings"][variant[0]]
     named = "the default ring" if ring is None else f"ring {ring[0]} x {ring[1] >> 20} MiB"
-    switch = "" if variant[1] is None else f", switch interval {variant[1] * 1e3:g} ms"
-    return f"{variant[2]} reading threads, {named}{switch}"
+    blocking = ", blocking slot events" if variant[1] else ""
+    switch = "" if variant[2] is None else f", switch interval {variant[2] * 1e3:g} ms"
+    return f"{variant[3]} reading threads, {named}{blocking}{switch}"
 
 
 def _rings(text: str | None) -> list[tuple[int, int] | None]:
@@ -202,6 +221,8 @@ def main() -> None:
                              "16x16,32x4; default: the library's ring)")
     parser.add_argument("--each-replica", action="store_true",
                         help="every replica reads its replicated parameters (read_replicas_once=False)")
+    parser.add_argument("--blocking-events", action="store_true",
+                        help="also load through rings whose slot events are blocking (round robin with the default)")
     parser.add_argument("--seam", action="store_true",
                         help="on CPU: the loads take the GPU's landing path (pieces through an unpinned staging "
                              "ring, copies by the loading thread), to profile that thread's work without a GPU")
@@ -213,7 +234,8 @@ def main() -> None:
            "switch": [float(v) / 1e3 for v in args.switch.split(",")] if args.switch else [None],
            "replicas_once": not args.each_replica,
            "layers": args.layers, "hidden": args.hidden, "moe_intermediate": args.moe_intermediate,
-           "folder": str(folder / "ckpt"), "rings": _rings(args.rings), "seam": args.seam}
+           "folder": str(folder / "ckpt"), "rings": _rings(args.rings), "seam": args.seam,
+           "blocking": [False, True] if args.blocking_events else [False]}
     try:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         results = wb.launch(_rank, nprocs=args.ranks, backend=backend, args=(cfg,), timeout=600)
