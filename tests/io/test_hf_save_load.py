@@ -349,3 +349,21 @@ def test_a_fused_tensor_given_as_a_view_is_saved_by_its_values(tmp_path: Path) -
     wb.save_hf(state, tmp_path / "ckpt", layout=layout, write_mode="direct")
     read = _everything(tmp_path / "ckpt")
     assert all(torch.equal(read[k], base.t()[2 * i : 2 * i + 2]) for i, k in enumerate("abc"))
+
+
+def test_an_async_save_to_a_relative_path_lands_there_after_a_chdir(tmp_path: Path,
+                                                                     monkeypatch: pytest.MonkeyPatch) -> None:
+    # its writers, heartbeat and publish run after the call: they used the relative path against the working
+    # directory of that moment, and wait() failed with the half-written temporary left behind
+    state = {"w": torch.arange(12.0).reshape(3, 4), "b": torch.ones(5, dtype=torch.bfloat16)}
+    monkeypatch.chdir(tmp_path)
+    (tmp_path / "elsewhere").mkdir()
+    handle = wb.save_hf(state, "ckpt", async_save=True)
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    result = handle.wait()
+    assert result.path == tmp_path / "ckpt"
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt", "elsewhere"]  # nothing left half-written
+    assert list((tmp_path / "elsewhere").iterdir()) == []
+    loaded = {k: torch.zeros_like(v) for k, v in state.items()}
+    wb.load_hf(loaded, tmp_path / "ckpt")
+    assert all(torch.equal(loaded[k], state[k]) for k in state)

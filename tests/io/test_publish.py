@@ -333,3 +333,61 @@ def test_a_failed_finalize_lets_go_and_abort_removes_the_leftover(tmp_path) -> N
     assert not incomplete_save(temporary).live
     publisher.abort()
     assert siblings(tmp_path) == []
+
+
+def test_the_owner_marker_stays_until_the_directory_is_published(tmp_path, monkeypatch) -> None:
+    """Another process judges a temporary without its marker a dead save's and deletes it: the marker used to go
+    before the publishing rename, and a clean_incomplete in that gap removed the save being published."""
+    from workbench.io.files.ownership import read_owner
+
+    seen = {}
+
+    def at(name: str, rank: int) -> None:
+        if name == "rename":  # the moment before the publishing rename
+            temporary = tmp_path / ".ckpt.incomplete"
+            owner = read_owner(temporary)
+            seen["marker"] = (temporary / MARKER_NAME).exists()
+            seen["live to another process"] = owner is not None and owner.stale_reason() is None  # a fresh beat
+
+    monkeypatch.setattr(publish_module, "fault_point", at)
+    save(AtomicRenamePublisher(tmp_path / "ckpt"), OLD)
+    save(AtomicRenamePublisher(tmp_path / "ckpt"), NEW)  # the exchange too
+    assert seen == {"marker": True, "live to another process": True}
+    assert siblings(tmp_path) == ["ckpt"] and MARKER_NAME not in os.listdir(tmp_path / "ckpt")
+    assert value_of(tmp_path / "ckpt") == 2.0
+
+
+def test_a_target_that_stopped_being_a_checkpoint_while_saving_is_not_replaced(tmp_path) -> None:
+    """'Only a checkpoint is replaced' holds at the publish too: a job that wrote into the (empty) target while an
+    async save ran lost what it wrote."""
+    final = tmp_path / "run"
+    final.mkdir()
+    publisher = AtomicRenamePublisher(final)
+    temporary = publisher.prepare()
+    save_checkpoint(temporary, NEW, max_shard_bytes=64)
+    (final / "step-200").mkdir()
+    (final / "step-200" / "notes.txt").write_text("important")
+    with pytest.raises(CheckpointError, match=r"while the save ran it became a directory that is not a checkpoint"):
+        publisher.finalize()
+    assert (final / "step-200" / "notes.txt").read_text() == "important"
+    publisher.abort()
+    assert siblings(tmp_path) == ["run"]
+
+
+@pytest.mark.parametrize("name", [".ckpt.incomplete", ".ckpt.old", ".ckpt.incomplete.123-7f.staging"])
+def test_a_temporary_name_is_refused_as_a_target(tmp_path, name) -> None:
+    """Saving to another save's temporary directory swapped the live directory out and deleted it."""
+    with pytest.raises(CheckpointError, match="the name of a save's temporary directory"):
+        AtomicRenamePublisher(tmp_path / name)
+
+
+def test_a_relative_target_stays_where_it_was_named(tmp_path, monkeypatch) -> None:
+    """The writes and the publish of an async save run after the call: a relative path named another place once
+    the working directory changed."""
+    monkeypatch.chdir(tmp_path)
+    publisher = AtomicRenamePublisher("ckpt")
+    assert publisher.final == tmp_path / "ckpt"
+    (tmp_path / "elsewhere").mkdir()
+    monkeypatch.chdir(tmp_path / "elsewhere")
+    save(publisher, NEW)
+    assert siblings(tmp_path) == ["ckpt", "elsewhere"] and value_of(tmp_path / "ckpt") == 2.0

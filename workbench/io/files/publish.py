@@ -43,7 +43,7 @@ from workbench.io.files.ownership import (
     remove_if_stale,
     write_owner,
 )
-from workbench.io.files.publish_types import INCOMPLETE_SUFFIX, temporary_path
+from workbench.io.files.publish_types import INCOMPLETE_SUFFIX, is_temporary_path, temporary_path
 from workbench.io.files.write import fsync_dir, fsync_file
 
 __all__ = ["OLD_SUFFIX", "AtomicRenamePublisher", "exchange_paths", "is_complete", "validate_final"]
@@ -153,9 +153,16 @@ class AtomicRenamePublisher:
     def __init__(
         self, final: Path | str, *, use_exchange: bool = True, heartbeat_period: float = HEARTBEAT_PERIOD
     ) -> None:
-        self._final = Path(final)
-        if not self._final.name or self._final.name in (".", ".."):
+        # absolute now: a relative path would name another place once the working directory changes (an async
+        # save's writers, heartbeat and publish run later); not resolved: a symbolic link at ``final`` is replaced
+        self._final = Path(os.path.abspath(final))
+        if not Path(final).name or Path(final).name in (".", ".."):
             raise CheckpointError(f"cannot publish to {final!r}: the final path needs a directory name")
+        name = self._final.name
+        if is_temporary_path(self._final) or (name.startswith(".") and name.endswith((OLD_SUFFIX, ".staging"))):
+            raise CheckpointError(
+                f"cannot publish to {final!r}: that is the name of a save's temporary directory (.NAME.incomplete, "
+                ".NAME.old or a .staging one), which another save may be writing: choose the checkpoint's own name")
         if not heartbeat_period > 0:
             raise CheckpointError(f"heartbeat_period must be a positive number of seconds, got {heartbeat_period!r}")
         self.use_exchange = use_exchange
@@ -326,20 +333,25 @@ class AtomicRenamePublisher:
                     f"refusing to publish {temporary} as {final} ({final} is untouched):\n  - {listed}"
                 )
         try:
-            _fsync_tree(temporary)  # all but the marker, which stays (and beats) until the publishing step
+            _fsync_tree(temporary)  # all but the marker, which stays until the directory is published: without it
+            # another process's clean_incomplete would take the directory for a dead save's and delete it
             if self._heartbeat is not None:
                 self._heartbeat.stop()  # the claim still holds the directory in this process
-            (temporary / MARKER_NAME).unlink(missing_ok=True)  # it belongs to the unpublished directory only
             fault_point("rename", 0)
             if not os.path.lexists(final):
                 os.rename(temporary, final)
             elif not final.is_dir():
                 raise CheckpointError(f"cannot publish at {final}: it exists and is a file, not a directory")
+            elif (why := not_a_checkpoint(final)) is not None:  # it changed while the save ran: never replace it
+                raise CheckpointError(
+                    f"cannot publish at {final}: while the save ran it became a directory that is not a checkpoint "
+                    f"({why}); it was left as it is, and the new checkpoint was not published")
             elif self.use_exchange and exchange_paths(temporary, final):
                 fsync_dir(final.parent)
                 self._discard(temporary)  # the old checkpoint, swapped to the temporary name
             else:
                 self._publish_by_rename_aside()
+            (final / MARKER_NAME).unlink(missing_ok=True)  # it belonged to the unpublished directory only
             fsync_dir(final)  # the marker's removal, durable with the publish
             fsync_dir(final.parent)
         except OSError as exc:

@@ -18,6 +18,7 @@ a collective broke (timed out), every rank drops its cached process groups and t
 from __future__ import annotations
 
 import atexit
+import os
 import socket
 import time
 import uuid
@@ -180,6 +181,9 @@ def save_hf(
     """
     _finish_pending()
     start = time.perf_counter()
+    # absolute from here on: an async save writes, beats and publishes after the call returns, when the working
+    # directory may be another one (not resolved: a symbolic link at ``path`` is replaced, not followed)
+    path = Path(os.path.abspath(path))
     if write_mode not in ("auto", "direct", "gather"):
         raise CheckpointError(f"write_mode must be 'auto', 'direct' or 'gather', got {write_mode!r}")
     # an async save with room for its whole snapshot: the pool is unbounded, so copies never wait for writers
