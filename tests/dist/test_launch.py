@@ -279,7 +279,7 @@ def test_a_rank_that_holds_the_gil_past_the_timeout_is_stopped_and_named() -> No
     assert f'File "{__file__}", line {line} in _hold_the_gil_on_rank_1' in failure.message, failure.message
 
 
-def _listeners_of_this_rank_and_its_agent() -> list:
+def _listeners_of_this_rank_and_its_agent() -> dict:
     import os
 
     import torch.distributed as dist
@@ -287,20 +287,22 @@ def _listeners_of_this_rank_and_its_agent() -> list:
     from tests.listening import listening
 
     dist.barrier()  # every rank's process group is up (gloo's listeners too)
-    found = listening([os.getpid(), os.getppid()])  # spawned by the agent, which runs in the launching process
+    found = {"rank": listening([os.getpid()]), "agent": listening([os.getppid()])}  # the agent: the launching process
     dist.barrier()
     return found
 
 
 @pytest.mark.slow
-def test_a_local_launch_listens_on_the_loopback_interface_only() -> None:
-    # torch's agent alone hosts its stores on every interface ('::'), where any host could read and write them
+def test_a_local_launch_hosts_no_store_and_its_ranks_listen_on_loopback_only() -> None:
+    # torch's agent alone hosts two stores on every interface ('::'), where anyone could read and write the process
+    # groups' set-up and make the agent unpickle what they wrote; on 127.0.0.1 every user of the host still could
     from tests.listening import LOOPBACK, listening
 
     results = launch(_listeners_of_this_rank_and_its_agent, nprocs=2, timeout=60)
     for rank, found in results.items():
-        assert found, f"rank {rank}: no listening socket seen (the store at least must be)"
-        assert {host for host, _ in found} <= LOOPBACK, f"rank {rank} or its agent listens on {found}"
+        assert found["agent"] == [], f"rank {rank}'s agent listens on {found['agent']}: a store on a socket"
+        assert found["rank"], f"rank {rank}: no listening socket seen (gloo's at least must be)"
+        assert {host for host, _ in found["rank"]} <= LOOPBACK, f"rank {rank} listens on {found['rank']}"
     assert listening([os.getpid()]) == [], "the launch left a socket listening in the caller"
 
 
@@ -322,9 +324,9 @@ def test_a_launch_given_its_own_endpoint_ignores_the_store_of_the_ranks_it_runs_
     # a kernel's rank has its kernel's store in its environment: a wb.launch(rdzv_endpoint=...) from a cell must
     # meet through its own endpoint (here the kernel's store is gone: joining it hung until killed)
     from workbench.run.launcher import _free_port
-    from workbench.run.loopback_store import LoopbackStore
+    from workbench.run.private_store import PrivateStore
 
-    with LoopbackStore() as kernels:
+    with PrivateStore() as kernels:
         inherited = kernels.agent_environment({})
     for name, value in inherited.items():
         monkeypatch.setenv(name, value)

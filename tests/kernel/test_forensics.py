@@ -140,3 +140,30 @@ def test_a_reader_sees_the_collective_a_blocked_rank_is_in(world: None, tmp_path
     finally:
         restore()
     assert read_ledger(str(tmp_path / "missing")) is None
+
+
+def test_a_ranks_folder_is_made_private_or_refused(tmp_path: Path) -> None:
+    # in a shared /tmp another user could make /tmp/workbench-kernel-<uid> first and plant links to this user's
+    # files, which a rank then overwrote with its stacks and ledger
+    import os
+    import stat
+
+    from workbench.kernel.worker import private_folder
+
+    new = tmp_path / "new"
+    assert private_folder(str(new)) == str(new) and stat.S_IMODE(new.stat().st_mode) == 0o700
+    loose = tmp_path / "loose"
+    loose.mkdir(mode=0o777)
+    os.chmod(loose, 0o777)
+    private_folder(str(loose))
+    assert stat.S_IMODE(loose.stat().st_mode) == 0o700  # this user's own: narrowed
+    (tmp_path / "target").mkdir()
+    (tmp_path / "link").symlink_to(tmp_path / "target")
+    with pytest.raises(RuntimeError, match="is not a directory"):
+        private_folder(str(tmp_path / "link"))
+    if os.geteuid() == 0:  # only root can give a directory to another user
+        theirs = tmp_path / "theirs"
+        theirs.mkdir(mode=0o777)
+        os.chown(theirs, 12345, 12345)
+        with pytest.raises(RuntimeError, match=r"belongs to uid 12345, not to this user"):
+            private_folder(str(theirs))

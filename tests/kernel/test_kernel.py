@@ -64,15 +64,16 @@ def test_rank_output_modes(kernel: tuple[Any, Any]) -> None:
     assert execute(client, code).streams["stdout"] == "same\n[0] 0\n[1] 1\n"
 
 
-def test_the_ranks_their_agent_and_the_kernel_listen_on_the_loopback_interface_only(kernel: tuple[Any, Any]) -> None:
-    # torch's agent alone hosts its stores on every interface ('::'), where any host could read and write them
+def test_the_agent_hosts_no_store_and_the_ranks_and_kernel_listen_on_loopback_only(kernel: tuple[Any, Any]) -> None:
+    # torch's agent alone hosts its stores on every interface ('::'), where anyone could read and write them (and
+    # make the agent unpickle what they wrote); on 127.0.0.1 every user of the host still could
     _, client = kernel
     code = ("import os\nfrom tests.listening import listening\n"
-            "found = listening([os.getpid(), os.getppid(), int(os.environ['WORKBENCH_KERNEL_PID'])])\n"
-            "print(sorted({host for host, _ in found}), len(found) > 0)")
+            "mine = listening([os.getpid(), int(os.environ['WORKBENCH_KERNEL_PID'])])\n"
+            "print(sorted({host for host, _ in mine}), len(mine) > 0, listening([os.getppid()]))")
     out = execute(client, code)
     assert out.reply["status"] == "ok", out.error_text
-    assert out.streams["stdout"] == "['127.0.0.1'] True\n", out.streams["stdout"]
+    assert out.streams["stdout"] == "['127.0.0.1'] True []\n", out.streams["stdout"]
 
 
 def test_rich_output_and_result_come_from_rank_0(kernel: tuple[Any, Any]) -> None:

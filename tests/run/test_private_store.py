@@ -1,50 +1,33 @@
-"""The loopback store alone (no launch): it serves on 127.0.0.1 only, stops serving at ``close()``, and closes only
-the descriptors it owns; and what a launch hosting no store of its own must not pass on to its ranks."""
+"""The private store alone (no launch): files in a directory only this user can open, no socket, removed at
+``close()``; and what a launch making no store of its own must not pass on to its ranks."""
 
 from __future__ import annotations
 
 import os
-import socket
-import tempfile
-from datetime import timedelta
-
-import pytest
+import stat
 
 from tests.listening import listening
-from workbench.run.loopback_store import ENV_STORE, LoopbackStore, connect_store, inherited_variables
+from workbench.run.private_store import ENV_STORE, PrivateStore, connect_store, inherited_variables
 
 
-def test_it_serves_on_loopback_only_and_stops_at_close() -> None:
-    store = LoopbackStore()
-    assert listening([os.getpid()]) == [("127.0.0.1", store.port)]
-    client = connect_store(("127.0.0.1", store.port), timeout=timedelta(seconds=5))
-    client.set("k", b"v")
-    assert client.get("k") == b"v"
-    del client
+def test_its_files_are_this_users_alone_and_go_at_close() -> None:
+    store = PrivateStore()
+    info = os.stat(store.directory)
+    assert stat.S_IMODE(info.st_mode) == 0o700 and info.st_uid == os.getuid()
+    assert os.path.dirname(store.rendezvous) == os.path.dirname(store.ranks) == store.directory
+    ranks = connect_store(store.ranks)
+    ranks.set("k", b"v")
+    assert ranks.get("k") == b"v"
+    assert listening([os.getpid()]) == []  # no socket: nothing another user of the host could connect to
+    del ranks
     store.close()
-    assert listening([os.getpid()]) == []
-    with pytest.raises(ConnectionRefusedError):
-        socket.create_connection(("127.0.0.1", store.port), timeout=2)
-
-
-def test_close_leaves_a_descriptor_the_server_gave_back_to_someone_else_alone() -> None:
-    # the server closes the descriptor it serves on when it goes; the process may hand that number out again at
-    # once (a ZMQ socket, a log file) and close() must not close it a second time
-    before = len(os.listdir("/proc/self/fd"))
-    for _ in range(3):
-        store = LoopbackStore()
-        store._store = None  # the server goes first, as at the start of close()
-        with tempfile.TemporaryFile() as victim:
-            store.close()
-            victim.write(b"still open")  # OSError (EBADF) if close() closed this number
-            victim.flush()
-    assert len(os.listdir("/proc/self/fd")) == before  # and nothing leaks
+    assert not os.path.exists(store.directory)
 
 
 def test_a_launch_without_a_store_drops_only_what_a_store_chose() -> None:
-    with LoopbackStore() as store:
+    with PrivateStore() as store:
         chosen = store.agent_environment({})  # nothing set by the user: the store picks lo for gloo and NCCL
-        assert chosen[ENV_STORE] == store.endpoint
+        assert chosen[ENV_STORE] == store.ranks
         assert chosen.get("GLOO_SOCKET_IFNAME") == chosen.get("NCCL_SOCKET_IFNAME") == "lo"
         assert sorted(inherited_variables(chosen)) == sorted(chosen)
         mine = store.agent_environment({"GLOO_SOCKET_IFNAME": "eth1"})  # the user's choice stays theirs

@@ -38,7 +38,7 @@ from workbench.kernel.protocol import (
     parse_listen,
     write_token_file,
 )
-from workbench.run.loopback_store import LoopbackStore
+from workbench.run.private_store import PrivateStore
 
 __all__ = ["LOST_EXIT_CODE", "RankInfo", "RankSet", "RanksStopped"]
 
@@ -133,7 +133,7 @@ class RankSet:
             self._log.warning(warning)
         self.log_path: Path | None = None
         self._agent: subprocess.Popen[bytes] | None = None
-        self._store: LoopbackStore | None = None
+        self._store: PrivateStore | None = None
         if nprocs:
             self._start_local()
 
@@ -141,9 +141,9 @@ class RankSet:
     def _start_local(self) -> None:
         log_dir = Path(tempfile.mkdtemp(prefix="workbench-kernel-"))
         self.log_path = log_dir / "ranks.log"
-        # the agent and the ranks meet through a store this kernel hosts on 127.0.0.1: the agent's own stores
-        # would listen on every interface
-        self._store = LoopbackStore()
+        # the agent and the ranks meet through files only this user can open: the agent's own stores would listen
+        # on every interface, and unpickle what anyone writes there
+        self._store = PrivateStore()
         env = {**os.environ, ENV_CONNECT: self.address, ENV_TOKEN: self._token, ENV_KERNEL_PID: str(os.getpid()),
                ENV_RUN_DIR: str(log_dir),
                "OMP_NUM_THREADS": os.environ.get("OMP_NUM_THREADS", "1"), "PYTHONUNBUFFERED": "1"}
@@ -151,7 +151,7 @@ class RankSet:
         env.pop(ENV_TOKEN_FILE, None)  # the token comes from the environment, not from a file the kernel may own
         command = [
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.nprocs),
-            "--rdzv-backend", "c10d", "--rdzv-endpoint", self._store.endpoint,
+            "--rdzv-backend", "c10d", "--rdzv-endpoint", self._store.rendezvous,
             "--rdzv-conf", ",".join(f"{k}={str(v).lower()}" for k, v in self._store.agent_rendezvous().items()),
             "--max-restarts", "0",
             "--monitor-interval", "0.1", "--start-method", "spawn",

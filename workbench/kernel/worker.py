@@ -43,9 +43,9 @@ from workbench.kernel.protocol import (
     new_identity,
     read_token,
 )
-from workbench.run.loopback_store import connect_store, store_address
+from workbench.run.private_store import connect_store, store_path
 
-__all__ = ["main", "stack_report"]
+__all__ = ["main", "private_folder", "stack_report"]
 
 def stack_report(frame: Any) -> dict[str, Any]:
     """A main-thread stack as the kernel shows it: the frames from the cell in, and whether it is in a collective."""
@@ -86,7 +86,8 @@ class _Worker:
         self._socket.setsockopt(zmq.LINGER, 1000)
         self._socket.connect(address)
         self._store: Any = None
-        self._store_port = 0  # the store's connection is one socket that severing the groups must keep
+        self._store_port = 0  # the TCP store's connection is one socket that severing the groups must keep (none
+        # for a file store)
         self._streams: dict[str, _RankStream] = {}
         self.ledger: Any = None  # the collective it is in, readable without it (ledger.Ledger)
         self._aborting: threading.Thread | None = None  # NCCL: the thread aborting the communicators
@@ -104,8 +105,7 @@ class _Worker:
         from workbench.kernel.stackdump import register
 
         folder = os.environ.get(ENV_RUN_DIR) or os.path.join(tempfile.gettempdir(), f"workbench-kernel-{os.getuid()}")
-        os.makedirs(folder, mode=0o700, exist_ok=True)
-        base = os.path.join(folder, f"rank{self.rank}-{os.getpid()}")
+        base = os.path.join(private_folder(folder), f"rank{self.rank}-{os.getpid()}")
         self.stack_file = base + ".stacks"
         self._stack_out = register(self.stack_file)
         self.ledger = Ledger(base + ".ledger")
@@ -134,12 +134,12 @@ class _Worker:
             # it at new_group): no rank can be left alone in a communicator's set-up, which no abort frees
             device = torch.device("cuda", self.local_rank)
         if self._store is None:
-            address = store_address()
-            if address is None:  # ranks of several hosts: they meet through the agent's store
+            path = store_path()
+            if path is None:  # ranks of several hosts: they meet through the agent's store
                 self._store, _, _ = next(dist.rendezvous("env://", timeout=timedelta(minutes=10)))
                 self._store_port = int(os.environ.get("MASTER_PORT", "0"))
-            else:  # a kernel's local ranks: through the store the kernel hosts on 127.0.0.1
-                self._store, self._store_port = connect_store(address), address[1]
+            else:  # a kernel's local ranks: through the file store the kernel made
+                self._store = connect_store(path)
         store = dist.PrefixStore(f"workbench-kernel/gen{self.generation}", self._store)
         self.groups_since = time.time()  # the flight recorder's entries before this belong to destroyed groups
         dist.init_process_group(self.backend, store=store, rank=self.rank, world_size=self.world_size,
@@ -615,6 +615,30 @@ def _remove(*paths: str) -> None:
     for path in paths:
         with contextlib.suppress(OSError):
             os.unlink(path)
+
+
+def private_folder(path: str) -> str:
+    """``path`` as a directory only this user can open, returned: made with mode 0700, or, where it exists, a real
+    directory (not a symbolic link) this user owns, its mode narrowed to 0700. In a shared ``/tmp`` another user could
+    have made it first, to plant links that make a rank overwrite this user's files, or to read its stacks.
+
+    Raises:
+        RuntimeError: it is not a directory, or another user owns it (naming the path, its owner and the fix).
+    """
+    import stat
+
+    os.makedirs(path, mode=0o700, exist_ok=True)
+    info = os.lstat(path)
+    if not stat.S_ISDIR(info.st_mode):
+        raise RuntimeError(f"workbench rank: {path} is not a directory (a symbolic link?): its files would land "
+                           f"elsewhere; remove it, or set {ENV_RUN_DIR} to a directory of your own")
+    if info.st_uid != os.getuid():
+        raise RuntimeError(f"workbench rank: {path} belongs to uid {info.st_uid}, not to this user (uid "
+                           f"{os.getuid()}): another user may have made it to read or replace this rank's files; "
+                           f"remove it, or set {ENV_RUN_DIR} to a directory of your own")
+    if stat.S_IMODE(info.st_mode) & 0o077:
+        os.chmod(path, 0o700)
+    return path
 
 
 def main(argv: Sequence[str] | None = None) -> int:

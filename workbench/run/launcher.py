@@ -33,7 +33,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
-from workbench.run.loopback_store import LoopbackStore, connect_store, inherited_variables, store_address
+from workbench.run.private_store import PrivateStore, connect_store, inherited_variables, store_path
 
 __all__ = ["LaunchError", "RankFailure", "launch"]
 
@@ -103,8 +103,9 @@ def launch(
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}")
     payload = cloudpickle.dumps((fn, tuple(args)))
-    # ranks of this host only meet through a store on 127.0.0.1 (the agent's own would listen on every interface)
-    store = LoopbackStore() if nnodes == 1 and rdzv_endpoint is None else None
+    # ranks of this host meet through files only this user can open (the agent's own stores would listen on
+    # every interface, and unpickle what anyone writes there)
+    store = PrivateStore() if nnodes == 1 and rdzv_endpoint is None else None
     log_dir = tempfile.mkdtemp(prefix="workbench-launch-")
     config = LaunchConfig(
         min_nodes=nnodes,
@@ -112,7 +113,7 @@ def launch(
         nproc_per_node=nprocs,
         run_id=f"workbench-{uuid.uuid4().hex[:8]}",
         rdzv_backend="c10d",
-        rdzv_endpoint=store.endpoint if store else rdzv_endpoint or f"127.0.0.1:{_free_port()}",
+        rdzv_endpoint=store.rendezvous if store else rdzv_endpoint or f"127.0.0.1:{_free_port()}",
         rdzv_configs=store.agent_rendezvous() if store else {"rank": node_rank} if nnodes > 1 else {},
         max_restarts=0,
         monitor_interval=0.1,
@@ -214,11 +215,11 @@ def _bootstrap(payload: bytes, backend: str, rank: int, name: str) -> tuple[Call
             step = f"selecting its GPU (cuda:{local})"
             torch.cuda.set_device(local)
         step = f"initializing the {backend!r} process group"
-        address = store_address()
-        if address is None:  # ranks of several hosts: torch's agent set MASTER_ADDR/MASTER_PORT
+        path = store_path()
+        if path is None:  # ranks of several hosts: torch's agent set MASTER_ADDR/MASTER_PORT
             dist.init_process_group(backend)
         else:
-            dist.init_process_group(backend, store=connect_store(address), rank=rank,
+            dist.init_process_group(backend, store=connect_store(path), rank=rank,
                                     world_size=int(os.environ["WORLD_SIZE"]))
     except BaseException as exc:
         text = traceback.format_exc()
