@@ -224,12 +224,17 @@ def _spec_picture(spec: Any, width: int = 240, height: int = 120) -> str:
             else:
                 x = start / cols * width
                 body += f'<line y1="0" y2="{h}" x1="{x:.1f}" x2="{x:.1f}" stroke="black" stroke-dasharray="3,2"/>'
-    if view.padding is not None and view.padding[0] is not None:
+    if view.padding is not None and view.padding[0] is not None:  # tail padding along the rows
         y = view.padding[0] / rows * h
         body += (f'<rect x="0" y="{y:.1f}" width="{width}" height="{h - y:.1f}" fill="#999" fill-opacity="0.5"/>')
+    if view.padding is not None and view.padding[1] is not None:  # and along the columns
+        x = view.padding[1] / cols * width
+        body += (f'<rect x="{x:.1f}" y="0" width="{width - x:.1f}" height="{h}" fill="#999" fill-opacity="0.5"/>')
     from workbench.viz.colours import rank_colours
 
     notes = f"owner of each element by rank colour ({rank_colours(spec.mesh).describe()})"
+    if view.padding is not None:
+        notes += ", grey: tail padding"
     if view.replicated:
         notes += f", x{int(view.cell_holders.max())} replicas"
     if view.key_axis is not None:
@@ -326,18 +331,33 @@ def _local_picture(plan: Any, width: int = 200, height: int = 100) -> str:
     shape = plan.target_shape
     if not plan.reads or not shape or 0 in shape:
         return ""
-    rows, cols = (shape[0], shape[1]) if len(shape) >= 2 else (1, shape[0])
+    # the two dims drawn: those the reads cut (dim 0 and the last cut one), so that no read hides another
+    cut = [d for d in range(len(shape)) if any(r.local_offset[d] or r.sizes[d] != shape[d] for r in plan.reads)]
+    if len(shape) < 2:
+        row_dim, col_dim = None, 0
+    elif len(cut) >= 2:
+        row_dim, col_dim = cut[0], cut[-1]
+    else:
+        row_dim, col_dim = 0, cut[0] if cut and cut[0] > 0 else 1
+    rows, cols = (shape[row_dim] if row_dim is not None else 1), shape[col_dim]
     keys = {k: i for i, k in enumerate(plan.hf_keys)}
     from workbench.viz._style import lane_colours
 
     palette = lane_colours(len(keys))
     body = f'<rect x="0" y="0" width="{width}" height="{height}" fill="#bbbbbb"/>'
     for r in plan.reads[:400]:
-        y0, h = (r.local_offset[0], r.sizes[0]) if len(shape) >= 2 else (0, 1)
-        x0, w = (r.local_offset[1], r.sizes[1]) if len(shape) >= 2 else (r.local_offset[0], r.sizes[0])
+        y0, h = (r.local_offset[row_dim], r.sizes[row_dim]) if row_dim is not None else (0, 1)
+        x0, w = r.local_offset[col_dim], r.sizes[col_dim]
         body += (f'<rect x="{x0 / cols * width:.1f}" y="{y0 / rows * height:.1f}" width="{w / cols * width:.1f}" '
                  f'height="{h / rows * height:.1f}" fill="{_hex(palette[keys[r.hf_key]])}" stroke="white"/>')
-    return _svg(width, height, body, "local tensor: colour per HF key, grey = zeroed padding")
+    drawn = f"dim {col_dim}" if row_dim is None else f"dims {row_dim} (down) and {col_dim} (across)"
+    hidden = [d for d in cut if d not in (row_dim, col_dim)]
+    note = f"local tensor, {drawn}: colour per HF key, grey = zeroed padding"
+    if hidden:
+        note += f"; cut along dims {', '.join(map(str, hidden))} too, not drawn (reads overlap here)"
+    if len(plan.reads) > 400:
+        note += f"; the first 400 of {len(plan.reads)} reads"
+    return _svg(width, height, body, note)
 
 
 def _slices(offset: Sequence[int], sizes: Sequence[int]) -> str:

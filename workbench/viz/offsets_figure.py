@@ -186,7 +186,9 @@ class OffsetsFigure:
                 f"empty shards on {len(view.empty_ranks)} rank(s): {format_ranks(view.empty_ranks)}")
         uneven = {s for r, s in view.local_sizes.items() if r not in view.empty_ranks}
         if len(uneven) > 1:
-            self._static_notes.append("uneven local sizes " + ", ".join(f"{a}x{b}" for a, b in sorted(uneven)[:5]))
+            shown = ", ".join(f"{a}x{b}" for a, b in sorted(uneven)[:5])
+            more = f" and {len(uneven) - 5} more" if len(uneven) > 5 else ""
+            self._static_notes.append(f"{len(uneven)} uneven local sizes: {shown}{more}")
         if view.replicated:
             self._static_notes.append(f"replicated: up to x{int(view.cell_holders.max())} ranks hold an element"
                                       " (cells marked xK)")
