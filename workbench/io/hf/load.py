@@ -23,6 +23,7 @@ from workbench.io.files.staging import SLOT_BYTES, StagingRing
 from workbench.io.files.transfers import PIECE_BYTES, Transfer, copy_transfers, landing_views, plan_transfers
 from workbench.io.gc_paused import gc_paused
 from workbench.io.hf.load_timings import LoadClock, LoadTimings
+from workbench.io.hf.tied import tie_problem, untie
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, layout_and_locals
@@ -173,6 +174,7 @@ def load_hf(
     started: _StartedReads | None = None
     try:
         layout, targets = layout_and_locals(model_or_state_dict, key_map, layout=layout)
+        targets, ties = untie(targets, rank)  # tied parameters: each read into a tensor of its own, compared below
         fault_point("load.plan", rank)
         reader = CheckpointReader(path)
         checked = _checked(reader.index, layout, targets, adapters, cast, rank,
@@ -230,6 +232,9 @@ def load_hf(
             problem, stopped = _share_replicas(layout, batches, targets, rank, timeout, problem)
             interrupt = interrupt or stopped
             clock.lap("share")
+        tied = tie_problem(ties, targets, layout, rank) if ties and problem is None else None
+        if tied is not None:
+            problem = problem_from(tied, rank, "checking its tied parameters")
         try:
             fault_point("load.status", rank)
         except BaseException as exc:  # an interrupt too: the peers wait for this rank's status
@@ -394,6 +399,12 @@ def _copy_planned(
     copy_transfers(transfers, read, out, non_blocking=non_blocking)
 
 
+def _bytes_land_in_place(t: torch.Tensor) -> bool:
+    """Whether a file's bytes read into ``t``'s memory give ``t`` the file's values: not through a conjugate or
+    negative view (which a copy would honour), and not into an expanded dim (whose elements share memory)."""
+    return not (t.is_conj() or t.is_neg() or any(s == 0 and n > 1 for n, s in zip(t.shape, t.stride())))
+
+
 def _reads_in_order(
     plans: Mapping[str, HFLoadPlan],
     names: list[str],
@@ -412,7 +423,8 @@ def _reads_in_order(
         if name in transfers:
             out = targets[name]
             same_dtype = all(t.source.dtype == out.dtype for t in transfers[name])
-            if name in landed or (not plans[name].zero_fill and out.device.type == "cpu" and same_dtype):
+            if name in landed or (not plans[name].zero_fill and out.device.type == "cpu" and same_dtype
+                                  and _bytes_land_in_place(out)):
                 reads.extend(zip((t.source for t in transfers[name]), landing_views(transfers[name], out)))
             else:
                 reads.extend(t.source for t in transfers[name])
