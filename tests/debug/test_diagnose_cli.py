@@ -157,3 +157,30 @@ def test_against_a_layout_a_fused_key_is_named_by_shape_not_dropped(tmp_path) ->
     assert "do not drop it" in unexpected.hint
     missing = {f.key: f.hint for f in report.findings if f.kind == "missing_key"}
     assert set(missing) == {gate, up} and all(f"half of {fused}" in h for h in missing.values())
+
+
+def test_no_findings_against_a_layout_says_the_values_were_not_compared(tmp_path) -> None:
+    # an all-zero (or all-NaN) checkpoint against a layout printed "healthy: no findings"
+    zeros = {k: torch.zeros_like(v) for k, v in _toy_tensors().items()}
+    report = diagnose(write(tmp_path / "zeros", zeros), load_layout(TOY))
+    assert report.findings == () and report.exit_status == 0
+    text = report.to_text()
+    assert "healthy" not in text, text
+    assert "no findings in keys, shapes and dtypes (values not compared: pass a reference to compare them)" in text
+
+
+def test_shards_joined_on_the_wrong_dim_are_named_and_not_called_transposed(tmp_path) -> None:
+    # a tensor cut on dim 1 over tp=2 whose shards were concatenated on dim 0: the hint said "transpose it"
+    from torch.distributed.tensor import Shard
+
+    import workbench as wb
+
+    mesh = wb.MeshSpec((2,), ("tp",))
+    spec = wb.LoadSpec.from_placements("w", "w", (16, 32), mesh, [Shard(1)])
+    layout = wb.Layout(mesh, {"w": spec}, {"w": "bfloat16"}, name="tp2")
+    full = torch.randn(16, 32).bfloat16()
+    joined = torch.cat([full[:, :16], full[:, 16:]], dim=0)  # (32, 16): also the transposed shape
+    (finding,) = diagnose(write(tmp_path / "joined", {"w": joined}), layout).findings
+    assert finding.transform == "its 2 shards under S(1)@tp joined on dim 0, not dim 1", finding
+    assert finding.hint.startswith("the shards of a tensor cut on dim 1 were concatenated on dim 0: gather them on "
+                                   "dim 1") and "do not transpose it" in finding.hint

@@ -42,6 +42,8 @@ def test_the_rank_whose_shard_differs_is_named(tmp_path) -> None:
         assert finding.evidence["written_from"] == expected
         assert finding.evidence["differing_ranks"] == [7]
         assert report.stats["layout_file"].startswith(LAYOUT_FILE_NAME)
+        # not "another run's weights": the other shard is right, so the fix is on the rank that wrote this one
+        assert finding.hint.startswith("only the shards written from rank(s) 7 differ and the others are right")
     assert "rank 7 (fsdp=1, ep=1, tp=1)" in diff_checkpoints(good, bad).to_text()
 
 

@@ -11,7 +11,7 @@ import torch
 
 from workbench.debug.damage import damaged_keys
 from workbench.debug.diff import compare_sources, diff_checkpoints, open_checkpoint
-from workbench.debug.findings import Finding, Report
+from workbench.debug.findings import VALUES_NOT_COMPARED, Finding, Report
 from workbench.debug.provenance import held_by
 from workbench.debug.renames import find_renames, rename_hint
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, MemorySource
@@ -100,7 +100,20 @@ def _expected_keys(layout: Layout) -> dict[str, tuple[tuple[int, ...], str | Non
 def _explain_shape(layout: Layout, name: str, want: tuple[int, ...], got: tuple[int, ...]) -> tuple[str, str, str]:
     """``(kind, transform, hint)`` naming the layout cut that a wrong shape comes from."""
     spec = layout.specs[name]
-    if len(want) == 2 and got == want[::-1] and want != got:
+    transposed = len(want) == 2 and got == want[::-1] and want != got
+    for shard in spec.shards:  # a cut's shards joined along another dim: its length divided, another's multiplied
+        w, d = layout.mesh.group_size(shard.mesh_dim), shard.dim
+        if w < 2 or len(got) != len(want) or want[d] % w:
+            continue
+        for e in range(len(want)):
+            if e != d and got == tuple(want[i] // w if i == d else want[i] * w if i == e else want[i]
+                                       for i in range(len(want))):
+                also = (" If it was never sharded, it may instead be stored transposed: the shapes alone cannot tell, "
+                        "a reference's values can") if transposed else ""
+                return ("shape_mismatch", f"its {w} shards under {shard} joined on dim {e}, not dim {d}",
+                        f"the shards of a tensor cut on dim {d} were concatenated on dim {e}: gather them on dim {d} "
+                        f"(full_tensor() or wb.save_hf); do not transpose it.{also}")
+    if transposed:
         return "permuted", "transposed", "the tensor is stored transposed: transpose it when saving"
     diff = [d for d in range(len(want)) if len(got) == len(want) and want[d] != got[d]]
     if len(diff) == 1:
@@ -181,7 +194,8 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
                                                               "actual_dtype": meta.dtype},
                                    "stored in another dtype than the layout's: check the save dtype and "
                                    "fp32_keys_pattern"))
-        stats: dict[str, Any] = {"keys": len(metas), "expected_keys": len(expected)}
+        stats: dict[str, Any] = {"keys": len(metas), "expected_keys": len(expected),
+                                 "values": VALUES_NOT_COMPARED}
         unknown = sum(1 for n in layout.specs if layout.given_dtype(n) is None)
         if unknown:
             stats["dtypes_not_checked"] = f"{unknown} parameter(s) whose layout gives no dtype"

@@ -416,7 +416,7 @@ def _with_ranks(finding: Finding, keys: list[tuple[str, str]], ref: Source, act:
                 ref_metas: Mapping[str, KeyMeta], act_metas: Mapping[str, KeyMeta], layout: Layout,
                 block_bytes: int) -> Finding:
     """``finding`` with the ranks whose shards of its keys differ (``written_from``, ``differing_ranks``)."""
-    texts, ranks = [], set()
+    texts, ranks, some_right = [], set(), False
     for rk, ak in keys:
         meta = act_metas[ak]
         if ref_metas[rk] != meta or meta.torch_dtype is None or not same_shape(layout, rk, meta.shape):
@@ -425,10 +425,17 @@ def _with_ranks(finding: Finding, keys: list[tuple[str, str]], ref: Source, act:
         if found:
             texts.append(found["written_from"])
             ranks.update(found["differing_ranks"])
+            some_right = some_right or found["some_right"]
     if not texts:
         return finding
+    hint = finding.hint
+    if some_right and finding.kind == "value_mismatch":  # not another run's weights: some ranks' shards are right
+        named = ", ".join(map(str, sorted(ranks)))
+        hint = (f"only the shards written from rank(s) {named} differ and the others are right: the save of those "
+                "ranks went wrong (a shard never written, zeros, another rank's shard or a stale one), not the run; "
+                "check what those ranks held and wrote, then re-save")
     return Finding(finding.kind, finding.key, {**finding.evidence, "written_from": " | ".join(texts),
-                                               "differing_ranks": sorted(ranks)}, finding.hint)
+                                               "differing_ranks": sorted(ranks)}, hint)
 
 
 def diff_checkpoints(

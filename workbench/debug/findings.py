@@ -14,7 +14,7 @@ from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "Finding", "FindingGroup", "Report"]
+__all__ = ["KINDS", "VALUES_NOT_COMPARED", "Finding", "FindingGroup", "Report"]
 
 # DESIGN.md section 6: the diagnosis vocabulary (a contract; order = how reports sort them).
 KINDS: tuple[str, ...] = (
@@ -164,6 +164,9 @@ def _same_value(a: Any, b: Any) -> bool:
         return False
 
 
+VALUES_NOT_COMPARED = "not compared (no reference: keys, shapes and dtypes only)"  # a Report's stats["values"]
+
+
 @dataclass(frozen=True, slots=True)
 class Report:
     """The findings of ``diff_checkpoints`` or ``diagnose``; empty findings means healthy.
@@ -236,6 +239,8 @@ class Report:
         if not self.readable:
             return "could not be read"
         if not self.findings:
+            if self.stats.get("values") == VALUES_NOT_COMPARED:
+                return "no findings in keys, shapes and dtypes (values not compared: pass a reference to compare them)"
             return "healthy: no findings"
         counts = ", ".join(f"{n} {k}" for k, n in self.kinds().items())
         groups = len(self.groups())

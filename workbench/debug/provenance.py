@@ -153,7 +153,7 @@ def written_from(layout: Layout, key: str, ref: TensorView, act: TensorView, blo
         text = "; ".join(named) + (f"; and {len(bad) - _MAX_NAMED} more shard(s)" if len(bad) > _MAX_NAMED else "")
         if len(bad) < len(shards):
             text += f"; the other {len(shards) - len(bad)} shard(s) are right"
-    return {"written_from": text, "differing_ranks": ranks}
+    return {"written_from": text, "differing_ranks": ranks, "some_right": len(bad) < len(shards)}
 
 
 def held_by(layout: Layout, key: str) -> dict[str, Any]:
