@@ -184,3 +184,39 @@ def test_shards_joined_on_the_wrong_dim_are_named_and_not_called_transposed(tmp_
     assert finding.transform == "its 2 shards under S(1)@tp joined on dim 0, not dim 1", finding
     assert finding.hint.startswith("the shards of a tensor cut on dim 1 were concatenated on dim 0: gather them on "
                                    "dim 1") and "do not transpose it" in finding.hint
+
+
+def test_a_key_saved_in_two_files_is_named_a_duplicate_not_a_stale_index(tmp_path) -> None:
+    # the same key in both shards, the index naming one: "rebuild the index from the headers" (which name both)
+    # was the advice, and "not in the weight_map" was false
+    import json
+
+    from safetensors.torch import save_file
+
+    from workbench.debug import inspect_checkpoint
+
+    good, stale = torch.ones(4, 4), torch.zeros(4, 4)
+    save_file({"a": good, "b": torch.ones(2)}, str(tmp_path / "model-00001-of-00002.safetensors"))
+    save_file({"a": stale, "c": torch.ones(2)}, str(tmp_path / "model-00002-of-00002.safetensors"))
+    weight_map = {"a": "model-00001-of-00002.safetensors", "b": "model-00001-of-00002.safetensors",
+                  "c": "model-00002-of-00002.safetensors"}
+    (tmp_path / "model.safetensors.index.json").write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    found = [f for f in inspect_checkpoint(tmp_path).findings if f.key == "a"]
+    assert [(f.kind, f.evidence["file"]) for f in found] == [("index_inconsistent", "model-00002-of-00002.safetensors")]
+    assert found[0].evidence["detail"].startswith("a duplicate: the key is in this file's header and in "
+                                                  "model-00001-of-00002.safetensors's")
+    assert "saved twice" in found[0].hint and "do not rebuild the index" in found[0].hint
+
+
+def test_keys_renamed_and_cast_are_named_so_not_missing_and_unexpected(tmp_path) -> None:
+    # DDP's "module." prefix on keys saved in float32 against a bf16 reference: every key was "missing" ("re-save
+    # with it") and "unexpected" ("drop it"), and following that would throw the weights away
+    ref = {k: v.bfloat16() if v.is_floating_point() else v for k, v in model().items()}
+    act = {f"module.{k}": v.float() if v.is_floating_point() else v for k, v in ref.items()}
+    report = diagnose(write(tmp_path / "act", act), write(tmp_path / "ref", ref))
+    kinds = report.kinds()
+    assert "missing_key" not in kinds and "unexpected_key" not in kinds, report.to_text()
+    floats = sum(1 for v in ref.values() if v.is_floating_point())
+    assert kinds.get("renamed_key") == len(ref) and kinds.get("dtype_mismatch") == floats, kinds
+    cast = next(f for f in report.findings if f.kind == "dtype_mismatch")
+    assert cast.evidence["transform"] == "cast to float32", cast

@@ -209,6 +209,15 @@ def scan_for_findings(path: Path | str) -> ScanResult:
         findings.extend(_stray_files(index.directory, set(index.weight_map.values())))
     for file, extra in index.unlisted_keys.items():
         for key in extra:
+            named = index.weight_map.get(key)
+            if named is not None and named != file and key in index.keys:  # saved twice: the map names the other
+                findings.append(Finding("index_inconsistent", key, {
+                    "file": file, "detail": f"a duplicate: the key is in this file's header and in {named}'s, and the "
+                    f"weight_map names {named}, so HF loaders read that copy and ignore this one"},
+                    "the key was saved twice: keep the copy that is right (compare them, or diff against a reference) "
+                    "and delete the other, pointing the weight_map at the one kept; do not rebuild the index from "
+                    "the headers, which name both"))
+                continue
             findings.append(Finding("index_inconsistent", key, {"file": file, "detail": "in the file's header but "
                             "not in the weight_map, so HF loaders ignore it"},
                             "the index is stale: rebuild it from the headers, or re-save"))
