@@ -220,3 +220,23 @@ def test_keys_renamed_and_cast_are_named_so_not_missing_and_unexpected(tmp_path)
     assert kinds.get("renamed_key") == len(ref) and kinds.get("dtype_mismatch") == floats, kinds
     cast = next(f for f in report.findings if f.kind == "dtype_mismatch")
     assert cast.evidence["transform"] == "cast to float32", cast
+
+
+def test_shards_joined_on_the_wrong_dim_are_verified_against_a_reference(tmp_path) -> None:
+    # with the training layout and a reference, the wrong join is checked bit for bit (it was "another parameter's
+    # tensor, or saved from a different model config?"); a tensor of that shape with other values claims nothing
+    from torch.distributed.tensor import Shard
+
+    import workbench as wb
+
+    mesh = wb.MeshSpec((2,), ("tp",))
+    layout = wb.Layout(mesh, {"w": wb.LoadSpec.from_placements("w", "w", (16, 32), mesh, [Shard(1)])}, name="tp2")
+    full = torch.randn(16, 32, generator=torch.Generator().manual_seed(1)).bfloat16()
+    ref = write(tmp_path / "ref", {"w": full})
+    joined = write(tmp_path / "joined", {"w": torch.cat([full[:, :16], full[:, 16:]], dim=0)})
+    (finding,) = diagnose(joined, ref, layout=layout).findings
+    assert finding.kind == "shape_mismatch" and finding.evidence["verified"] == "bit for bit", finding
+    assert finding.transform == "its 2 shards under S(1)@tp joined on dim 0, not dim 1"
+    other = write(tmp_path / "other", {"w": torch.randn(32, 16).bfloat16()})
+    (finding,) = diagnose(other, ref, layout=layout).findings
+    assert "joined" not in (finding.transform or "") and "verified" not in finding.evidence, finding

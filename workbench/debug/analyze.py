@@ -65,6 +65,8 @@ def analyze_pair(ref: TensorView, act: TensorView, hints: Sequence[Hint], block_
     sig_ref, sig_act = signatures(ref, block_bytes), signatures(act, block_bytes)
     if ref.shape != act.shape:
         found = _resized(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes)
+        if found is None:
+            found = _joined_on_another_dim(ref, act, hints, key, evidence, block_bytes)
         if found is not None:
             return found
         return Finding("shape_mismatch", key, evidence,
@@ -80,6 +82,33 @@ def analyze_pair(ref: TensorView, act: TensorView, hints: Sequence[Hint], block_
 
 
 _MAX_ORDER = 64  # block orders longer than this are not put into the evidence
+
+
+def _joined_on_another_dim(ref: TensorView, act: TensorView, hints: Sequence[Hint], key: str,
+                           evidence: dict[str, Any], block_bytes: int) -> Finding | None:
+    """A 2-D tensor whose shards under a layout cut on dim ``d`` were concatenated on the other dim, checked bit for
+    bit (both tensors read whole, so only where each fits in four blocks); None when no cut explains it."""
+    if len(ref.shape) != 2 or len(act.shape) != 2 or max(ref.nbytes, act.nbytes) > 4 * block_bytes:
+        return None
+    for h in hints:
+        d, e, w = h.dim, 1 - h.dim, h.world
+        if d not in (0, 1) or w < 2 or h.factor != 1 or ref.shape[d] % w:
+            continue
+        if act.shape[d] != ref.shape[d] // w or act.shape[e] != ref.shape[e] * w:
+            continue
+        rebuilt = torch.cat(act.read_rows(0, act.shape[0]).chunk(w, dim=e), dim=d)
+        if torch.equal(bits(rebuilt), bits(ref.read_rows(0, ref.shape[0]))):
+            where = f"S({d}){_at(h.mesh_dim)}" if h.mesh_dim else f"a cut on dim {d}"
+            return Finding("shape_mismatch", key, {
+                **evidence, "transform": f"its {w} shards under {where} joined on dim {e}, not dim {d}",
+                "verified": "bit for bit"},
+                f"the shards of a tensor cut on dim {d} were concatenated on dim {e}: gather them on dim {d} "
+                "(full_tensor() or wb.save_hf); do not transpose it")
+    return None
+
+
+def _at(mesh_dim: str) -> str:
+    return f"@{mesh_dim}"
 
 
 def block_order(src: torch.Tensor) -> tuple[int, list[int]] | None:
