@@ -240,3 +240,22 @@ def test_shards_joined_on_the_wrong_dim_are_verified_against_a_reference(tmp_pat
     other = write(tmp_path / "other", {"w": torch.randn(32, 16).bfloat16()})
     (finding,) = diagnose(other, ref, layout=layout).findings
     assert "joined" not in (finding.transform or "") and "verified" not in finding.evidence, finding
+
+
+def _hf_rotary_permute(w: torch.Tensor, heads: int) -> torch.Tensor:
+    """What HF's LLaMA conversion script does to q_proj/k_proj (written here from its formula)."""
+    rows, cols = w.shape
+    return w.view(heads, rows // heads // 2, 2, cols).transpose(1, 2).reshape(rows, cols)
+
+
+def test_a_rotary_permute_of_q_proj_is_named_as_such(tmp_path) -> None:
+    # the permute's row map is also an interleaved shard's: it was blamed on sharding ("undo the interleave when
+    # gathering"), which was not the cause
+    w = torch.randn(32, 8, generator=torch.Generator().manual_seed(2)).bfloat16()
+    key = "model.layers.0.self_attn.q_proj.weight"
+    ref = write(tmp_path / "ref", {key: w})
+    act = write(tmp_path / "act", {key: _hf_rotary_permute(w, heads=4)})
+    (finding,) = diagnose(act, ref).findings
+    assert finding.kind == "permuted" and finding.evidence["verified"] == "bit for bit", finding
+    assert finding.transform == "rotary permute of HF's LLaMA conversion applied once too often (heads of 8 rows)"
+    assert finding.evidence["head_rows"] == 8

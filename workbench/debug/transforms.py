@@ -30,6 +30,7 @@ A candidate is reported only when the data matches it exactly (bit for bit, stre
 from __future__ import annotations
 
 import math
+import re
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 
@@ -99,6 +100,28 @@ def _pairs(n: int, hints: Sequence[Hint], dim: int) -> Iterator[tuple[int, int, 
                     yield w, f, "", g
 
 
+_ROTARY_KEY = re.compile(r"(^|\.)(q_proj|k_proj|wq|wk)\.weight$")
+
+
+def _rotary_candidates(n: int) -> Iterator[Candidate]:
+    """The rotary permute of HF's LLaMA conversion (each head's rows as interleaved pairs against two halves),
+    applied where it was not due or not applied where it was, for every even head size that divides ``n``."""
+    for head in range(4, min(n, 512) + 1, 2):
+        if n % head or n // head > 256:
+            continue
+        halves = [*range(0, head, 2), *range(1, head, 2)]  # a permuted head's row q holds the original row halves[q]
+        inverse = [0] * head
+        for q, src in enumerate(halves):
+            inverse[src] = q
+        for order, how in ((halves, "applied"), (inverse, "undone")):
+            yield Candidate("permuted", 0, _block_map(n, order, n // head),
+                            f"rotary permute of HF's LLaMA conversion {how} once too often (heads of {head} rows)",
+                            f"each head's rows are in the other rotary layout (pairs interleaved, or two halves): the "
+                            f"conversion's permute of q_proj/k_proj was {how} where it should not have been; apply "
+                            "it exactly once, for the attention code that reads this checkpoint",
+                            (("head_rows", head),))
+
+
 def _at(mesh_dim: str) -> str:
     return f"@{mesh_dim}" if mesh_dim else ""
 
@@ -111,6 +134,8 @@ def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str,
     fusedish = any(s in key for s in ("gate_up", "w13", "w1w3", "fused", "gate_proj"))
     if fusedish and n % 2 == 0:
         yield _halves(n, dim, 1)
+    if dim == 0 and _ROTARY_KEY.search(key):  # first: its map is also an interleaved shard's, by coincidence
+        yield from _rotary_candidates(n)
     for w, f, mesh_dim, g in _pairs(n, hints, dim):
         inside = f" inside each of {g} outer shards" if g > 1 else ""
         details = (("world", w), ("factor", f), ("outer_shards", g))
