@@ -20,6 +20,8 @@ from workbench.debug.signatures import Signatures, signatures
 from workbench.debug.transforms import (
     Candidate,
     Hint,
+    joined_on,
+    joined_words,
     resized_candidates,
     same_length_candidates,
     signature_holds,
@@ -86,29 +88,20 @@ _MAX_ORDER = 64  # block orders longer than this are not put into the evidence
 
 def _joined_on_another_dim(ref: TensorView, act: TensorView, hints: Sequence[Hint], key: str,
                            evidence: dict[str, Any], block_bytes: int) -> Finding | None:
-    """A 2-D tensor whose shards under a layout cut on dim ``d`` were concatenated on the other dim, checked bit for
-    bit (both tensors read whole, so only where each fits in four blocks); None when no cut explains it."""
-    if len(ref.shape) != 2 or len(act.shape) != 2 or max(ref.nbytes, act.nbytes) > 4 * block_bytes:
+    """A tensor whose shards under a layout cut were concatenated on another dim (``joined_on``), checked bit for bit
+    (both tensors read whole, so only where each fits in four blocks); None when no cut explains it."""
+    if max(ref.nbytes, act.nbytes) > 4 * block_bytes:
         return None
     for h in hints:
-        d, e, w = h.dim, 1 - h.dim, h.world
-        if d not in (0, 1) or w < 2 or h.factor != 1 or ref.shape[d] % w:
+        e = joined_on(ref.shape, act.shape, h.dim, h.world) if h.factor == 1 else None
+        if e is None:
             continue
-        if act.shape[d] != ref.shape[d] // w or act.shape[e] != ref.shape[e] * w:
-            continue
-        rebuilt = torch.cat(act.read_rows(0, act.shape[0]).chunk(w, dim=e), dim=d)
+        rebuilt = torch.cat(act.read_rows(0, act.shape[0]).chunk(h.world, dim=e), dim=h.dim)
         if torch.equal(bits(rebuilt), bits(ref.read_rows(0, ref.shape[0]))):
-            where = f"S({d}){_at(h.mesh_dim)}" if h.mesh_dim else f"a cut on dim {d}"
-            return Finding("shape_mismatch", key, {
-                **evidence, "transform": f"its {w} shards under {where} joined on dim {e}, not dim {d}",
-                "verified": "bit for bit"},
-                f"the shards of a tensor cut on dim {d} were concatenated on dim {e}: gather them on dim {d} "
-                "(full_tensor() or wb.save_hf); do not transpose it")
+            cut = f"S({h.dim})@{h.mesh_dim}" if h.mesh_dim else f"a cut on dim {h.dim}"
+            transform, hint = joined_words(h.world, cut, h.dim, e)
+            return Finding("shape_mismatch", key, {**evidence, "transform": transform, "verified": "bit for bit"}, hint)
     return None
-
-
-def _at(mesh_dim: str) -> str:
-    return f"@{mesh_dim}"
 
 
 def block_order(src: torch.Tensor) -> tuple[int, list[int]] | None:

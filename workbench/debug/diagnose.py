@@ -15,7 +15,7 @@ from workbench.debug.findings import VALUES_NOT_COMPARED, Finding, Report
 from workbench.debug.provenance import held_by
 from workbench.debug.renames import find_renames, rename_hint
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, MemorySource
-from workbench.debug.transforms import chunk_shard
+from workbench.debug.transforms import chunk_shard, joined_on, joined_words
 from workbench.io.files.index import safetensors_dtype
 from workbench.layout.chunking import local_sizes
 from workbench.layout.model_layout import Layout
@@ -102,17 +102,13 @@ def _explain_shape(layout: Layout, name: str, want: tuple[int, ...], got: tuple[
     spec = layout.specs[name]
     transposed = len(want) == 2 and got == want[::-1] and want != got
     for shard in spec.shards:  # a cut's shards joined along another dim: its length divided, another's multiplied
-        w, d = layout.mesh.group_size(shard.mesh_dim), shard.dim
-        if w < 2 or len(got) != len(want) or want[d] % w:
-            continue
-        for e in range(len(want)):
-            if e != d and got == tuple(want[i] // w if i == d else want[i] * w if i == e else want[i]
-                                       for i in range(len(want))):
-                also = (" If it was never sharded, it may instead be stored transposed: the shapes alone cannot tell, "
-                        "a reference's values can") if transposed else ""
-                return ("shape_mismatch", f"its {w} shards under {shard} joined on dim {e}, not dim {d}",
-                        f"the shards of a tensor cut on dim {d} were concatenated on dim {e}: gather them on dim {d} "
-                        f"(full_tensor() or wb.save_hf); do not transpose it.{also}")
+        w = layout.mesh.group_size(shard.mesh_dim)
+        e = joined_on(want, got, shard.dim, w)
+        if e is not None:
+            transform, hint = joined_words(w, str(shard), shard.dim, e)
+            also = (" If it was never sharded, it may instead be stored transposed: the shapes alone cannot tell, "
+                    "a reference's values can") if transposed else ""
+            return "shape_mismatch", transform, f"{hint}.{also}"
     if transposed:
         return "permuted", "transposed", "the tensor is stored transposed: transpose it when saving"
     diff = [d for d in range(len(want)) if len(got) == len(want) and want[d] != got[d]]

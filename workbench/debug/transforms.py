@@ -126,6 +126,25 @@ def _at(mesh_dim: str) -> str:
     return f"@{mesh_dim}" if mesh_dim else ""
 
 
+def joined_on(want: Sequence[int], got: Sequence[int], dim: int, world: int) -> int | None:
+    """The dim along which the ``world`` shards of a cut on ``dim`` of a ``want``-shaped tensor were concatenated to
+    give a ``got``-shaped one (that dim's length multiplied, ``dim``'s divided), or None."""
+    if world < 2 or len(got) != len(want) or want[dim] % world:
+        return None
+    for e in range(len(want)):
+        if e != dim and tuple(got) == tuple(want[i] // world if i == dim else want[i] * world if i == e else want[i]
+                                            for i in range(len(want))):
+            return e
+    return None
+
+
+def joined_words(world: int, cut: str, dim: int, other: int) -> tuple[str, str]:
+    """``(transform, hint)`` of shards of ``cut`` (on ``dim``) concatenated on ``other``."""
+    return (f"its {world} shards under {cut} joined on dim {other}, not dim {dim}",
+            f"the shards of a tensor cut on dim {dim} were concatenated on dim {other}: gather them on dim {dim} "
+            "(full_tensor() or wb.save_hf); do not transpose it")
+
+
 def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str,
                            sig_ref: torch.Tensor | None = None, sig_act: torch.Tensor | None = None
                            ) -> Iterator[Candidate]:
