@@ -4,6 +4,7 @@ normally with wrong values in the model."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -67,3 +68,37 @@ def test_conjugate_and_negative_views_get_the_files_values_and_an_expanded_one_i
     expanded = {"e": torch.zeros(1, 3).expand(2, 3)}  # two rows, one memory
     with pytest.raises(CheckpointError):
         wb.load_hf(expanded, tmp_path, strict=False)
+
+
+def _tied_on_rank_1_only(path: str) -> str:
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate
+
+    import workbench as wb
+
+    rank = dist.get_rank()
+    mesh = wb.MeshSpec((2,), ("dp",))
+    layout = wb.Layout(mesh, {n: wb.LoadSpec.from_placements(n, n, (8, 4), mesh, [Replicate()])
+                              for n in ("embed.weight", "head.weight")})
+    one = torch.zeros(8, 4)
+    state = {"embed.weight": one, "head.weight": one if rank == 1 else torch.zeros(8, 4)}  # rank 1 ties them
+    start = time.perf_counter()
+    try:
+        wb.load_hf(state, path, layout=layout)
+    except CheckpointError as exc:
+        return f"{type(exc).__name__} after {time.perf_counter() - start:.1f}s: {exc}"
+    return "loaded"
+
+
+@pytest.mark.slow
+def test_a_tie_that_fails_on_one_rank_fails_every_rank_at_once(tmp_path: Path) -> None:
+    # the check runs after the reads, before the last agreement: its peer learns of it there, naming the rank
+    torch.manual_seed(0)
+    keys = {"embed.weight": torch.randn(8, 4), "head.weight": torch.randn(8, 4)}
+    save_file(keys, str(tmp_path / "model.safetensors"))
+    results = wb.launch(_tied_on_rank_1_only, nprocs=2, args=(str(tmp_path),), timeout=60)
+    for rank, text in results.items():
+        assert text.startswith("LoadFailed after") or text.startswith("CheckpointError after"), (rank, text)
+        assert float(text.split(" after ")[1].split("s:")[0]) < 10, text
+        assert "rank 1 failed while checking its tied parameters" in text, text
+        assert "'embed.weight' and 'head.weight' share one tensor" in text, text
