@@ -16,8 +16,10 @@ parameters (``read_replicas_once=False``). ``--layers N --hidden H --moe-interme
 (many small parameters: what a load costs per parameter). ``--seam``: on CPU, the loads take the GPU's
 landing path (``load._CPU_LANDING_RING``), so the loading thread's work per piece can be profiled without a GPU.
 ``--rings 16x16,16x8`` (staging rings: slots x MiB a slot, each pinned once before the loads), ``--threads 16,8``
-(``read_threads``) and ``--switch 5,0.5`` (``sys.setswitchinterval`` during a load, ms): the loads go round robin
-over every combination, one line of figures for each.
+(``read_threads``), ``--switch 5,0.5`` (``sys.setswitchinterval`` during a load, ms) and ``--nice 0,10`` (the reading
+threads' niceness during a load; raising it back needs the right to): the loads go round robin over every
+combination, one line of figures for each. Each line also gives the loading thread's time on the CPU and
+waiting on a run queue (``/proc/thread-self/schedstat``: ready to run, no core free) in its median load.
 """
 
 from __future__ import annotations
@@ -91,7 +93,9 @@ def _rank(cfg: dict) -> dict:
         from workbench.io.hf import load as load_module
 
         load_module._CPU_LANDING_RING = staging.StagingRing(pinned=False)
-    variants = _variants(cfg)  # (ring index, switch interval, reading threads) of each variant
+    from workbench.io.files import box_reads
+
+    variants = _variants(cfg)  # (ring index, blocking, switch interval, reading threads, niceness) of each
     runs: dict[int, list] = {i: [] for i in range(len(variants))}
     profile = None
     saved = {n: t.detach().clone() for n, t in _locals(model).items()}  # what the last load must bring back
@@ -99,7 +103,7 @@ def _rank(cfg: dict) -> dict:
     last = cfg["loads"] * len(variants) - 1
     for i in range(last + 1):  # round robin over the variants: a slow spell hits each of them
         which = i % len(variants)
-        ring_at, blocking, switch, threads = variants[which]
+        ring_at, blocking, switch, threads, nice = variants[which]
         if i == last:  # the last load starts from zeros: every byte it leaves, it loaded
             for t in _locals(model).values():
                 t.zero_()
@@ -112,6 +116,8 @@ def _rank(cfg: dict) -> dict:
         dist.barrier()
         staging._RING = rings[ring_at, blocking]  # the process's ring for this load
         sys.setswitchinterval(switch or default_switch)
+        _renice(box_reads._pool(threads), nice)
+        queued = _run_queue_wait()
         began, cpu = time.perf_counter(), time.thread_time()
         if profile is not None:
             profile.enable()
@@ -120,11 +126,13 @@ def _rank(cfg: dict) -> dict:
         if profile is not None:
             profile.disable()
         cpu = time.thread_time() - cpu
+        queued = _run_queue_wait() - queued
         sys.setswitchinterval(default_switch)
         if cuda:
             torch.cuda.synchronize()
-        runs[which].append((time.perf_counter() - began, str(report.timings), cpu, report.bytes_owned))
+        runs[which].append((time.perf_counter() - began, str(report.timings), cpu, report.bytes_owned, queued))
     staging._RING = None
+    _renice(box_reads._pool(cfg["threads"][0]), 0)
     landing.plan_landing = real
     gc.callbacks.remove(collected)
     profiled = ""
@@ -144,10 +152,31 @@ def _rank(cfg: dict) -> dict:
         median = later[len(later) // 2]
         by_ring.append({"seconds": [round(r[0], 3) for r in ring_runs],
                         "median": statistics.median(r[0] for r in ring_runs[1:]),
-                        "stages": median[1], "cpu": median[2], "owned": median[3]})
+                        "stages": median[1], "cpu": median[2], "owned": median[3], "queued": median[4]})
     return {"exact": exact, "rings": by_ring, "planned": planned,
             "profile": profiled, "gc": (len(pauses), max((t for _, t in pauses), default=0.0),
                                         sum(1 for g, _ in pauses if g == 2))}
+
+
+def _renice(pool: object, nice: int) -> None:
+    """Give the pool's reading threads niceness ``nice`` (Linux: a thread's own)."""
+    import os
+
+    for thread in list(getattr(pool, "_threads", ())):
+        try:
+            os.setpriority(os.PRIO_PROCESS, thread.native_id, nice)
+        except (OSError, AttributeError) as exc:
+            print(f"niceness {nice} for a reading thread refused: {exc}", file=sys.stderr)
+
+
+def _run_queue_wait() -> float:
+    """Seconds the calling thread has waited on a run queue (ready, no core free) so far; 0.0 where the kernel does
+    not say."""
+    try:
+        with open("/proc/thread-self/schedstat") as f:
+            return int(f.read().split()[1]) / 1e9
+    except (OSError, IndexError, ValueError):
+        return 0.0
 
 
 def _locals(model: torch.nn.Module) -> dict[str, torch.Tensor]:
@@ -176,19 +205,20 @@ def _ring(spec: tuple[int, int] | None, blocking: bool, device: torch.device) ->
     return ring
 
 
-def _variants(cfg: dict) -> list[tuple[int, bool, float | None, int]]:
-    """Every (ring index, blocking events, switch interval or None for the interpreter's, reading threads) the
-    loads go round."""
-    return [(r, b, s, t) for r in range(len(cfg["rings"])) for b in cfg["blocking"] for s in cfg["switch"]
-            for t in cfg["threads"]]
+def _variants(cfg: dict) -> list[tuple]:
+    """Every (ring index, blocking events, switch interval or None for the interpreter's, reading threads, their
+    niceness) the loads go round."""
+    return [(r, b, s, t, n) for r in range(len(cfg["rings"])) for b in cfg["blocking"] for s in cfg["switch"]
+            for t in cfg["threads"] for n in cfg["nice"]]
 
 
-def _named(cfg: dict, variant: tuple[int, bool, float | None, int]) -> str:
+def _named(cfg: dict, variant: tuple) -> str:
     ring = cfg["rings"][variant[0]]
     named = "the default ring" if ring is None else f"ring {ring[0]} x {ring[1] >> 20} MiB"
     blocking = ", blocking slot events" if variant[1] else ""
     switch = "" if variant[2] is None else f", switch interval {variant[2] * 1e3:g} ms"
-    return f"{variant[3]} reading threads, {named}{blocking}{switch}"
+    nice = f", niceness {variant[4]}" if len(cfg["nice"]) > 1 or variant[4] else ""
+    return f"{variant[3]} reading threads, {named}{blocking}{switch}{nice}"
 
 
 def _rings(text: str | None) -> list[tuple[int, int] | None]:
@@ -211,6 +241,7 @@ def main() -> None:
     parser.add_argument("--threads", default="16", help="load_hf's read_threads; several (16,8): round robin")
     parser.add_argument("--switch", default=None,
                         help="sys.setswitchinterval during the loads, in ms; several (5,0.5): round robin")
+    parser.add_argument("--nice", default="0", help="the reading threads' niceness; several (0,10): round robin")
     parser.add_argument("--dir", default=None)
     parser.add_argument("--profile", type=int, default=0, help="print this many functions of rank 0's last load")
     parser.add_argument("--layers", type=int, default=None, help="this many layers (default: as --size-gb asks)")
@@ -233,6 +264,7 @@ def main() -> None:
            "profile": args.profile, "threads": [int(t) for t in args.threads.split(",")],
            "switch": [float(v) / 1e3 for v in args.switch.split(",")] if args.switch else [None],
            "replicas_once": not args.each_replica,
+           "nice": [int(v) for v in args.nice.split(",")],
            "layers": args.layers, "hidden": args.hidden, "moe_intermediate": args.moe_intermediate,
            "folder": str(folder / "ckpt"), "rings": _rings(args.rings), "seam": args.seam,
            "blocking": [False, True] if args.blocking_events else [False]}
@@ -251,7 +283,8 @@ def main() -> None:
         print(f"mesh (fsdp, ep, etp) {mesh}, {args.size_gb} GB, {_named(cfg, variant)}: warm load "
               f"{slowest:.3f} s (median of loads 2-{args.loads}), {owned / len(out) / slowest / 1e9:.2f} GB/s per GPU")
         for rank, r in enumerate(rows):
-            print(f"  rank {rank}: {r['stages']}; loading thread on the CPU {r['cpu']:.3f} s; loads {r['seconds']}")
+            print(f"  rank {rank}: {r['stages']}; loading thread on the CPU {r['cpu']:.3f} s, on a run queue "
+                  f"{r['queued']:.3f} s; loads {r['seconds']}")
     for rank, r in enumerate(out):
         print(f"  rank {rank}: planned {r['planned']}; garbage collections {r['gc'][0]} (generation 2: {r['gc'][2]}), "
               f"the longest {r['gc'][1] * 1e3:.1f} ms")
