@@ -86,6 +86,28 @@ def test_fused_experts_land_on_the_gpu_bit_for_bit(disk: Path, ep: int, etp: int
                 assert torch.equal(got.nan_to_num(7.0), want[name].float().nan_to_num(7.0)), (name, rank)
 
 
+def test_a_load_through_device_buffers_holds_no_gpu_memory_after_it_and_one_slot_during_it(tmp_path: Path) -> None:
+    """Casting pieces (bf16 in the file, fp32 targets) go through a buffer on the GPU: one slot's worth at a time,
+    from the caching allocator, and none of it held once the load is done (slots that kept a device twin each held
+    a slot's bytes for the life of the process). Counted by torch's allocator, not by the loader."""
+    from workbench.io.files.staging import SLOT_BYTES
+
+    gen = torch.Generator().manual_seed(3)
+    state = {f"model.layers.{i}.w.weight": torch.randn(3072, 4096, generator=gen).to(torch.bfloat16)
+             for i in range(6)}  # 24 MiB each in the file, 48 MiB each as fp32 targets
+    wb.save_hf(state, tmp_path / "ckpt")
+    model = {k: torch.empty(v.shape, dtype=torch.float32, device="cuda") for k, v in state.items()}
+    torch.cuda.synchronize()
+    before = torch.cuda.memory_allocated()
+    torch.cuda.reset_peak_memory_stats()
+    report = wb.load_hf(model, tmp_path / "ckpt", cast=True)
+    torch.cuda.synchronize()
+    assert report.ok and all(torch.equal(model[k].cpu(), v.float()) for k, v in state.items())
+    assert torch.cuda.memory_allocated() == before
+    block = -(-SLOT_BYTES // (2 << 20)) * (2 << 20)  # the allocator rounds a large block up to 2 MiB
+    assert torch.cuda.max_memory_allocated() - before <= 2 * block
+
+
 def test_a_read_that_fails_mid_landing_fails_the_load_and_gives_every_slot_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     gen = torch.Generator().manual_seed(3)

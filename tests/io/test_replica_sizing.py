@@ -40,17 +40,17 @@ def test_each_key_read_counts_as_two_mib_of_work() -> None:
 
 
 def test_a_fused_parameter_counts_a_read_a_staging_slot_not_a_read_a_key() -> None:
-    """128 experts of 256 KiB fused in one 32 MiB parameter are read as two slot-sized pieces (16 MiB slots), not
-    128 reads: its work is 32 + 2 x 2 = 36 MiB (128 reads would make it 288). By hand: fused -> 0 (36 MiB); then
-    twelve 1.5 MiB norms (3.5 MiB of work each) -> 1 for the first eleven (38.5 MiB after the eleventh, as 35 < 36),
-    and the twelfth -> 0 (36 < 38.5)."""
-    assert SLOT_BYTES == (16 << 20) + 2 * 4096  # the hand count above assumes it
+    """128 experts of 512 KiB fused in one 64 MiB parameter are read as two slot-sized pieces (32 MiB slots), not
+    128 reads: its work is 64 + 2 x 2 = 68 MiB (128 reads would make it 320). By hand: fused -> 0 (68 MiB); then
+    fifteen 3 MiB norms (5 MiB of work each) -> 1 for the first fourteen (70 MiB after the fourteenth, as 65 < 68),
+    and the fifteenth -> 0 (68 < 70)."""
+    assert SLOT_BYTES == (32 << 20) + 2 * 4096  # the hand count above assumes it
     fused_keys = [f"e{i}" for i in range(128)]
-    specs = {"fused": wb.LoadSpec.from_placements("fused", fused_keys, (128 * 65536,), MESH, [Replicate()],
+    specs = {"fused": wb.LoadSpec.from_placements("fused", fused_keys, (128 * 131072,), MESH, [Replicate()],
                                                 fused_dim=0)}
-    norms = [f"n{i}" for i in range(12)]
-    specs.update({n: wb.LoadSpec.from_placements(n, [n], (3 << 17,), MESH, [Replicate()]) for n in norms})
+    norms = [f"n{i}" for i in range(15)]
+    specs.update({n: wb.LoadSpec.from_placements(n, [n], (3 << 18,), MESH, [Replicate()]) for n in norms})
     layout = wb.Layout(MESH, specs)
-    targets = {"fused": torch.empty(128 * 65536), **{n: torch.empty(3 << 17) for n in norms}}
+    targets = {"fused": torch.empty(128 * 131072), **{n: torch.empty(3 << 18) for n in norms}}
     readers = replica_readers(layout, specs, 0, targets)
-    assert {n: r.reader for n, r in readers.items()} == {"fused": 0, **{n: 1 for n in norms[:11]}, "n11": 0}
+    assert {n: r.reader for n, r in readers.items()} == {"fused": 0, **{n: 1 for n in norms[:14]}, "n14": 0}

@@ -60,7 +60,7 @@ import torch
 from workbench.errors import CheckpointError
 from workbench.io.files.index import CheckpointIndex, KeyInfo, torch_dtype
 from workbench.io.files.landing import LandingPart, LandingPiece, kept_landing
-from workbench.io.files.staging import Slot, StagingRing, staging_ring
+from workbench.io.files.staging import Slot, StagingRing, as_dtype, staging_ring
 from workbench.io.files.transfers import FileBox
 
 __all__ = ["BoxReader", "box_runs", "cached_share", "gap_pages"]
@@ -261,15 +261,15 @@ class BoxReader:
         budget_bytes: bytes of buffers read ahead and not yet handed out, at most (at least one request).
         pin_memory: allocate buffers in pinned memory (for host-to-device copies that overlap).
         device: a CUDA device to read into: requests in the expected order are read through the process's pinned
-            staging ring (``staging.py``, 16 slots of 16 MiB pinned once per process) in slot-sized pieces, in
+            staging ring (``staging.py``, 16 slots of 32 MiB pinned once per process) in slot-sized pieces, in
             order, as far ahead as the ring's free slots allow; when the consumer asks for a box, the pieces of its
             request are copied, on the current stream, into a buffer on this device, and ``read`` hands out a device
             tensor. ``budget_bytes`` then bounds device buffers; pinned memory is the ring's whatever the load.
             Boxes read into a CPU tensor, and boxes asked out of the expected order, are read without the ring.
             An expected ``(FileBox, tensor)`` whose tensor is on this device **lands** there: its pieces
             (``landing.py``) are read by the threads into free slots from the start, and the loading thread copies
-            each, as its read ends (in ``read`` and in ``finish``), straight into the tensor or through the slot's
-            device twin; ``read`` hands the tensor back at once and ``finish`` queues what is left, or raises the
+            each, as its read ends (in ``read`` and in ``finish``), straight into the tensor or through a buffer of one
+            slot on the device; ``read`` hands the tensor back at once and ``finish`` queues what is left, or raises the
             first failure.
         ring: the staging ring to read through (default the process's). With ``device="cpu"`` and an unpinned
             ring, the staged and landing paths run without a GPU, their copies at once (how the tests run them).
@@ -763,20 +763,28 @@ class BoxReader:
 
     def _land_copy(self, piece: LandingPiece, slot: Slot) -> None:
         """Queue the piece's copies out of the slot on the current stream: straight into a part's tensor where the
-        slot holds that tensor's bytes in order, else the slot's used bytes into its device twin and each part
-        from there with one (strided, casting) copy."""
+        slot holds that tensor's bytes in order, else the slot's used bytes into a buffer on the device and each part
+        from there with one (strided, casting) copy. That buffer comes from the caching allocator on the current
+        stream and is let go once the copies are queued: they run before anything queued later on the stream, so the
+        next piece's buffer is the same memory, and a load holds no GPU memory of its own beyond one slot."""
         assert self.device is not None
         parts = piece.parts
         if len(parts) == 1 and parts[0].direct:
             p = parts[0]
             p.dest.copy_(_place(slot.typed(p.dtype), p), non_blocking=True)
             return
-        twin = None
-        if self.device.type != "cpu":
-            twin = self.device
-            slot.twin(twin)[:piece.used].copy_(slot.buffer[:piece.used], non_blocking=True)
+        if self.device.type == "cpu":
+            for p in parts:
+                p.dest.copy_(_place(slot.typed(p.dtype), p))
+            return
+        twin = torch.empty(slot.buffer.numel(), dtype=torch.uint8, device=self.device)
+        twin[:piece.used].copy_(slot.buffer[:piece.used], non_blocking=True)
+        typed: dict[torch.dtype, torch.Tensor] = {}
         for p in parts:
-            p.dest.copy_(_place(slot.typed(p.dtype, twin), p))
+            view = typed.get(p.dtype)
+            if view is None:
+                view = typed[p.dtype] = as_dtype(twin, p.dtype)
+            p.dest.copy_(_place(view, p))
 
     def _copied(self, slot: Slot, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
         """The slot's event recorded on ``stream`` (the current one) after what was queued out of it (None on the
@@ -1205,8 +1213,8 @@ def _copy_out(raw: torch.Tensor, item: _Box, out: torch.Tensor) -> None:
 
 
 def _place(typed: torch.Tensor, part: LandingPart) -> torch.Tensor:
-    """``part``'s bytes in a slot (or its twin) seen as ``typed``: one view. The packer places every part at a
-    multiple of its element size; one that is not would be read shifted, so it is refused."""
+    """``part``'s bytes in a slot (or its copy on the device) seen as ``typed``: one view. The packer places every
+    part at a multiple of its element size; one that is not would be read shifted, so it is refused."""
     if part.at % part.dtype.itemsize:
         raise CheckpointError(f"internal: a landing part of {part.dtype} at byte {part.at} of its slot is not at a "
                               "multiple of its element size")

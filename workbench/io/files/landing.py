@@ -4,8 +4,9 @@ A load into GPU memory knows, before anything is read, where every byte of the c
 coalesced transfers (``transfers.py``) name a box of a file and the view of the local tensor it fills. So the
 copies need no buffer of their own and no word from the loading thread: a reader thread reads a piece into a pinned
 slot, queues the slot's copy into the tensor (straight into it where the piece is one contiguous run of it, else
-into the slot's device twin and from there with one strided copy per part), and gives the slot back with the event
-of that copy. ``plan_landing`` cuts the boxes into such pieces; ``BoxReader`` runs them (``box_reads.py``).
+into a buffer of the slot's size on the device and from there with one strided copy per part), and gives the slot
+back with the event of that copy. ``plan_landing`` cuts the boxes into such pieces; ``BoxReader`` runs them
+(``box_reads.py``).
 
 A box is cut along its leading dim into parts whose bytes fit a piece (a row too long for one is cut along its own
 leading dim, down to runs of elements; a contiguous run is cut at page boundaries of the file, so the pieces of a
@@ -58,7 +59,7 @@ class LandingPart:
 
     @property
     def direct(self) -> bool:
-        """Whether its bytes are ``dest``'s own bytes in order: one copy from the slot into it, no twin."""
+        """Whether its bytes are ``dest``'s own bytes in order: one copy from the slot into it, no buffer between."""
         return (self.dest.dtype == self.dtype and self.strides == _contiguous(self.sizes)
                 and self.dest.is_contiguous())
 

@@ -3,13 +3,19 @@
 A read from a file lands in host memory; a copy to a GPU overlaps the next read only from pinned memory, and
 pinning is slow (about half a second per GB on the machines measured, ``bench/warm_limits.py``). A buffer per
 request, pinned afresh, made the first load of a process spend most of its time pinning. The ring pins
-``slots x slot_bytes`` once (256 MiB and 128 KiB by default) and every load of the process reuses it: the loader
+``slots x slot_bytes`` once (512 MiB and 128 KiB by default) and every load of the process reuses it: the loader
 takes a slot for the next piece it reads ahead, a reader thread waits for the slot's last copy to have run and reads
 into it, and the loader, when it needs the piece, queues the slot's copy to the GPU and gives the slot back with
 that copy's event. Sixteen slots reach the page cache's copy limit on the H200 hosts measured (27 GB/s per GPU with
-two GPUs reading at once, 40 GB/s with one; ``bench/warm_limits.py``); 16 MiB a slot rather than 8 halves the pieces
-of a load, each of which costs its loading thread and a reading thread their Python (a warm 4 GB Qwen3-MoE on 2 H200s,
-same call: EP2 0.109 s against 0.134, FSDP2 0.102 against 0.107, ETP2 0.140 against 0.147; ``bench/RESULTS.md``).
+two GPUs reading at once, 40 GB/s with one; ``bench/warm_limits.py``). Each piece of a load costs its loading thread
+and a reading thread their Python, so larger slots make a load faster down to the fewest that keep 16 threads
+reading: 16 MiB a slot rather than 8 halved the pieces (a warm 4 GB Qwen3-MoE on 2 H200s, same call: EP2 0.109 s
+against 0.134, ETP2 0.140 against 0.147), and 32 MiB rather than 16 halved them again (8 GB, round robin in the
+same processes, two calls: ETP2 0.255-0.260 s against 0.281-0.288 and 0.287 against 0.319, EP2 0.186-0.197 against
+0.194-0.200, FSDP2 0.200 against 0.204); 8 slots of 64 MiB or 12 of 32 were slower than 16 of 32
+(``bench/RESULTS.md``). The price: 512 MiB of pinned host memory a process. A piece whose bytes go to strided
+places goes through a buffer of one slot on the GPU, which the loader takes from torch's caching allocator per piece
+and lets go (``box_reads.py``): the ring holds no GPU memory.
 """
 
 from __future__ import annotations
@@ -20,23 +26,21 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["SLOTS", "SLOT_BYTES", "StagingRing", "staging_ring"]
+__all__ = ["SLOTS", "SLOT_BYTES", "StagingRing", "as_dtype", "staging_ring"]
 
 _ALIGN = 4096  # slots start on a page: O_DIRECT reads land in them
-# 16 MiB of data and the two pages an unaligned range's O_DIRECT cover may add: a slot carries 16 MiB whole (a
-# 1 MiB-per-expert box in 16 experts a slot, not 15 and a remainder)
-SLOT_BYTES = (16 << 20) + 2 * _ALIGN
+# 32 MiB of data and the two pages an unaligned range's O_DIRECT cover may add: a slot carries 32 MiB whole (a
+# 1 MiB-per-expert box in 32 experts a slot, not 31 and a remainder)
+SLOT_BYTES = (32 << 20) + 2 * _ALIGN
 SLOTS = 16
 
 
 @dataclass(eq=False)
 class Slot:
-    """One slot: ``buffer`` (uint8, ``slot_bytes``), the event of the last copy out of it (None: none pending) and its
-    device twins (``twin``), which that event covers too."""
+    """One slot: ``buffer`` (uint8, ``slot_bytes``) and the event of the last copy out of it (None: none pending)."""
 
     buffer: torch.Tensor
     event: torch.cuda.Event | None = None
-    twins: dict[torch.device, torch.Tensor] = field(default_factory=dict)
     _views: dict[object, torch.Tensor | memoryview] = field(
         default_factory=dict, init=False, repr=False)
     _done: dict[torch.device, torch.cuda.Event] = field(default_factory=dict, init=False, repr=False)
@@ -49,13 +53,12 @@ class Slot:
             view = self._views["bytes"] = memoryview(self.buffer.numpy())
         return view
 
-    def typed(self, dtype: torch.dtype, device: torch.device | None = None) -> torch.Tensor:
-        """The slot's buffer (``device`` None) or its twin on ``device``, as a flat tensor of ``dtype`` (kept: a
-        part's place is then one ``as_strided`` of it, from the view's own storage offset)."""
-        view = self._views.get((device, dtype))
+    def typed(self, dtype: torch.dtype) -> torch.Tensor:
+        """The slot's buffer as a flat tensor of ``dtype`` (kept: a part's place is then one ``as_strided`` of it,
+        from the view's own storage offset)."""
+        view = self._views.get(dtype)
         if view is None:
-            raw = self.buffer if device is None else self.twin(device)
-            view = self._views[device, dtype] = raw[:raw.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
+            view = self._views[dtype] = as_dtype(self.buffer, dtype)
         return view
 
     def done_event(self, device: torch.device) -> torch.cuda.Event:
@@ -67,19 +70,16 @@ class Slot:
             event = self._done[device] = torch.cuda.Event()
         return event
 
-    def twin(self, device: torch.device) -> torch.Tensor:
-        """The slot's twin on ``device``: ``slot_bytes`` there, made on first use and kept with the slot (a piece
-        whose bytes go to strided places is copied there whole, then spread by copies on the device)."""
-        twin = self.twins.get(device)
-        if twin is None:
-            twin = self.twins[device] = torch.empty(self.buffer.numel(), dtype=torch.uint8, device=device)
-        return twin
-
     def ready(self) -> None:
         """Wait until the last copy out of the slot has run: then it may be written. On the thread that fills it."""
         event, self.event = self.event, None
         if event is not None and not event.query():  # done: no wait (query keeps the GIL, a wait gives it up)
             event.synchronize()  # a failed copy (a broken device) raises here; the slot stays usable
+
+
+def as_dtype(raw: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    """The flat uint8 tensor ``raw`` seen as ``dtype``: its whole elements, from its first byte."""
+    return raw[:raw.numel() // dtype.itemsize * dtype.itemsize].view(dtype)
 
 
 class StagingRing:

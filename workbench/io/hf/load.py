@@ -139,7 +139,7 @@ def load_hf(
         read_threads: threads reading the files.
         budget_bytes: memory for slices read ahead of their copies; the load holds at most this much plus the
             largest single read. Into a GPU model this is device memory: reads go through the process's pinned
-            staging ring (256 MiB, pinned once per process, ``io/files/staging.py``), so a first load pins no more
+            staging ring (512 MiB, pinned once per process, ``io/files/staging.py``), so a first load pins no more
             than that, and adapters receive the key on the device.
         read_direct: ``"auto"`` reads a request of 1 MiB or more with ``O_DIRECT`` (4 KiB-aligned, around the page
             cache) when almost none of its pages are cached, ``True`` always, ``False`` never (a filesystem that
