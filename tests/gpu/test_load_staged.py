@@ -110,8 +110,11 @@ def test_a_load_through_device_buffers_holds_no_gpu_memory_after_it_and_one_slot
 
 def test_a_read_that_fails_mid_landing_fails_the_load_and_gives_every_slot_back(
         tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workbench.io.files.staging import SLOT_BYTES
+
     gen = torch.Generator().manual_seed(3)
-    state = {f"w{i}": torch.randn(1024, 4096, generator=gen).to(torch.bfloat16) for i in range(12)}  # 96 MiB
+    rows = (SLOT_BYTES - 2 * 4096) // 2 // (4096 * 2)  # two keys a slot: 12 keys make 6 pieces, at least 6 reads
+    state = {f"w{i}": torch.randn(rows, 4096, generator=gen).to(torch.bfloat16) for i in range(12)}
     wb.save_hf(state, tmp_path / "ckpt")
     ring = staging_ring()
     calls = []
@@ -119,7 +122,7 @@ def test_a_read_that_fails_mid_landing_fails_the_load_and_gives_every_slot_back(
 
     def preadv(fd: int, bufs: list, offset: int, *args: object) -> int:
         calls.append(offset)
-        if len(calls) == 6:  # in the middle: pieces before it landed, pieces after it are in flight
+        if len(calls) == 4:  # in the middle: pieces before it landed, pieces after it are in flight
             raise OSError(5, "Input/output error")
         return real(fd, bufs, offset, *args)
 
