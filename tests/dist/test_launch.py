@@ -336,3 +336,23 @@ def test_a_launch_given_its_own_endpoint_ignores_the_store_of_the_ranks_it_runs_
     assert all(r == {"sum": 2.0, "WORKBENCH_STORE": None, "GLOO_SOCKET_IFNAME": None,
                      "TORCH_DISABLE_SHARE_RDZV_TCP_STORE": None} for r in results.values()), results
     assert {n: os.environ.get(n) for n in inherited} == inherited  # the caller's environment given back
+
+
+@pytest.mark.slow
+def test_a_script_that_launches_outside_a_main_guard_is_told_to_add_one(tmp_path: Path) -> None:
+    # spawn imports the script again in every rank, which then calls launch itself: the rank used to exit with code 1
+    # and an empty log ("no error recorded"); the LaunchError now names the script and the fix
+    import subprocess
+
+    script = tmp_path / "unguarded.py"
+    script.write_text("import workbench as wb\n\ndef work():\n    return 1\n\nprint(wb.launch(work, nprocs=2, "
+                      "timeout=60))\n")
+    root = Path(__file__).resolve().parents[2]
+    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
+                          cwd=tmp_path)
+    assert done.returncode != 0
+    assert "LaunchError" in done.stderr, done.stderr[-3000:]
+    assert f"{script} calls wb.launch when it is imported" in done.stderr, done.stderr[-3000:]
+    assert 'if __name__ == "__main__":' in done.stderr
+    assert "no error recorded" not in done.stderr

@@ -102,6 +102,7 @@ def launch(
 
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}")
+    _refuse_in_a_rank_importing_main(_name_of(fn))
     payload = cloudpickle.dumps((fn, tuple(args)))
     # ranks of this host meet through files only this user can open (the agent's own stores would listen on
     # every interface, and unpickle what anyone writes there)
@@ -159,6 +160,28 @@ def launch(
         _flush()
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when a rank failed (LaunchError points at it)
     return dict(sorted(results.items()))
+
+
+def _refuse_in_a_rank_importing_main(name: str) -> None:
+    """Raise, and record for the launching process, when this process is a rank that spawn is still starting and
+    ``launch`` runs because spawn imports the caller's script again in every rank: a script that launches at its top
+    level, outside ``if __name__ == "__main__":``. Left alone the rank exited with code 1 and an empty log."""
+    import multiprocessing
+
+    if _RECORDS_ENV not in os.environ or not getattr(multiprocessing.current_process(), "_inheriting", False):
+        return
+    rank = int(os.environ.get("RANK", "0"))
+    script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main module"
+    step = f"importing {script}, which spawn runs again in every rank"
+    message = f"{script} calls wb.launch when it is imported, so every rank it starts launches again"
+    hint = ('\n(put the launch under `if __name__ == "__main__":`, as for any spawned process; a notebook cell '
+            "needs nothing)")
+    _write_record(rank, {"kind": "bootstrap", "step": step, "name": name, "message": f"RuntimeError: {message}",
+                         "hint": hint,
+                         "traceback": "".join(traceback.format_stack())})
+    print(f"rank {rank} failed before running {name}, while {step}:\nRuntimeError: {message}{hint}", file=sys.stderr,
+          flush=True)
+    raise RuntimeError(f"{message}{hint}")
 
 
 def _worker(payload: bytes, backend: str, timeout: float | None, name: str = "the function") -> Any:
@@ -243,7 +266,7 @@ _HINT = (
 def _name_of(fn: Callable[..., Any]) -> str:
     module = getattr(fn, "__module__", None)
     qualname = getattr(fn, "__qualname__", None) or type(fn).__qualname__
-    return f"{module}.{qualname}" if module and module != "__main__" else qualname
+    return f"{module}.{qualname}" if module and module not in ("__main__", "__mp_main__") else qualname
 
 
 def _arm_native_watchdog(seconds: float) -> None:
