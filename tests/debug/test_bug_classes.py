@@ -137,7 +137,27 @@ def _case_one_tp_shard_written_by_every_rank():
             "rank 0's shard written in every rank's slot (S(1)@tp over 4 ranks)")
 
 
+def _case_qkv_fused_in_another_order():
+    # a GQA attention's fused projection (16 q heads, 4 kv heads, head_dim 2) saved as [k, q, v] where the model reads
+    # [q, k, v]: three parts of unequal size, so no equal-block order names it
+    key = "model.layers.0.self_attn.qkv_proj.weight"
+    q, k, v = _rand(32, 6, seed=3), _rand(8, 6, seed=4), _rand(8, 6, seed=5)
+    return ({key: torch.cat([q, k, v])}, {key: torch.cat([k, q, v])}, None, key, "permuted",
+            "q/k/v fused in the order k, q, v (q of 32 rows, k and v of 8 each)")
+
+
+def _case_gate_up_rows_interleaved():
+    # a fused gate_up saved with gate and up rows alternating (row 2i: gate row i, 2i+1: up row i) where the model
+    # reads the gate block then the up block
+    key = "model.layers.0.mlp.gate_up_proj.weight"
+    gate, up = _rand(8, 6, seed=6), _rand(8, 6, seed=7)
+    return ({key: torch.cat([gate, up])}, {key: torch.stack([gate, up], dim=1).reshape(16, 6)}, None, key,
+            "permuted", "gate and up rows interleaved")
+
+
 CASES: dict[str, Callable] = {
+    "qkv_fused_in_another_order": _case_qkv_fused_in_another_order,
+    "gate_up_rows_interleaved": _case_gate_up_rows_interleaved,
     "gate_up_fused_halves_swapped": _case_gate_up_fused,
     "gate_up_keys_swapped": _case_gate_up_keys_swapped,
     "gate_up_plain_concat_under_tp": _case_gate_up_plain_concat_under_tp,

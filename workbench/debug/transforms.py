@@ -16,6 +16,8 @@ wrong rank order            ``permuted``               reversed, the two mesh di
 interleave applied twice    ``permuted``               the interleave's map composed with itself
 one shard in every slot     ``partial_shard``          every block holds reference block ``k``
 gate/up halves swapped      ``permuted``               halves swapped (in each of k groups)
+gate/up rows interleaved    ``permuted``               row ``2i + h`` holds row ``h*N/2 + i`` (or the inverse)
+q/k/v in another order      ``permuted``               three parts of N*m/(m+2), N/(m+2), N/(m+2) reordered
 transposed                  ``permuted``               ``actual = reference.T``
 replicated x W              ``replicated_concat``      ``i -> i % N``
 one shard only              ``partial_shard``          rank r's rows (contiguous or interleaved), only
@@ -153,6 +155,9 @@ def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str,
     fusedish = any(s in key for s in ("gate_up", "w13", "w1w3", "fused", "gate_proj"))
     if fusedish and n % 2 == 0:
         yield _halves(n, dim, 1)
+        yield from _rows_interleaved(n, dim)
+    if _QKV_KEY.search(key):
+        yield from _qkv_orders(n, dim)
     if dim == 0 and _ROTARY_KEY.search(key):  # first: its map is also an interleaved shard's, by coincidence
         yield from _rotary_candidates(n)
     for w, f, mesh_dim, g in _pairs(n, hints, dim):
@@ -217,6 +222,51 @@ def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str,
     for k in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         if n % (2 * k) == 0 and not (k == 1 and fusedish):
             yield _halves(n, dim, k)
+
+
+_QKV_KEY = re.compile(r"(qkv|query_key_value|W_pack|c_attn|in_proj)")
+
+
+def _rows_interleaved(n: int, dim: int) -> Iterator[Candidate]:
+    """A fused gate/up whose gate and up slices alternate (slice ``2i``: gate ``i``, ``2i+1``: up ``i``) where two
+    blocks are expected, and the inverse."""
+    half = n // 2
+    idx = torch.arange(n, dtype=torch.int64)
+    interleaved = (idx % 2) * half + idx // 2
+    yield Candidate("permuted", dim, interleaved,
+                    f"gate and up rows interleaved (slice 2i gate i, 2i+1 up i) on dim {dim}, where the gate block "
+                    "then the up block is expected",
+                    f"the fused gate/up was written with its gate and up slices alternating (as some frameworks fuse "
+                    f"it): de-interleave it on dim {dim} (unflatten it into ({half}, 2), swap those two dims, flatten "
+                    "them) in the conversion, or fuse it as [gate; up]",
+                    (("layout", "interleaved"),))
+    yield Candidate("permuted", dim, 2 * (idx % half) + idx // half,
+                    f"gate and up as two blocks on dim {dim}, where their rows interleaved (slice 2i gate i, 2i+1 "
+                    "up i) are expected",
+                    f"the model reads its fused gate/up with gate and up slices alternating, but this checkpoint "
+                    f"holds the gate block then the up block: interleave them on dim {dim} when converting",
+                    (("layout", "blocks"),))
+
+
+def _qkv_orders(n: int, dim: int) -> Iterator[Candidate]:
+    """A fused attention projection whose q, k and v parts (q ``m`` times as long as k and v: grouped-query
+    attention) are in another order than q, k, v."""
+    names = ("q", "k", "v")
+    for m in range(1, 65):
+        if n % (m + 2):
+            continue
+        b = n // (m + 2)
+        unit = "rows" if dim == 0 else "slices"
+        starts, sizes = (0, m * b, (m + 1) * b), (m * b, b, b)
+        for order in ((0, 2, 1), (1, 0, 2), (1, 2, 0), (2, 0, 1), (2, 1, 0)):
+            src = torch.cat([torch.arange(starts[i], starts[i] + sizes[i], dtype=torch.int64) for i in order])
+            said = ", ".join(names[i] for i in order)
+            yield Candidate("permuted", dim, src,
+                            f"q/k/v fused in the order {said} (q of {m * b} {unit}, k and v of {b} each) on dim {dim}, "
+                            "where q, k, v is expected",
+                            f"the fused projection holds its parts as {said}: fuse them as q, k, v, the order the "
+                            "model splits them in (check the key map's order or the conversion's concatenation)",
+                            (("order", said), ("q_slices", m * b), ("kv_slices", b)))
 
 
 def _one_shard_everywhere(n: int, w: int, g: int, sig_ref: torch.Tensor | None,
