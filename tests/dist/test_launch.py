@@ -356,3 +356,22 @@ def test_a_script_that_launches_outside_a_main_guard_is_told_to_add_one(tmp_path
     assert f"{script} calls wb.launch when it is imported" in done.stderr, done.stderr[-3000:]
     assert 'if __name__ == "__main__":' in done.stderr
     assert "no error recorded" not in done.stderr
+
+
+def test_a_launch_that_fails_before_starting_leaves_no_store_or_log_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the private store's folder holds the rendezvous files: one left behind by a launch that never started is litter
+    # in /tmp at best; its log folder likewise
+    import tempfile
+
+    import torch.distributed.launcher.api as api
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+
+    def refuse(**kwargs: object) -> None:
+        raise RuntimeError("no launch today")
+
+    monkeypatch.setattr(api, "LaunchConfig", refuse)
+    with pytest.raises(RuntimeError, match="no launch today"):
+        launch(_hello, nprocs=2, args=([0.0] * 2,))
+    assert list(tmp_path.iterdir()) == []

@@ -108,26 +108,32 @@ def launch(
     # every interface, and unpickle what anyone writes there)
     store = PrivateStore() if nnodes == 1 and rdzv_endpoint is None else None
     log_dir = tempfile.mkdtemp(prefix="workbench-launch-")
-    config = LaunchConfig(
-        min_nodes=nnodes,
-        max_nodes=nnodes,
-        nproc_per_node=nprocs,
-        run_id=f"workbench-{uuid.uuid4().hex[:8]}",
-        rdzv_backend="c10d",
-        rdzv_endpoint=store.rendezvous if store else rdzv_endpoint or f"127.0.0.1:{_free_port()}",
-        rdzv_configs=store.agent_rendezvous() if store else {"rank": node_rank} if nnodes > 1 else {},
-        max_restarts=0,
-        monitor_interval=0.1,
-        start_method="spawn",
-        log_line_prefix_template="[rank${rank}]: ",
-        logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL),
-    )
-    saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
-    extra = {**(env or {}), _RECORDS_ENV: log_dir}
-    if store:
-        extra = {**store.agent_environment({**os.environ, **extra}), **extra}
-    # no store hosted here: nothing of one hosted for this process's own ranks (a kernel's) reaches these
-    dropped = [] if store else [n for n in inherited_variables() if n not in extra]
+    try:  # nothing made here outlives a failure before the launch (the store's folder holds a live rendezvous)
+        config = LaunchConfig(
+            min_nodes=nnodes,
+            max_nodes=nnodes,
+            nproc_per_node=nprocs,
+            run_id=f"workbench-{uuid.uuid4().hex[:8]}",
+            rdzv_backend="c10d",
+            rdzv_endpoint=store.rendezvous if store else rdzv_endpoint or f"127.0.0.1:{_free_port()}",
+            rdzv_configs=store.agent_rendezvous() if store else {"rank": node_rank} if nnodes > 1 else {},
+            max_restarts=0,
+            monitor_interval=0.1,
+            start_method="spawn",
+            log_line_prefix_template="[rank${rank}]: ",
+            logs_specs=DefaultLogsSpecs(log_dir=log_dir, redirects=Std.ALL, tee=Std.ALL),
+        )
+        saved = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+        extra = {**(env or {}), _RECORDS_ENV: log_dir}
+        if store:
+            extra = {**store.agent_environment({**os.environ, **extra}), **extra}
+        # no store hosted here: nothing of one hosted for this process's own ranks (a kernel's) reaches these
+        dropped = [] if store else [n for n in inherited_variables() if n not in extra]
+    except BaseException:
+        if store:
+            store.close()
+        shutil.rmtree(log_dir, ignore_errors=True)
+        raise
     old_env = {k: os.environ.get(k) for k in [*extra, *dropped]}
     os.environ.update(extra)
     for name in dropped:
