@@ -345,8 +345,9 @@ def test_a_script_that_launches_outside_a_main_guard_is_told_to_add_one(tmp_path
     import subprocess
 
     script = tmp_path / "unguarded.py"
-    script.write_text("import workbench as wb\n\ndef work():\n    return 1\n\nprint(wb.launch(work, nprocs=2, "
-                      "timeout=60))\n")
+    script.write_text("import workbench as wb\n\ndef work():\n    return 1\n\ntry:\n    wb.launch(work, nprocs=3, "
+                      "timeout=60)\nexcept wb.LaunchError as e:\n    print('RANKS', sorted(f.rank for f in e.failures))\n"
+                      "    raise\n")
     root = Path(__file__).resolve().parents[2]
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(root), os.environ.get("PYTHONPATH", "")])}
     done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=120, env=env,
@@ -355,7 +356,9 @@ def test_a_script_that_launches_outside_a_main_guard_is_told_to_add_one(tmp_path
     assert "LaunchError" in done.stderr, done.stderr[-3000:]
     assert f"{script} calls wb.launch when it is imported" in done.stderr, done.stderr[-3000:]
     assert 'if __name__ == "__main__":' in done.stderr
-    assert "no error recorded" not in done.stderr
+    assert "no error recorded" not in done.stderr  # every rank refused says so, under its own rank
+    ranks = [line for line in done.stdout.splitlines() if line.startswith("RANKS")]
+    assert ranks and eval(ranks[0][6:]) == sorted(set(eval(ranks[0][6:]))), done.stdout
 
 
 def test_a_launch_that_fails_before_starting_leaves_no_store_or_log_folder(

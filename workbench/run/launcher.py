@@ -176,17 +176,17 @@ def _refuse_in_a_rank_importing_main(name: str) -> None:
 
     if _RECORDS_ENV not in os.environ or not getattr(multiprocessing.current_process(), "_inheriting", False):
         return
-    rank = int(os.environ.get("RANK", "0"))
     script = getattr(sys.modules.get("__mp_main__"), "__file__", None) or "the main module"
     step = f"importing {script}, which spawn runs again in every rank"
     message = f"{script} calls wb.launch when it is imported, so every rank it starts launches again"
     hint = ('\n(put the launch under `if __name__ == "__main__":`, as for any spawned process; a notebook cell '
             "needs nothing)")
-    _write_record(rank, {"kind": "bootstrap", "step": step, "name": name, "message": f"RuntimeError: {message}",
-                         "hint": hint,
-                         "traceback": "".join(traceback.format_stack())})
-    print(f"rank {rank} failed before running {name}, while {step}:\nRuntimeError: {message}{hint}", file=sys.stderr,
-          flush=True)
+    # torch sets a rank's RANK only after spawn has imported the script: the record names this process, and the
+    # launching process gives it the rank torch knows that process by
+    _write_record(None, {"kind": "bootstrap", "step": step, "name": name, "message": f"RuntimeError: {message}",
+                         "hint": hint, "traceback": "".join(traceback.format_stack())})
+    print(f"a rank (pid {os.getpid()}) failed before running {name}, while {step}:\nRuntimeError: {message}{hint}",
+          file=sys.stderr, flush=True)
     raise RuntimeError(f"{message}{hint}")
 
 
@@ -313,15 +313,18 @@ def _watchdog(rank: int, timeout: float, stop: threading.Event) -> None:
     os._exit(_TIMEOUT_EXIT)
 
 
-def _write_record(rank: int, record: dict[str, Any]) -> None:
+def _write_record(rank: int | None, record: dict[str, Any]) -> None:
+    """Record how this rank failed for the launching process; ``rank`` None: a process that does not know its rank
+    yet, recorded by its pid."""
     directory = os.environ.get(_RECORDS_ENV)
     if not directory:
         return
     import json
 
     with contextlib.suppress(OSError):
-        path = Path(directory) / f"failure-rank{rank}.json"
-        path.write_text(json.dumps({"rank": rank, "time": time.time(), **record}))
+        name = f"failure-rank{rank}.json" if rank is not None else f"failure-pid{os.getpid()}.json"
+        (Path(directory) / name).write_text(json.dumps({"rank": rank, "pid": os.getpid(), "time": time.time(),
+                                                        **record}))
 
 
 def _innermost_user_frame(stack: Sequence[str]) -> str:
@@ -341,6 +344,15 @@ def _failures(exc: Any, log_dir: str) -> list[RankFailure]:
         with contextlib.suppress(OSError, ValueError):
             record = json.loads(path.read_text())
             records[int(record["rank"])] = record
+    by_pid = {}
+    for path in Path(log_dir).glob("failure-pid*.json"):
+        with contextlib.suppress(OSError, ValueError):
+            record = json.loads(path.read_text())
+            by_pid[int(record["pid"])] = record
+    for rank, failure in exc.failures.items():  # a process that failed before it knew its rank: torch knows it
+        record = by_pid.get(int(getattr(failure, "pid", -1)))
+        if int(rank) not in records and record is not None:
+            records[int(rank)] = {**record, "rank": int(rank)}
     exit_codes = {int(rank): int(f.exitcode) for rank, f in exc.failures.items()}
     out = []
     for rank, record in records.items():
