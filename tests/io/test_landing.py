@@ -6,6 +6,7 @@ and O_DIRECT (on a disk directory: tmpfs may not do direct I/O)."""
 
 from __future__ import annotations
 
+import dataclasses
 import errno
 import itertools
 import json
@@ -535,7 +536,11 @@ def test_a_truncated_file_is_a_short_read(tmp_path: Path) -> None:
         f.truncate(os.path.getsize(path) - 1000)
     entries = _row_entries(index, w, 20)
     ring = StagingRing(4, 3 * ALIGN, pinned=False)
-    with BoxReader(index, entries, device="cpu", ring=ring, threads=4, direct=False) as r:
+    with pytest.raises(CheckpointError, match="rewritten in place since its header was read"):
+        BoxReader(index, entries, device="cpu", ring=ring, threads=4, direct=False)  # seen at open, before any read
+    assert all_slots_free(ring)
+    unrecorded = dataclasses.replace(index, file_ids={})  # without that record the reads come up short
+    with BoxReader(unrecorded, entries, device="cpu", ring=ring, threads=4, direct=False) as r:
         exc = _within(20, r.finish)
         assert isinstance(exc, CheckpointError), exc
         assert re.search(rf"{re.escape(file)}: short read at byte \d+", str(exc)), str(exc)

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.io.files.index import CheckpointIndex, KeyInfo, torch_dtype
+from workbench.io.files.index import CheckpointIndex, KeyInfo, file_id, torch_dtype
 from workbench.io.files.landing import LandingPart, LandingPiece, kept_landing
 from workbench.io.files.staging import Slot, StagingRing, as_dtype, staging_ring
 from workbench.io.files.transfers import FileBox
@@ -997,6 +997,10 @@ class BoxReader:
                     raise CheckpointError(f"{path}: cannot open with O_DIRECT: {exc}") from exc
                 self.direct_refused[file] = f"opening with O_DIRECT: {exc}"
                 return None
+            changed = self._changed(file, fd)  # opened by path again: it must be the file the other fd reads
+            if changed:
+                os.close(fd)
+                raise CheckpointError(changed)
             self._direct_fds[file] = fd
             return fd
 
@@ -1089,6 +1093,10 @@ class BoxReader:
                     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 except OSError as exc:
                     raise CheckpointError(f"{path}: cannot open: {exc}") from exc
+                changed = self._changed(file, fd)
+                if changed:
+                    os.close(fd)
+                    raise CheckpointError(changed)
                 if hasattr(os, "posix_fadvise"):  # no readahead: the reads are large and parallel already, and
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # readahead reads bytes nobody owns
                 head = os.pread(fd, 8, 0)
@@ -1098,6 +1106,31 @@ class BoxReader:
                 got = (fd, 8 + int.from_bytes(head, "little"))
                 self._fds[file] = got
             return got
+
+
+    def _changed(self, file: str, fd: int) -> str | None:
+        """Why the open file ``fd`` is not the ``file`` whose header the index holds (another save replaced it, or
+        rewrote it in place, since the header was read: the index's offsets would read another tensor's bytes),
+        or None."""
+        expected = self.index.file_ids.get(file)
+        if expected is None:
+            return None
+        now = file_id(os.fstat(fd))
+        if now == expected:
+            return None
+        how = "replaced by another file" if now[:2] != expected[:2] else "rewritten in place"
+        return (f"{self.index.path_of(file)}: {how} since its header was read (another save to this checkpoint "
+                "during the load?); its bytes no longer match the index: load again once the checkpoint is "
+                "complete")
+
+    def check_unchanged(self) -> None:
+        """Raise where a file this reader read is no longer the one its index was parsed from (rewritten in place
+        while it was read: the bytes read may be from both versions). Call after the last read has ended."""
+        opened = [(file, fd) for file, (fd, _) in list(self._fds.items())] + list(self._direct_fds.items())
+        for file, fd in opened:
+            changed = self._changed(file, fd)
+            if changed:
+                raise CheckpointError(changed)
 
 
 _POOLS: dict[int, ThreadPoolExecutor] = {}  # reading threads by count, shared by every reader of this process

@@ -126,6 +126,8 @@ class CheckpointIndex:
         index_file: the index json, or None for a single-file checkpoint.
         unlisted_keys: ``{file name: keys in its header that the weight map does not list}`` (HF loaders
             ignore them; usually a sign of a stale index).
+        file_ids: ``{file name: file_id(...)}`` of each file as its header was read: a reader that opens the file
+            later checks it is still that file (``box_reads``), not one another save put there since.
     """
 
     directory: Path
@@ -136,6 +138,7 @@ class CheckpointIndex:
     file_metadata: dict[str, dict[str, str]] = field(default_factory=dict)
     index_file: Path | None = None
     unlisted_keys: dict[str, tuple[str, ...]] = field(default_factory=dict)
+    file_ids: dict[str, tuple[int, ...]] = field(default_factory=dict)
 
     def path_of(self, file: str) -> Path:
         """The full path of one of ``files``."""
@@ -191,46 +194,59 @@ def write_index(
     return path
 
 
+def file_id(st: os.stat_result) -> tuple[int, ...]:
+    """What tells one file's contents from another's at one path: device, inode, size, modification and change
+    times (an atomic replace is a new inode; a rewrite in place, an append or a truncation changes the times)."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+
+
 def read_header(path: Path | str) -> tuple[dict[str, KeyInfo], dict[str, str], list[str]]:
     """Parse one safetensors header: ``(keys, __metadata__, problems)``; tensor data is not read.
 
     ``problems`` lists what is wrong, each naming the file (truncated, corrupt header, bad offsets). With
     a problem in the header itself, ``keys`` is empty.
     """
-    path = Path(path)
+    keys, metadata, problems, _ = _read_header(Path(path))
+    return keys, metadata, problems
+
+
+def _read_header(path: Path) -> tuple[dict[str, KeyInfo], dict[str, str], list[str], tuple[int, ...] | None]:
+    """``read_header`` and the ``file_id`` of the file it read (None where it could not be opened)."""
     name = path.name
     problems: list[str] = []
     cap = limits.MAX_HEADER_BYTES
     try:
-        size = path.stat().st_size
         with open(path, "rb", buffering=0) as f:
+            identity = file_id(os.fstat(f.fileno()))
+            size = identity[2]
             if hasattr(os, "posix_fadvise"):  # no readahead: it would read (and mark for more) tensor data
                 os.posix_fadvise(f.fileno(), 0, 0, os.POSIX_FADV_RANDOM)
             prefix = f.read(8)
             if len(prefix) < 8:
-                return {}, {}, [f"{path}: truncated file: {size} bytes, too short for the 8-byte header length"]
+                short = f"{path}: truncated file: {size} bytes, too short for the 8-byte header length"
+                return {}, {}, [short], identity
             (n,) = struct.unpack("<Q", prefix)
             if n > cap:
                 problem = (
                     f"{path}: corrupt header: header length {n} bytes is beyond the {cap}-byte limit "
                     "(MAX_HEADER_BYTES, safetensors' own); not a safetensors file, or garbled"
                 )
-                return {}, {}, [problem]
+                return {}, {}, [problem], identity
             if 8 + n > size:
                 problem = (
                     f"{path}: truncated file: header length {n} bytes runs past the end of the {size}-byte "
                     "file; the write was interrupted, re-save the checkpoint"
                 )
-                return {}, {}, [problem]
+                return {}, {}, [problem], identity
             raw = f.read(n)
     except (OSError, ValueError) as exc:  # ValueError: a name with a NUL byte
-        return {}, {}, [f"{path}: cannot read: {exc}"]
+        return {}, {}, [f"{path}: cannot read: {exc}"], None
     try:
         header = limits.parse_json(raw)
     except ValueError as exc:
-        return {}, {}, [f"{path}: corrupt header: the {n}-byte JSON header does not parse: {exc}"]
+        return {}, {}, [f"{path}: corrupt header: the {n}-byte JSON header does not parse: {exc}"], identity
     if not isinstance(header, dict):
-        return {}, {}, [f"{path}: corrupt header: expected a JSON object, got {type(header).__name__}"]
+        return {}, {}, [f"{path}: corrupt header: expected a JSON object, got {type(header).__name__}"], identity
 
     metadata = header.pop("__metadata__", None) or {}
     if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
@@ -259,7 +275,7 @@ def read_header(path: Path | str) -> tuple[dict[str, KeyInfo], dict[str, str], l
         )
     elif end < data_len:
         problems.append(f"{path}: corrupt file: {data_len - end} unexpected bytes after the last tensor")
-    return keys, {str(k): v for k, v in metadata.items()}, problems
+    return keys, {str(k): v for k, v in metadata.items()}, problems, identity
 
 
 def _parse_entry(path: Path, name: str, key: str, entry: object, problems: list[str]) -> KeyInfo | None:
@@ -422,6 +438,7 @@ def scan_checkpoint(path: Path | str) -> tuple[CheckpointIndex | None, tuple[str
     keys: dict[str, KeyInfo] = {}
     file_metadata: dict[str, dict[str, str]] = {}
     unlisted: dict[str, tuple[str, ...]] = {}
+    file_ids: dict[str, tuple[int, ...]] = {}
     headers: dict[str, dict[str, KeyInfo]] = {}
     keys_of_file: dict[str, list[str]] = {}
     for key, file in weight_map.items():
@@ -439,8 +456,10 @@ def scan_checkpoint(path: Path | str) -> tuple[CheckpointIndex | None, tuple[str
                 f"e.g. {named[:3]}"
             )
             continue
-        header, metadata, header_problems = read_header(file_path)
+        header, metadata, header_problems, identity = _read_header(file_path)
         problems.extend(header_problems)
+        if identity is not None:
+            file_ids[file] = identity
         file_metadata[file] = metadata
         if header or not header_problems:  # an unreadable header is reported once, not once per key
             headers[file] = header
@@ -471,6 +490,7 @@ def scan_checkpoint(path: Path | str) -> tuple[CheckpointIndex | None, tuple[str
         file_metadata=file_metadata,
         index_file=index_file,
         unlisted_keys=unlisted,
+        file_ids=file_ids,
     )
     return index, tuple(problems)
 

@@ -223,6 +223,7 @@ def load_hf(
             boxes.finish()  # the boxes landing on the GPU from the reading threads: queued, or the first failure
             if on_gpu:  # the copies were queued: they land before anyone reads the model
                 torch.cuda.synchronize()
+            boxes.check_unchanged()  # no file was rewritten under the reads
             clock.lap("drain")
             clock.add("read_wait", boxes.wait_seconds)
         except BaseException as exc:  # an interrupt is this rank's problem first, raised after the agreement

@@ -1,0 +1,85 @@
+"""A checkpoint changed under a load: another save publishes at the same path, or a file is rewritten in place, while
+``load_hf`` reads it. The index (with every tensor's offsets) is parsed once; reading a file opened after it changed
+applied the old offsets to the new bytes, and the load succeeded with tensors mixed from two checkpoints (or each
+holding the other's values). Every case here must fail the load, naming the file."""
+
+from __future__ import annotations
+
+import json
+import os
+import struct
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+import workbench as wb
+from workbench.faults import fault_hook
+
+
+def _write(path: Path, items: list[tuple[str, torch.Tensor]]) -> None:
+    """A safetensors file of float32 ``items``, in that order, written by hand (not by the code under test)."""
+    header, offset, blobs = {}, 0, []
+    for key, t in items:
+        n = t.numel() * 4
+        header[key] = {"dtype": "F32", "shape": list(t.shape), "data_offsets": [offset, offset + n]}
+        offset += n
+        blobs.append(t.numpy().tobytes())
+    raw = json.dumps(header).encode()
+    raw += b" " * (-len(raw) % 8)
+    path.write_bytes(struct.pack("<Q", len(raw)) + raw + b"".join(blobs))
+
+
+def _checkpoint(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
+    folder.mkdir()
+    a = torch.arange(4096, dtype=torch.float32).reshape(64, 64)
+    tensors = {"a": a, "b": -a - 1}
+    file = folder / "model.safetensors"
+    _write(file, list(tensors.items()))
+    old = time.time() - 5  # settled: the parsed index may be kept (index.py keeps none changed within a second)
+    os.utime(file, (old, old))
+    return tensors, file
+
+
+@pytest.mark.parametrize("point", ["load.planned", "load.read"])
+def test_a_file_replaced_during_a_load_fails_it(tmp_path: Path, point: str) -> None:
+    tensors, file = _checkpoint(tmp_path / "ckpt")
+    swapped = [("b", tensors["b"] + 1000), ("a", tensors["a"] + 1000)]  # same keys and shapes, other file order
+    done = []
+
+    def replace(where: str, rank: int, detail: object) -> None:
+        if where == point and not done:
+            done.append(where)
+            _write(file.with_name(".next"), swapped)
+            os.replace(file.with_name(".next"), file)  # what a save's publish does: a new file at the same path
+
+    targets = {k: torch.zeros(64, 64) for k in tensors}
+    with fault_hook(replace), pytest.raises(wb.LoadFailed, match="replaced by another file since its header"):
+        wb.load_hf(targets, tmp_path / "ckpt", read_direct=False)
+    assert done
+
+
+def test_a_file_rewritten_in_place_while_it_is_read_fails_the_load(tmp_path: Path) -> None:
+    tensors, file = _checkpoint(tmp_path / "ckpt")
+    done = []
+
+    def rewrite(where: str, rank: int, detail: object) -> None:
+        if where == "load.read" and not done:  # the file is open and being read: its bytes change under it
+            done.append(where)
+            with open(file, "r+b") as f:
+                f.seek(-4, os.SEEK_END)
+                f.write(struct.pack("<f", 12345.0))
+
+    targets = {k: torch.zeros(64, 64) for k in tensors}
+    with fault_hook(rewrite), pytest.raises(wb.LoadFailed, match="rewritten in place since its header"):
+        wb.load_hf(targets, tmp_path / "ckpt", read_direct=False)
+    assert done
+
+
+def test_an_unchanged_checkpoint_loads_and_a_settled_repeat_load_reuses_its_index(tmp_path: Path) -> None:
+    tensors, _ = _checkpoint(tmp_path / "ckpt")
+    for _ in range(2):
+        targets = {k: torch.zeros(64, 64) for k in tensors}
+        assert wb.load_hf(targets, tmp_path / "ckpt", read_direct=False).ok
+        assert all(torch.equal(targets[k], v) for k, v in tensors.items())
