@@ -237,10 +237,12 @@ def test_saving_over_a_checkpoint_replaces_it_atomically(tmp_path: Path) -> None
     assert set(_index(path)["weight_map"]) == set(old_state)
     handle.wait()
 
-    # then the new one, and only it: a new directory swapped in, not files written over the old ones
+    # then the new one: a new directory swapped in, not files written over the old ones; the old weights (five
+    # shards) are gone, and a file that is not a checkpoint's own is kept beside the new weights
     assert path.stat().st_ino != old_inode
-    want = [INDEX_NAME, LAYOUT_FILE_NAME, "model-00001-of-00001.safetensors"]
+    want = [INDEX_NAME, LAYOUT_FILE_NAME, "model-00001-of-00001.safetensors", "stale.txt"]
     assert sorted(p.name for p in path.iterdir()) == sorted(want)
+    assert (path / "stale.txt").read_text() == "from an older run"
     assert set(_index(path)["weight_map"]) == set(new_state)
     read = _everything(path)
     assert read.keys() == new_state.keys() and all(torch.equal(read[k], new_state[k]) for k in new_state)
@@ -367,3 +369,27 @@ def test_an_async_save_to_a_relative_path_lands_there_after_a_chdir(tmp_path: Pa
     loaded = {k: torch.zeros_like(v) for k, v in state.items()}
     wb.load_hf(loaded, tmp_path / "ckpt")
     assert all(torch.equal(loaded[k], state[k]) for k in state)
+
+
+@pytest.mark.parametrize("async_save", [False, True])
+def test_saving_into_a_model_folder_replaces_its_weights_and_keeps_its_other_files(tmp_path: Path,
+                                                                                   async_save: bool) -> None:
+    # an HF model folder (or a trainer's checkpoint-N): config, tokenizer and optimizer state beside the weights.
+    # The save used to replace the folder whole and delete them; the old weights must still go (a stale shard
+    # beside a new index is a broken checkpoint)
+    path = tmp_path / "model"
+    wb.save_hf({f"old.{i}": torch.full((4,), float(i)) for i in range(3)}, path, max_shard_bytes=16)
+    others = {"config.json": b'{"model_type": "llama"}', "tokenizer.json": b'{"version": "1.0"}',
+              "optimizer.pt": bytes(range(256)) * 4}
+    for name, data in others.items():
+        (path / name).write_bytes(data)
+    (path / "model.safetensors").write_bytes(b"a stale single file")  # not ours to keep: weights of another save
+    new_state = _mixed_model()
+    handle = wb.save_hf(new_state, path, async_save=async_save)
+    if async_save:
+        handle.wait()
+    names = sorted(p.name for p in path.iterdir())
+    assert names == sorted([INDEX_NAME, LAYOUT_FILE_NAME, "model-00001-of-00001.safetensors", *others]), names
+    assert all((path / name).read_bytes() == data for name, data in others.items())
+    read = _everything(path)
+    assert read.keys() == new_state.keys() and all(torch.equal(read[k], new_state[k]) for k in new_state)

@@ -45,6 +45,7 @@ from workbench.io.files.ownership import (
 )
 from workbench.io.files.publish_types import INCOMPLETE_SUFFIX, is_temporary_path, temporary_path
 from workbench.io.files.write import fsync_dir, fsync_file
+from workbench.layout.layout_file import LAYOUT_FILE_NAME
 
 __all__ = ["OLD_SUFFIX", "AtomicRenamePublisher", "exchange_paths", "is_complete", "validate_final"]
 
@@ -169,6 +170,7 @@ class AtomicRenamePublisher:
         self.heartbeat_period = float(heartbeat_period)
         self._claim: LiveClaim | None = None
         self._heartbeat: Heartbeat | None = None
+        self.carried: tuple[str, ...] = ()  # the files of the replaced checkpoint kept beside the new weights
 
     @property
     def final(self) -> Path:
@@ -346,17 +348,42 @@ class AtomicRenamePublisher:
                 raise CheckpointError(
                     f"cannot publish at {final}: while the save ran it became a directory that is not a checkpoint "
                     f"({why}); it was left as it is, and the new checkpoint was not published")
-            elif self.use_exchange and exchange_paths(temporary, final):
-                fsync_dir(final.parent)
-                self._discard(temporary)  # the old checkpoint, swapped to the temporary name
             else:
-                self._publish_by_rename_aside()
+                self._carry_other_files(temporary, final)
+                if self.use_exchange and exchange_paths(temporary, final):
+                    fsync_dir(final.parent)
+                    self._discard(temporary)  # the old checkpoint, swapped to the temporary name
+                else:
+                    self._publish_by_rename_aside()
             (final / MARKER_NAME).unlink(missing_ok=True)  # it belonged to the unpublished directory only
             fsync_dir(final)  # the marker's removal, durable with the publish
             fsync_dir(final.parent)
         except OSError as exc:
             raise CheckpointError(f"publishing {temporary} as {final} failed: {exc}") from exc
         return final
+
+    def _carry_other_files(self, temporary: Path, final: Path) -> tuple[str, ...]:
+        """Hard-link (or copy) into ``temporary`` every file of the checkpoint at ``final`` that is not a
+        checkpoint's own (``.safetensors`` files, the index, the layout, a save's marker) and that the new one does
+        not hold: a model folder's ``config.json`` and tokenizer files, a trainer's optimizer state. A save replaces
+        the weights of a folder, not what it holds beside them (as ``save_pretrained`` writing into it would).
+        Returns their names (also kept as ``carried``)."""
+        carried = []
+        with os.scandir(final) as entries:
+            for entry in entries:
+                name = entry.name
+                if (entry.is_dir(follow_symlinks=False) or name.endswith(".safetensors")
+                        or name in (INDEX_NAME, LAYOUT_FILE_NAME, MARKER_NAME) or os.path.lexists(temporary / name)):
+                    continue
+                try:
+                    os.link(entry.path, temporary / name, follow_symlinks=False)
+                except OSError:  # a filesystem without hard links
+                    shutil.copy2(entry.path, temporary / name, follow_symlinks=False)
+                carried.append(name)
+        if carried:
+            fsync_dir(temporary)
+        self.carried = tuple(sorted(carried))
+        return self.carried
 
     def _publish_by_rename_aside(self) -> None:
         final, aside = self._final, self.aside

@@ -124,7 +124,9 @@ def save_hf(
             a state dict of them.
         path: the checkpoint directory to create or replace. An existing directory is replaced only when it is
             empty or a checkpoint (files only, among them an index or a ``.safetensors`` file); any other is
-            refused before anything is written (a SaveFailed on every rank, saying why) and left as it was.
+            refused before anything is written (a SaveFailed on every rank, saying why) and left as it was. A
+            replaced checkpoint's weights, index and layout go; its other files (``config.json``, tokenizer files,
+            a trainer's optimizer state) are kept in the new directory.
         layout: the model's Layout (default: ``Layout.from_model(model, key_map)``). Each tensor is saved in its
             own dtype: a parameter the layout gives no dtype takes its tensor's, and a given dtype that disagrees
             with the tensor is an error (LayoutError on that rank, SaveFailed on its peers, before any data moves).
