@@ -4,6 +4,7 @@ save dtypes, config files, async save, replacing a checkpoint, and bit-exact rou
 from __future__ import annotations
 
 import json
+import os
 import re
 import time
 from pathlib import Path
@@ -380,10 +381,13 @@ def test_saving_into_a_model_folder_replaces_its_weights_and_keeps_its_other_fil
     path = tmp_path / "model"
     wb.save_hf({f"old.{i}": torch.full((4,), float(i)) for i in range(3)}, path, max_shard_bytes=16)
     others = {"config.json": b'{"model_type": "llama"}', "tokenizer.json": b'{"version": "1.0"}',
-              "optimizer.pt": bytes(range(256)) * 4}
+              "optimizer.pt": bytes(range(256)) * 4, "training_args.bin": b"args", "rng_state_0.pth": b"rng"}
     for name, data in others.items():
         (path / name).write_bytes(data)
-    (path / "model.safetensors").write_bytes(b"a stale single file")  # not ours to keep: weights of another save
+    # weights of another save, in any format, and their indexes: never kept beside the new weights
+    for name in ("model.safetensors", "pytorch_model.bin", "pytorch_model-00001-of-00002.bin",
+                 "pytorch_model.bin.index.json", "consolidated.00.pth"):
+        (path / name).write_bytes(b"old weights")
     new_state = _mixed_model()
     handle = wb.save_hf(new_state, path, async_save=async_save)
     if async_save:
@@ -393,3 +397,24 @@ def test_saving_into_a_model_folder_replaces_its_weights_and_keeps_its_other_fil
     assert all((path / name).read_bytes() == data for name, data in others.items())
     read = _everything(path)
     assert read.keys() == new_state.keys() and all(torch.equal(read[k], new_state[k]) for k in new_state)
+
+
+def test_a_file_removed_while_it_is_carried_over_is_skipped(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # its owner deletes a temporary file of its own between the carry's scan and its link: the save goes on
+    from workbench.io.files import publish
+
+    path = tmp_path / "model"
+    wb.save_hf({"w": torch.ones(4)}, path)
+    (path / "config.json").write_text("{}")
+    (path / "optimizer.pt.tmp").write_text("going")
+    real = os.link
+
+    def link(src: str, dst: object, **kwargs: object) -> None:
+        if str(src).endswith("optimizer.pt.tmp"):
+            os.unlink(src)
+        real(src, dst, **kwargs)
+
+    monkeypatch.setattr(publish.os, "link", link)
+    wb.save_hf({"w": torch.full((4,), 2.0)}, path)
+    assert sorted(p.name for p in path.iterdir()) == sorted(
+        [INDEX_NAME, LAYOUT_FILE_NAME, "model-00001-of-00001.safetensors", "config.json"])

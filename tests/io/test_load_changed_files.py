@@ -83,3 +83,33 @@ def test_an_unchanged_checkpoint_loads_and_a_settled_repeat_load_reuses_its_inde
         targets = {k: torch.zeros(64, 64) for k in tensors}
         assert wb.load_hf(targets, tmp_path / "ckpt", read_direct=False).ok
         assert all(torch.equal(targets[k], v) for k, v in tensors.items())
+
+
+def test_a_hard_link_or_chmod_of_a_file_during_a_load_changes_no_byte_and_fails_nothing(tmp_path: Path) -> None:
+    # rsync --link-dest, cp -al and dedup tools link checkpoint files while jobs read them: the change time moves,
+    # the bytes do not
+    tensors, file = _checkpoint(tmp_path / "ckpt")
+    done = []
+
+    def touch_metadata(where: str, rank: int, detail: object) -> None:
+        if where == "load.read" and not done:
+            done.append(where)
+            os.link(file, tmp_path / "backup.safetensors")
+            os.chmod(file, 0o444)
+
+    targets = {k: torch.zeros(64, 64) for k in tensors}
+    with fault_hook(touch_metadata):
+        assert wb.load_hf(targets, tmp_path / "ckpt", read_direct=False).ok
+    assert done and all(torch.equal(targets[k], v) for k, v in tensors.items())
+
+
+def test_the_checkpoint_reader_refuses_a_file_replaced_after_its_index_was_parsed(tmp_path: Path) -> None:
+    from workbench.errors import CheckpointError
+    from workbench.io.files.read import CheckpointReader
+
+    tensors, file = _checkpoint(tmp_path / "ckpt")
+    with CheckpointReader(tmp_path / "ckpt") as reader:
+        _write(file.with_name(".next"), [("b", tensors["b"]), ("a", tensors["a"])])
+        os.replace(file.with_name(".next"), file)
+        with pytest.raises(CheckpointError, match="replaced by another file since its header was read"):
+            reader.read("a")

@@ -58,7 +58,7 @@ import numpy as np
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.io.files.index import CheckpointIndex, KeyInfo, file_id, torch_dtype
+from workbench.io.files.index import CheckpointIndex, KeyInfo, changed_since_parsed, torch_dtype
 from workbench.io.files.landing import LandingPart, LandingPiece, kept_landing
 from workbench.io.files.staging import Slot, StagingRing, as_dtype, staging_ring
 from workbench.io.files.transfers import FileBox
@@ -1109,19 +1109,8 @@ class BoxReader:
 
 
     def _changed(self, file: str, fd: int) -> str | None:
-        """Why the open file ``fd`` is not the ``file`` whose header the index holds (another save replaced it, or
-        rewrote it in place, since the header was read: the index's offsets would read another tensor's bytes),
-        or None."""
-        expected = self.index.file_ids.get(file)
-        if expected is None:
-            return None
-        now = file_id(os.fstat(fd))
-        if now == expected:
-            return None
-        how = "replaced by another file" if now[:2] != expected[:2] else "rewritten in place"
-        return (f"{self.index.path_of(file)}: {how} since its header was read (another save to this checkpoint "
-                "during the load?); its bytes no longer match the index: load again once the checkpoint is "
-                "complete")
+        """Why the open file ``fd`` is not the ``file`` whose header the index holds, or None."""
+        return changed_since_parsed(self.index, file, os.fstat(fd))
 
     def check_unchanged(self) -> None:
         """Raise where a file this reader read is no longer the one its index was parsed from (rewritten in place

@@ -195,9 +195,25 @@ def write_index(
 
 
 def file_id(st: os.stat_result) -> tuple[int, ...]:
-    """What tells one file's contents from another's at one path: device, inode, size, modification and change
-    times (an atomic replace is a new inode; a rewrite in place, an append or a truncation changes the times)."""
-    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns, st.st_ctime_ns)
+    """What tells one file's contents from another's at one path: device, inode, size and modification time (an
+    atomic replace is a new inode; a rewrite in place, an append or a truncation changes the size or the time). Not
+    the change time: a hard link, a ``chmod`` or an extended attribute changes it and no byte."""
+    return (st.st_dev, st.st_ino, st.st_size, st.st_mtime_ns)
+
+
+def changed_since_parsed(index: CheckpointIndex, file: str, st: os.stat_result) -> str | None:
+    """Why the file ``st`` describes is not the ``file`` of ``index`` whose header was parsed (another save
+    replaced it, or it was rewritten, since: the index's offsets would read other bytes), or None (also where the
+    index kept no record of it)."""
+    expected = index.file_ids.get(file)
+    if expected is None:
+        return None
+    now = file_id(st)
+    if now == expected:
+        return None
+    how = "replaced by another file" if now[:2] != expected[:2] else "rewritten in place"
+    return (f"{index.path_of(file)}: {how} since its header was read (another save to this checkpoint during the "
+            "load?); its bytes no longer match the index: load again once the checkpoint is complete")
 
 
 def read_header(path: Path | str) -> tuple[dict[str, KeyInfo], dict[str, str], list[str]]:

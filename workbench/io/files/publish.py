@@ -23,6 +23,7 @@ import ctypes.util
 import errno
 import functools
 import os
+import re
 import shutil
 import warnings
 import weakref
@@ -52,6 +53,12 @@ __all__ = ["OLD_SUFFIX", "AtomicRenamePublisher", "exchange_paths", "is_complete
 _AT_FDCWD = -100
 _RENAME_EXCHANGE = 1 << 1
 _UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
+
+
+# a replaced checkpoint's weights, in any of the formats HF folders hold them (and their indexes): never kept beside
+# new weights, where a loader that prefers one of them would read the old values
+_WEIGHTS = re.compile(r".*\.safetensors|.*\.index\.json|pytorch_model.*\.bin|consolidated.*\.pth|tf_model.*\.h5"
+                      r"|flax_model.*\.msgpack")
 
 
 def not_a_checkpoint(path: Path) -> str | None:
@@ -364,21 +371,27 @@ class AtomicRenamePublisher:
 
     def _carry_other_files(self, temporary: Path, final: Path) -> tuple[str, ...]:
         """Hard-link (or copy) into ``temporary`` every file of the checkpoint at ``final`` that is not a
-        checkpoint's own (``.safetensors`` files, the index, the layout, a save's marker) and that the new one does
-        not hold: a model folder's ``config.json`` and tokenizer files, a trainer's optimizer state. A save replaces
-        the weights of a folder, not what it holds beside them (as ``save_pretrained`` writing into it would).
+        checkpoint's own (weights in any HF format and their indexes, the layout, a save's marker) and that the new
+        one does not hold: a model folder's ``config.json`` and tokenizer files, a trainer's optimizer state. A save
+        replaces the weights of a folder, not what it holds beside them (as ``save_pretrained`` writing into it
+        would).
         Returns their names (also kept as ``carried``)."""
         carried = []
         with os.scandir(final) as entries:
             for entry in entries:
                 name = entry.name
-                if (entry.is_dir(follow_symlinks=False) or name.endswith(".safetensors")
-                        or name in (INDEX_NAME, LAYOUT_FILE_NAME, MARKER_NAME) or os.path.lexists(temporary / name)):
+                if (entry.is_dir(follow_symlinks=False) or _WEIGHTS.fullmatch(name)
+                        or name in (LAYOUT_FILE_NAME, MARKER_NAME) or os.path.lexists(temporary / name)):
                     continue
                 try:
                     os.link(entry.path, temporary / name, follow_symlinks=False)
+                except FileNotFoundError:  # removed since the scan (by its owner): nothing to keep
+                    continue
                 except OSError:  # a filesystem without hard links
-                    shutil.copy2(entry.path, temporary / name, follow_symlinks=False)
+                    try:
+                        shutil.copy2(entry.path, temporary / name, follow_symlinks=False)
+                    except FileNotFoundError:
+                        continue
                 carried.append(name)
         if carried:
             fsync_dir(temporary)

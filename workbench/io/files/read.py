@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import os
 from pathlib import Path
 from types import TracebackType
 from typing import Any
@@ -11,7 +12,7 @@ import torch
 from safetensors import SafetensorError, safe_open
 
 from workbench.errors import CheckpointError
-from workbench.io.files.index import CheckpointIndex, KeyInfo, cached_checkpoint, torch_dtype
+from workbench.io.files.index import CheckpointIndex, KeyInfo, cached_checkpoint, changed_since_parsed, torch_dtype
 
 __all__ = ["CheckpointReader"]
 
@@ -118,9 +119,15 @@ class CheckpointReader:
         if handle is None:
             path = self.index.path_of(file)
             try:
+                before = os.stat(path)
                 handle = safe_open(str(path), framework="pt", device="cpu")
+                after = os.stat(path)
             except (OSError, SafetensorError) as exc:
                 raise CheckpointError(f"{path}: cannot open with safetensors: {exc}") from exc
+            # the file it maps must be the one the index parsed: another save may have replaced it since
+            changed = changed_since_parsed(self.index, file, before) or changed_since_parsed(self.index, file, after)
+            if changed:
+                raise CheckpointError(changed)
             self._handles[file] = handle
         return handle
 
