@@ -9,13 +9,16 @@ import json
 import os
 import struct
 import time
+from collections.abc import Callable
 from pathlib import Path
 
 import pytest
 import torch
 
 import workbench as wb
+from workbench.errors import CheckpointError
 from workbench.faults import fault_hook
+from workbench.io.files.read import CheckpointReader
 
 
 def _write(path: Path, items: list[tuple[str, torch.Tensor]]) -> None:
@@ -42,39 +45,48 @@ def _checkpoint(folder: Path) -> tuple[dict[str, torch.Tensor], Path]:
     return tensors, file
 
 
+def _load_while(folder: Path, point: str, change: Callable[[], None], ran: list[str],
+                targets: dict[str, torch.Tensor] | None = None) -> wb.LoadReport:
+    """``load_hf`` of ``folder`` into ``targets`` (zeros by default), calling ``change`` once at fault point
+    ``point`` (noted in ``ran``)."""
+
+    def hook(where: str, rank: int, detail: object) -> None:
+        if where == point and not ran:
+            ran.append(where)
+            change()
+
+    targets = {k: torch.zeros(64, 64) for k in ("a", "b")} if targets is None else targets
+    with fault_hook(hook):
+        return wb.load_hf(targets, folder, read_direct=False)
+
+
 @pytest.mark.parametrize("point", ["load.planned", "load.read"])
 def test_a_file_replaced_during_a_load_fails_it(tmp_path: Path, point: str) -> None:
     tensors, file = _checkpoint(tmp_path / "ckpt")
     swapped = [("b", tensors["b"] + 1000), ("a", tensors["a"] + 1000)]  # same keys and shapes, other file order
-    done = []
 
-    def replace(where: str, rank: int, detail: object) -> None:
-        if where == point and not done:
-            done.append(where)
-            _write(file.with_name(".next"), swapped)
-            os.replace(file.with_name(".next"), file)  # what a save's publish does: a new file at the same path
+    def replace() -> None:
+        _write(file.with_name(".next"), swapped)
+        os.replace(file.with_name(".next"), file)  # what a save's publish does: a new file at the same path
 
-    targets = {k: torch.zeros(64, 64) for k in tensors}
-    with fault_hook(replace), pytest.raises(wb.LoadFailed, match="replaced by another file since its header"):
-        wb.load_hf(targets, tmp_path / "ckpt", read_direct=False)
-    assert done
+    ran: list[str] = []
+    with pytest.raises(wb.LoadFailed, match="replaced by another file since its header"):
+        _load_while(tmp_path / "ckpt", point, replace, ran)
+    assert ran
 
 
 def test_a_file_rewritten_in_place_while_it_is_read_fails_the_load(tmp_path: Path) -> None:
-    tensors, file = _checkpoint(tmp_path / "ckpt")
-    done = []
+    _, file = _checkpoint(tmp_path / "ckpt")
 
-    def rewrite(where: str, rank: int, detail: object) -> None:
-        if where == "load.read" and not done:  # the file is open and being read: its bytes change under it
-            done.append(where)
-            with open(file, "r+b") as f:
-                f.seek(-4, os.SEEK_END)
-                f.write(struct.pack("<f", 12345.0))
+    def rewrite() -> None:  # the file is open and being read: its bytes change under it
+        with open(file, "r+b") as f:
+            f.seek(-4, os.SEEK_END)
+            f.write(struct.pack("<f", 12345.0))
 
-    targets = {k: torch.zeros(64, 64) for k in tensors}
-    with fault_hook(rewrite), pytest.raises(wb.LoadFailed, match="rewritten in place since its header"):
-        wb.load_hf(targets, tmp_path / "ckpt", read_direct=False)
-    assert done
+    ran: list[str] = []
+    with pytest.raises(wb.LoadFailed, match="rewritten in place since its header"):
+        _load_while(tmp_path / "ckpt", "load.read", rewrite, ran)
+    assert ran
 
 
 def test_an_unchanged_checkpoint_loads_and_a_settled_repeat_load_reuses_its_index(tmp_path: Path) -> None:
@@ -89,24 +101,18 @@ def test_a_hard_link_or_chmod_of_a_file_during_a_load_changes_no_byte_and_fails_
     # rsync --link-dest, cp -al and dedup tools link checkpoint files while jobs read them: the change time moves,
     # the bytes do not
     tensors, file = _checkpoint(tmp_path / "ckpt")
-    done = []
 
-    def touch_metadata(where: str, rank: int, detail: object) -> None:
-        if where == "load.read" and not done:
-            done.append(where)
-            os.link(file, tmp_path / "backup.safetensors")
-            os.chmod(file, 0o444)
+    def touch_metadata() -> None:
+        os.link(file, tmp_path / "backup.safetensors")
+        os.chmod(file, 0o444)
 
+    ran: list[str] = []
     targets = {k: torch.zeros(64, 64) for k in tensors}
-    with fault_hook(touch_metadata):
-        assert wb.load_hf(targets, tmp_path / "ckpt", read_direct=False).ok
-    assert done and all(torch.equal(targets[k], v) for k, v in tensors.items())
+    assert _load_while(tmp_path / "ckpt", "load.read", touch_metadata, ran, targets).ok and ran
+    assert all(torch.equal(targets[k], v) for k, v in tensors.items())
 
 
 def test_the_checkpoint_reader_refuses_a_file_replaced_after_its_index_was_parsed(tmp_path: Path) -> None:
-    from workbench.errors import CheckpointError
-    from workbench.io.files.read import CheckpointReader
-
     tensors, file = _checkpoint(tmp_path / "ckpt")
     with CheckpointReader(tmp_path / "ckpt") as reader:
         _write(file.with_name(".next"), [("b", tensors["b"]), ("a", tensors["a"])])
