@@ -777,13 +777,13 @@ class BoxReader:
             for p in parts:
                 p.dest.copy_(_place(slot.typed(p.dtype), p))
             return
-        twin = torch.empty(slot.buffer.numel(), dtype=torch.uint8, device=self.device)
-        twin[:piece.used].copy_(slot.buffer[:piece.used], non_blocking=True)
+        staged = torch.empty(slot.buffer.numel(), dtype=torch.uint8, device=self.device)
+        staged[:piece.used].copy_(slot.buffer[:piece.used], non_blocking=True)
         typed: dict[torch.dtype, torch.Tensor] = {}
         for p in parts:
             view = typed.get(p.dtype)
             if view is None:
-                view = typed[p.dtype] = as_dtype(twin, p.dtype)
+                view = typed[p.dtype] = as_dtype(staged, p.dtype)
             p.dest.copy_(_place(view, p))
 
     def _copied(self, slot: Slot, stream: torch.cuda.Stream | None) -> torch.cuda.Event | None:
@@ -1106,7 +1106,6 @@ class BoxReader:
                 got = (fd, 8 + int.from_bytes(head, "little"))
                 self._fds[file] = got
             return got
-
 
     def _changed(self, file: str, fd: int) -> str | None:
         """Why the open file ``fd`` is not the ``file`` whose header the index holds, or None."""
