@@ -374,8 +374,7 @@ class AtomicRenamePublisher:
         checkpoint's own (weights in any HF format and their indexes, the layout, a save's marker) and that the new
         one does not hold: a model folder's ``config.json`` and tokenizer files, a trainer's optimizer state. A save
         replaces the weights of a folder, not what it holds beside them (as ``save_pretrained`` writing into it
-        would).
-        Returns their names (also kept as ``carried``)."""
+        would). A file removed meanwhile is skipped. Returns their names (also kept as ``carried``)."""
         carried = []
         with os.scandir(final) as entries:
             for entry in entries:
