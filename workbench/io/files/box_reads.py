@@ -997,10 +997,7 @@ class BoxReader:
                     raise CheckpointError(f"{path}: cannot open with O_DIRECT: {exc}") from exc
                 self.direct_refused[file] = f"opening with O_DIRECT: {exc}"
                 return None
-            changed = self._changed(file, fd)  # opened by path again: it must be the file the other fd reads
-            if changed:
-                os.close(fd)
-                raise CheckpointError(changed)
+            self._check_opened(file, fd)  # opened by path again: it must be the file the other fd reads
             self._direct_fds[file] = fd
             return fd
 
@@ -1093,10 +1090,7 @@ class BoxReader:
                     fd = os.open(path, os.O_RDONLY | getattr(os, "O_CLOEXEC", 0))
                 except OSError as exc:
                     raise CheckpointError(f"{path}: cannot open: {exc}") from exc
-                changed = self._changed(file, fd)
-                if changed:
-                    os.close(fd)
-                    raise CheckpointError(changed)
+                self._check_opened(file, fd)
                 if hasattr(os, "posix_fadvise"):  # no readahead: the reads are large and parallel already, and
                     os.posix_fadvise(fd, 0, 0, os.POSIX_FADV_RANDOM)  # readahead reads bytes nobody owns
                 head = os.pread(fd, 8, 0)
@@ -1110,6 +1104,13 @@ class BoxReader:
     def _changed(self, file: str, fd: int) -> str | None:
         """Why the open file ``fd`` is not the ``file`` whose header the index holds, or None."""
         return changed_since_parsed(self.index, file, os.fstat(fd))
+
+    def _check_opened(self, file: str, fd: int) -> None:
+        """Close the just-opened ``fd`` and raise where it is not the ``file`` the index parsed."""
+        changed = self._changed(file, fd)
+        if changed:
+            os.close(fd)
+            raise CheckpointError(changed)
 
     def check_unchanged(self) -> None:
         """Raise where a file this reader read is no longer the one its index was parsed from (rewritten in place

@@ -177,7 +177,6 @@ class AtomicRenamePublisher:
         self.heartbeat_period = float(heartbeat_period)
         self._claim: LiveClaim | None = None
         self._heartbeat: Heartbeat | None = None
-        self.carried: tuple[str, ...] = ()  # the files of the replaced checkpoint kept beside the new weights
 
     @property
     def final(self) -> Path:
@@ -369,13 +368,14 @@ class AtomicRenamePublisher:
             raise CheckpointError(f"publishing {temporary} as {final} failed: {exc}") from exc
         return final
 
-    def _carry_other_files(self, temporary: Path, final: Path) -> tuple[str, ...]:
+    @staticmethod
+    def _carry_other_files(temporary: Path, final: Path) -> None:
         """Hard-link (or copy) into ``temporary`` every file of the checkpoint at ``final`` that is not a
         checkpoint's own (weights in any HF format and their indexes, the layout, a save's marker) and that the new
         one does not hold: a model folder's ``config.json`` and tokenizer files, a trainer's optimizer state. A save
         replaces the weights of a folder, not what it holds beside them (as ``save_pretrained`` writing into it
-        would). A file removed meanwhile is skipped. Returns their names (also kept as ``carried``)."""
-        carried = []
+        would). A file removed meanwhile is skipped."""
+        carried = False
         with os.scandir(final) as entries:
             for entry in entries:
                 name = entry.name
@@ -391,11 +391,9 @@ class AtomicRenamePublisher:
                         shutil.copy2(entry.path, temporary / name, follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                carried.append(name)
+                carried = True
         if carried:
             fsync_dir(temporary)
-        self.carried = tuple(sorted(carried))
-        return self.carried
 
     def _publish_by_rename_aside(self) -> None:
         final, aside = self._final, self.aside
