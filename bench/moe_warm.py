@@ -16,13 +16,10 @@ parameters (``read_replicas_once=False``). ``--layers N --hidden H --moe-interme
 (many small parameters: what a load costs per parameter). ``--seam``: on CPU, the loads take the GPU's
 landing path (``load._CPU_LANDING_RING``), so the loading thread's work per piece can be profiled without a GPU.
 ``--rings 16x16,16x8`` (staging rings: slots x MiB a slot, each pinned once before the loads), ``--threads 16,8``
-(``read_threads``), ``--switch 5,0.5`` (``sys.setswitchinterval`` during a load, ms), ``--nice 0,10`` (the reading
-threads' niceness during a load; raising it back needs the right to) and ``--read-ahead 1,0`` (whether a repeat
-load reads its last landing ahead, ``BoxReader.reading_ahead``): the loads go round robin over every
-combination, one line of figures for each. Each line also gives the loading thread's time on the CPU and waiting
-on a run queue (``/proc/thread-self/schedstat``: ready to run, no core free) in its median load. ``--gather-run
-BYTES`` sets ``box_reads.GATHER_RUN_BYTES`` in the ranks (a huge value turns gathered reads off; the landing plan
-is kept, so that one cannot go round robin).
+(``read_threads``), ``--switch 5,0.5`` (``sys.setswitchinterval`` during a load, ms) and ``--nice 0,10`` (the reading
+threads' niceness during a load; raising it back needs the right to): the loads go round robin over every
+combination, one line of figures for each. Each line also gives the loading thread's time on the CPU and
+waiting on a run queue (``/proc/thread-self/schedstat``: ready to run, no core free) in its median load.
 """
 
 from __future__ import annotations
@@ -75,8 +72,7 @@ def _rank(cfg: dict) -> dict:
 
     def counted(*args, **kwargs):
         pieces = real(*args, **kwargs)
-        planned.update(pieces=len(pieces), parts=sum(len(p.parts) for p in pieces),
-                       gathers=sum(len(p.gathers) for p in pieces))
+        planned.update(pieces=len(pieces), parts=sum(len(p.parts) for p in pieces))
         return pieces
 
     landing.plan_landing = counted
@@ -99,10 +95,7 @@ def _rank(cfg: dict) -> dict:
         load_module._CPU_LANDING_RING = staging.StagingRing(pinned=False)
     from workbench.io.files import box_reads
 
-    variants = _variants(cfg)  # (ring index, blocking, switch interval, reading threads, niceness, ahead) of each
-    reading_ahead = box_reads.BoxReader.__dict__["reading_ahead"]
-    if cfg["gather_run"] is not None:
-        box_reads.GATHER_RUN_BYTES = cfg["gather_run"]
+    variants = _variants(cfg)  # (ring index, blocking, switch interval, reading threads, niceness) of each
     runs: dict[int, list] = {i: [] for i in range(len(variants))}
     profile = None
     saved = {n: t.detach().clone() for n, t in _locals(model).items()}  # what the last load must bring back
@@ -110,8 +103,7 @@ def _rank(cfg: dict) -> dict:
     last = cfg["loads"] * len(variants) - 1
     for i in range(last + 1):  # round robin over the variants: a slow spell hits each of them
         which = i % len(variants)
-        ring_at, blocking, switch, threads, nice, ahead = variants[which]
-        box_reads.BoxReader.reading_ahead = reading_ahead if ahead else staticmethod(lambda *a, **k: None)
+        ring_at, blocking, switch, threads, nice = variants[which]
         if i == last:  # the last load starts from zeros: every byte it leaves, it loaded
             for t in _locals(model).values():
                 t.zero_()
@@ -140,7 +132,6 @@ def _rank(cfg: dict) -> dict:
             torch.cuda.synchronize()
         runs[which].append((time.perf_counter() - began, str(report.timings), cpu, report.bytes_owned, queued))
     staging._RING = None
-    box_reads.BoxReader.reading_ahead = reading_ahead
     _renice(box_reads._pool(cfg["threads"][0]), 0)
     landing.plan_landing = real
     gc.callbacks.remove(collected)
@@ -216,9 +207,9 @@ def _ring(spec: tuple[int, int] | None, blocking: bool, device: torch.device) ->
 
 def _variants(cfg: dict) -> list[tuple]:
     """Every (ring index, blocking events, switch interval or None for the interpreter's, reading threads, their
-    niceness, reading ahead) the loads go round."""
-    return [(r, b, s, t, n, a) for r in range(len(cfg["rings"])) for b in cfg["blocking"] for s in cfg["switch"]
-            for t in cfg["threads"] for n in cfg["nice"] for a in cfg["read_ahead"]]
+    niceness) the loads go round."""
+    return [(r, b, s, t, n) for r in range(len(cfg["rings"])) for b in cfg["blocking"] for s in cfg["switch"]
+            for t in cfg["threads"] for n in cfg["nice"]]
 
 
 def _named(cfg: dict, variant: tuple) -> str:
@@ -227,8 +218,7 @@ def _named(cfg: dict, variant: tuple) -> str:
     blocking = ", blocking slot events" if variant[1] else ""
     switch = "" if variant[2] is None else f", switch interval {variant[2] * 1e3:g} ms"
     nice = f", niceness {variant[4]}" if len(cfg["nice"]) > 1 or variant[4] else ""
-    ahead = "" if variant[5] else ", no reading ahead"
-    return f"{variant[3]} reading threads, {named}{blocking}{switch}{nice}{ahead}"
+    return f"{variant[3]} reading threads, {named}{blocking}{switch}{nice}"
 
 
 def _rings(text: str | None) -> list[tuple[int, int] | None]:
@@ -264,10 +254,6 @@ def main() -> None:
                         help="every replica reads its replicated parameters (read_replicas_once=False)")
     parser.add_argument("--blocking-events", action="store_true",
                         help="also load through rings whose slot events are blocking (round robin with the default)")
-    parser.add_argument("--read-ahead", default="1",
-                        help="a repeat load reads its last landing ahead (1) or not (0); 1,0: round robin")
-    parser.add_argument("--gather-run", type=int, default=None,
-                        help="box_reads.GATHER_RUN_BYTES in the ranks (a huge value: no gathered reads)")
     parser.add_argument("--seam", action="store_true",
                         help="on CPU: the loads take the GPU's landing path (pieces through an unpinned staging "
                              "ring, copies by the loading thread), to profile that thread's work without a GPU")
@@ -281,8 +267,7 @@ def main() -> None:
            "nice": [int(v) for v in args.nice.split(",")],
            "layers": args.layers, "hidden": args.hidden, "moe_intermediate": args.moe_intermediate,
            "folder": str(folder / "ckpt"), "rings": _rings(args.rings), "seam": args.seam,
-           "blocking": [False, True] if args.blocking_events else [False],
-           "read_ahead": [bool(int(v)) for v in args.read_ahead.split(",")], "gather_run": args.gather_run}
+           "blocking": [False, True] if args.blocking_events else [False]}
     try:
         backend = "nccl" if torch.cuda.is_available() else "gloo"
         results = wb.launch(_rank, nprocs=args.ranks, backend=backend, args=(cfg,), timeout=600)

@@ -58,17 +58,8 @@ import numpy as np
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.io.files.gather import can_gather, gather_runs
 from workbench.io.files.index import CheckpointIndex, KeyInfo, changed_since_parsed, torch_dtype
-from workbench.io.files.landing import (
-    GatherRead,
-    LandingPart,
-    LandingPiece,
-    kept_landing,
-    kept_reads,
-    landing_key,
-    run_dims,
-)
+from workbench.io.files.landing import LandingPart, LandingPiece, kept_landing, kept_reads, landing_key
 from workbench.io.files.staging import Slot, StagingRing, as_dtype, staging_ring
 from workbench.io.files.transfers import FileBox
 from workbench.memo import LRU
@@ -86,9 +77,6 @@ ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses are multipl
 DIRECT_MIN_BYTES = 1 << 20  # auto: smaller requests go through the page cache (alignment costs up to 8 KiB each)
 DIRECT_COLD_SHARE = 0.1  # auto: O_DIRECT when at most this share of a request's sampled pages are cached
 LANDING_RUN_BYTES = 64 << 10  # a box given a tensor lands there run by run when its runs are this long
-# a landing box whose runs leave no whole page between them (read as its span) is gathered (``gather.py``: its runs
-# packed, its gaps dropped) when its runs are at least this long: shorter ones cost a reading thread more per byte
-GATHER_RUN_BYTES = 512
 DIRECT_ENV = "WORKBENCH_READ_DIRECT"  # the default of ``direct``: auto, 1 (True) or 0 (False)
 _SAMPLES = 32  # pages of a range cached_share asks mincore about
 PACKED_CACHED_SHARE = 0.9  # auto: a landing packs its pieces full in a file with this share of its pages cached
@@ -798,14 +786,9 @@ class BoxReader:
 
     def _how(self, fb: FileBox) -> str:
         """How a landing box is read (``plan_landing``): its runs packed, or its span (shared: its pages hold a
-        peer's bytes too), as ``_describe`` decides for any box; a shared span of runs of ``GATHER_RUN_BYTES`` or
-        more is gathered (its runs packed by ``preadv``, the bytes between them dropped)."""
+        peer's bytes too), as ``_describe`` decides for any box."""
         how = self._describe(fb)
-        if how.runs is not None:
-            return "runs"
-        if how.compact:
-            return "gather" if run_dims(fb)[0] >= GATHER_RUN_BYTES and can_gather() else "shared"
-        return "span"
+        return "runs" if how.runs is not None else "shared" if how.compact else "span"
 
     def _pump(self) -> None:
         """Start reading the next landing pieces, in order, into the ring's free slots (the first ones: adopt those
@@ -815,7 +798,7 @@ class BoxReader:
             assert ring is not None
             if self._ahead:
                 piece, stub = self._landing.peek(), self._ahead[0].stub
-                if piece.file == stub.file and piece.reads == stub.reads and piece.gathers == stub.gathers:
+                if piece.file == stub.file and piece.reads == stub.reads:
                     self._adopt(self._ahead.popleft(), self._landing.popleft())
                     continue
                 self._drop_ahead()  # the same key plans the same pieces: never seen, but then read as usual
@@ -915,8 +898,6 @@ class BoxReader:
                 return
         for offset, at, n in piece.reads:
             self._read_into(fd, piece.file, offset, view[at:at + n])
-        for g in piece.gathers:
-            self._gather_into(fd, piece.file, g, view)
         with self._lock:
             self.bytes_fetched += piece.nbytes
 
@@ -1054,14 +1035,6 @@ class BoxReader:
                 path = self.index.path_of(file)
                 raise CheckpointError(f"{path}: short read at byte {offset + done} (file truncated?)")
             done += n
-
-    def _gather_into(self, fd: int, file: str, g: GatherRead, view: memoryview) -> None:
-        """The runs of ``g`` packed into ``view`` from ``g.at``."""
-        try:
-            gather_runs(fd, _Runs(g.run, g.sizes, g.steps).offsets(g.offset), g.run, view[g.at:])
-        except OSError as exc:
-            raise CheckpointError(f"{self.index.path_of(file)}: reading {g.run}-byte runs from byte {g.offset} "
-                                  f"failed: {exc}") from exc
 
     def _take(self, item: _Box, request: _Request) -> torch.Tensor:
         if request.staged:
