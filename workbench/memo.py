@@ -37,11 +37,6 @@ class LRU:
             self.hits += 1
             return value
 
-    def peek(self, key: Hashable) -> Any:
-        """The value under ``key``, or None, leaving its recency and the counters as they are."""
-        with self._lock:
-            return self._data.get(key)
-
     def put(self, key: Hashable, value: Any) -> None:
         """Store ``value`` under ``key``, dropping the least recently used entries past ``maxsize``."""
         with self._lock:

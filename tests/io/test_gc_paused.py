@@ -31,7 +31,7 @@ def test_a_load_runs_with_collection_off_and_turns_it_back_on(tmp_path: Path, mo
     """Whether collection is on, asked from inside the load (as it plans, and as it reads the files)."""
     model, path, state = _model_and_checkpoint(tmp_path)
     seen: list[tuple[str, bool]] = []
-    for name in ("layout_and_locals", "_reads_in_order"):
+    for name in ("layout_and_locals", "BoxReader"):
         real = getattr(load_module, name)
 
         def spy(*args, real=real, name=name, **kwargs):
@@ -41,7 +41,7 @@ def test_a_load_runs_with_collection_off_and_turns_it_back_on(tmp_path: Path, mo
         monkeypatch.setattr(load_module, name, spy)
     assert gc.isenabled()
     wb.load_hf(model, path)
-    assert seen == [("layout_and_locals", False), ("_reads_in_order", False)]
+    assert seen == [("layout_and_locals", False), ("BoxReader", False)]
     assert gc.isenabled()
     for name, value in state.items():
         assert torch.equal(getattr(model, name), value), name

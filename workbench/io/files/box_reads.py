@@ -59,10 +59,9 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.files.index import CheckpointIndex, KeyInfo, changed_since_parsed, torch_dtype
-from workbench.io.files.landing import LandingPart, LandingPiece, kept_landing, kept_reads, landing_key
+from workbench.io.files.landing import LandingPart, LandingPiece, kept_landing
 from workbench.io.files.staging import Slot, StagingRing, as_dtype, staging_ring
 from workbench.io.files.transfers import FileBox
-from workbench.memo import LRU
 
 __all__ = ["BoxReader", "box_runs", "cached_share", "gap_pages"]
 
@@ -235,50 +234,17 @@ class _Upcoming:
                 raise
         return self._next is not None
 
-    def peek(self) -> LandingPiece:
-        """The next piece, left in place (IndexError: none left)."""
-        if not self:
-            raise IndexError("no landing piece left")
-        assert self._next is not None
-        return self._next
-
     def popleft(self) -> LandingPiece:
         """The next piece (IndexError: none left)."""
-        piece = self.peek()
-        self._next = None
+        if not self:
+            raise IndexError("no landing piece left")
+        piece, self._next = self._next, None
+        assert piece is not None
         return piece
 
     def clear(self) -> None:
         """Drop every piece not taken (and an error making one)."""
         self._pieces, self._next, self._error = iter(()), None, None
-
-
-@dataclass(frozen=True, slots=True)
-class _AheadPlan:
-    """The landing a load into ``device`` last planned for ``index`` (``landing_key``), through ``ring``, and its
-    first pieces (parts left out): what the next load of the same index reads ahead."""
-
-    index: CheckpointIndex
-    key: tuple
-    device: torch.device
-    ring: StagingRing
-    pieces: tuple[LandingPiece, ...]
-
-
-_AHEAD = LRU(4)  # a checkpoint's directory -> its last _AheadPlan
-
-
-@dataclass(eq=False)
-class _AheadRead:
-    """A piece read ahead into ``slot``; the landing piece that adopted it, or ``dropped``; its read's outcome."""
-
-    stub: LandingPiece
-    slot: Slot
-    future: Future | None = None
-    piece: LandingPiece | None = None
-    dropped: bool = False
-    done: bool = False
-    failure: BaseException | None = None
 
 
 class BoxReader:
@@ -370,42 +336,6 @@ class BoxReader:
         self._land_ended: queue.SimpleQueue[tuple[LandingPiece, Slot, BaseException | None]] = queue.SimpleQueue()
         self._lands: dict[FileBox, deque[torch.Tensor]] = {}  # what ``read`` hands back for each
         self._land_error: BaseException | None = None
-        self._ahead: deque[_AheadRead] = deque()  # pieces read ahead of the plan (``reading_ahead``), in order
-        self._ahead_key: tuple | None = None  # the landing they are the first pieces of
-        self._queue: deque[tuple[_Box, _Request]] = deque()
-        self._pending: deque[_Request] = deque()  # not issued yet, in order
-        self._in_flight = 0  # bytes of issued requests whose boxes are not all handed out
-        self._expecting = False
-        if expected:
-            self.expect(expected)
-
-    @classmethod
-    def reading_ahead(
-        cls, index: CheckpointIndex, *, threads: int = 8, budget_bytes: int = 1 << 30, direct: Direct | None = None
-    ) -> BoxReader | None:
-        """A reader of ``index`` already reading, into the free slots of the staging ring, the first pieces of the
-        landing that the last load of this very index into a device planned (``expect`` adopts them where its own
-        plan is the same one, and lets them go otherwise); None where no such landing was planned. A repeat load
-        starts reading before it checks and plans: only into the ring, nothing lands before ``expect``."""
-        plan = _AHEAD.get(str(index.directory))
-        if plan is None or plan.index is not index:
-            return None
-        reader = cls(index, (), threads=threads, budget_bytes=budget_bytes, direct=direct, device=plan.device,
-                     ring=plan.ring)
-        reader._read_ahead(plan)
-        return reader
-
-    def reads_into(self, device: torch.device | None, ring: StagingRing | None = None) -> bool:
-        """Whether this reader lands boxes on ``device`` through ``ring`` (None: the process's staging ring)."""
-        return device is not None and self.device == torch.device(device) and self._ring is (ring or staging_ring())
-
-    def expect(self, expected: Sequence[tuple[str, Box] | FileBox | tuple[FileBox, torch.Tensor]]) -> None:
-        """Read ``expected`` (once per reader): each ``(key, box)`` or ``FileBox`` as the consumer will ask for it,
-        in that order, and each ``(FileBox, tensor)`` on the reader's device straight into that tensor (``finish``
-        waits for those). A landing the reader read ahead (``reading_ahead``) is adopted where it is this one."""
-        if self._expecting:
-            raise RuntimeError("BoxReader.expect: this reader expects its boxes already")
-        self._expecting = True
         landing: list[tuple[FileBox, torch.Tensor]] = []
         items: list[_Box] = []
         for entry in expected:
@@ -416,16 +346,15 @@ class BoxReader:
             else:
                 items.append(self._expected(entry))
         requests = _merge(items)
-        self._queue.extend((b, r) for r in requests for b in r.boxes)
-        self._pending.extend(requests)
-        try:
-            if landing:
+        self._queue: deque[tuple[_Box, _Request]] = deque((b, r) for r in requests for b in r.boxes)
+        self._pending: deque[_Request] = deque(requests)  # not issued yet, in order
+        self._in_flight = 0  # bytes of issued requests whose boxes are not all handed out
+        if landing:
+            try:
                 self._start_landing(landing)
-            else:
-                self._drop_ahead()
-        except BaseException:
-            self.close()
-            raise
+            except BaseException:
+                self.close()
+                raise
 
     # -- the consumer's side ---------------------------------------------------------------------------------------
 
@@ -470,7 +399,6 @@ class BoxReader:
 
     def close(self) -> None:
         """Cancel the reads not started, wait for those in flight, then close every file."""
-        self._drop_ahead()
         self._stop_landing()
         futures, self._futures = self._futures, []
         for future in futures:
@@ -703,72 +631,11 @@ class BoxReader:
             raise self._land_error
 
     def _start_landing(self, boxes: list[tuple[FileBox, torch.Tensor]]) -> None:
-        ring = self._ring
-        assert ring is not None and self.device is not None
+        assert self._ring is not None
         starts = {file: self._fd(file)[1] for file in dict.fromkeys(fb.file for fb, _ in boxes)}
         packed = [file for file in starts if self._cached(file)]
-        key = landing_key(boxes, starts, ring.slot_bytes, packed)
-        if key != self._ahead_key:
-            self._drop_ahead()
-        self._landing.extend(kept_landing(boxes, self._how, starts, ring.slot_bytes, packed, key=key))
-        _AHEAD.put(str(self.index.directory), _AheadPlan(self.index, key, self.device, ring,
-                                                         kept_reads(key, ring.slots)))
+        self._landing.extend(kept_landing(boxes, self._how, starts, self._ring.slot_bytes, packed))
         self._pump()
-
-    # -- reading ahead: the first pieces of a repeat load's landing, read before it is planned -------------------
-
-    def _read_ahead(self, plan: _AheadPlan) -> None:
-        """Start reading ``plan``'s pieces into the ring's free slots (none waited for)."""
-        assert self._ring is not None
-        self._ahead_key = plan.key
-        for stub in plan.pieces:
-            slot = self._ring.try_take()
-            if slot is None:
-                return
-            ahead = _AheadRead(stub, slot)
-            self._ahead.append(ahead)
-            ahead.future = self._submit(self._fill_ahead, ahead)
-
-    def _fill_ahead(self, ahead: _AheadRead) -> None:
-        """On a reader thread: read a piece ahead; then hand it to the landing that adopted it, or give its slot back
-        where it was let go (else the adoption hands it on)."""
-        failure: BaseException | None = None
-        try:
-            self._land_fill(ahead.stub, ahead.slot)
-        except BaseException as exc:  # the loading thread raises it, where the piece is adopted
-            failure = exc
-        with self._lock:
-            ahead.failure, ahead.done = failure, True
-            piece, dropped = ahead.piece, ahead.dropped
-        if piece is not None:
-            self._land_ended.put((piece, ahead.slot, failure))
-        elif dropped:
-            assert self._ring is not None
-            self._ring.give(ahead.slot)
-
-    def _adopt(self, ahead: _AheadRead, piece: LandingPiece) -> None:
-        """``piece`` (the landing's next one) is the one read ahead into ``ahead.slot``: its copies wait for that
-        read as for any landing piece's."""
-        with self._lock:
-            ahead.piece, done = piece, ahead.done
-        assert ahead.future is not None
-        self._land_issued[id(ahead.slot)] = (ahead.future, ahead.slot)
-        if done:
-            self._land_ended.put((piece, ahead.slot, ahead.failure))
-
-    def _drop_ahead(self) -> None:
-        """Let go of the pieces read ahead and not adopted: each slot goes back once its read has ended."""
-        ahead, self._ahead = self._ahead, deque()
-        self._ahead_key = None
-        assert not ahead or self._ring is not None
-        for a in ahead:
-            if a.future is not None and a.future.cancel():  # never started
-                self._ring.give(a.slot)
-                continue
-            with self._lock:
-                a.dropped, done = True, a.done
-            if done:
-                self._ring.give(a.slot)
 
     def _cached(self, file: str) -> bool:
         """Whether a landing packs ``file``'s pieces full (``plan_landing``'s ``packed``): where none of it is read
@@ -791,17 +658,10 @@ class BoxReader:
         return "runs" if how.runs is not None else "shared" if how.compact else "span"
 
     def _pump(self) -> None:
-        """Start reading the next landing pieces, in order, into the ring's free slots (the first ones: adopt those
-        read ahead)."""
+        """Start reading the next landing pieces, in order, into the ring's free slots."""
         ring = self._ring
         while self._landing and self._land_error is None:
             assert ring is not None
-            if self._ahead:
-                piece, stub = self._landing.peek(), self._ahead[0].stub
-                if piece.file == stub.file and piece.reads == stub.reads:
-                    self._adopt(self._ahead.popleft(), self._landing.popleft())
-                    continue
-                self._drop_ahead()  # the same key plans the same pieces: never seen, but then read as usual
             slot = ring.try_take()
             if slot is None:
                 return

@@ -36,7 +36,7 @@ import torch
 from workbench.io.files.transfers import FileBox
 from workbench.memo import LRU
 
-__all__ = ["LandingPart", "LandingPiece", "kept_landing", "kept_reads", "landing_key", "plan_landing"]
+__all__ = ["LandingPart", "LandingPiece", "kept_landing", "plan_landing"]
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets and lengths (a page)
 _PAD = 64  # a part that does not sit at its place in the file starts at a multiple of this in the slot
@@ -123,34 +123,21 @@ def plan_landing(
 _KEPT = LRU(4)  # the geometry of a landing -> its pieces, every part's dest as (box, storage offset, strides)
 
 
-def landing_key(
-    boxes: Sequence[tuple[FileBox, torch.Tensor]],
-    data_start: Mapping[str, int],
-    slot_bytes: int,
-    packed: Collection[str] = (),
-) -> tuple:
-    """What a landing's plan depends on (``kept_landing``): the boxes, the dtype, shape, strides and storage offset
-    of each tensor they land in, the files' data starts, the slot size and the ``packed`` files. Equal keys plan
-    the same pieces."""
-    return (slot_bytes, tuple(sorted(data_start.items())), tuple(sorted(packed)),
-            tuple((fb, dest.dtype, tuple(dest.shape), dest.stride(), dest.storage_offset()) for fb, dest in boxes))
-
-
 def kept_landing(
     boxes: Sequence[tuple[FileBox, torch.Tensor]],
     how: Callable[[FileBox], str],
     data_start: Mapping[str, int],
     slot_bytes: int,
     packed: Collection[str] = (),
-    key: tuple | None = None,
 ) -> Iterator[LandingPiece]:
-    """``plan_landing`` of ``(box, dest, how(box))`` for each of ``boxes``, kept for the same geometry
-    (``landing_key``; ``key``: that key, computed already): a repeat load into the same model. A hit plans nothing
-    and calls no ``how``: its parts' places are made again as views of the tensors given now, so the memo holds no
-    tensor (it keeps no model's memory alive). The pieces come one at a time, as the caller takes them: on a hit, a
-    piece's views are made only when it is taken, so the first reads start before the last piece is made (a reader
-    takes pieces as slots free)."""
-    key = landing_key(boxes, data_start, slot_bytes, packed) if key is None else key
+    """``plan_landing`` of ``(box, dest, how(box))`` for each of ``boxes``, kept for the same geometry: the same
+    boxes, each landing in a tensor of the same dtype, shape, strides and storage offset, the same data starts, slot
+    size and ``packed`` files (a repeat load into the same model). A hit plans nothing and calls no ``how``: its
+    parts' places are made again as views of the tensors given now, so the memo holds no tensor (it keeps no model's
+    memory alive). The pieces come one at a time, as the caller takes them: on a hit, a piece's views are made only
+    when it is taken, so the first reads start before the last piece is made (a reader takes pieces as slots free)."""
+    key = (slot_bytes, tuple(sorted(data_start.items())), tuple(sorted(packed)),
+           tuple((fb, dest.dtype, tuple(dest.shape), dest.stride(), dest.storage_offset()) for fb, dest in boxes))
     kept = _KEPT.get(key)
     if kept is None:
         pieces = plan_landing([(fb, dest, how(fb)) for fb, dest in boxes], data_start, slot_bytes, packed)
@@ -159,13 +146,6 @@ def kept_landing(
                                 q.dest.stride()) for q in p.parts)) for p in pieces])
         return iter(pieces)
     return _remade(kept, [dest for _, dest in boxes])
-
-
-def kept_reads(key: tuple, count: int) -> tuple[LandingPiece, ...]:
-    """The first ``count`` pieces of the landing kept for ``key``, without their parts: what reading them needs
-    (file, reads, solid range), known before the tensors they land in. Empty where no landing is kept for it."""
-    kept = _KEPT.peek(key) or []
-    return tuple(LandingPiece(file, reads, (), used, solid) for file, reads, used, solid, _ in kept[:count])
 
 
 def _remade(kept: list[tuple], dests: list[torch.Tensor]) -> Iterator[LandingPiece]:

@@ -172,15 +172,11 @@ def load_hf(
     batches: dict[str, ReplicaBatch] = {}
     stage = _CHECKING
     started: _StartedReads | None = None
-    ahead: BoxReader | None = None
     try:
-        reader = CheckpointReader(path)
-        # a repeat load of this very index reads the first pieces of its last landing while it checks and plans
-        ahead = BoxReader.reading_ahead(reader.index, threads=read_threads, budget_bytes=budget_bytes,
-                                        direct=read_direct)
         layout, targets = layout_and_locals(model_or_state_dict, key_map, layout=layout)
         targets, ties = untie(targets, rank)  # tied parameters: each read into a tensor of its own, compared below
         fault_point("load.plan", rank)
+        reader = CheckpointReader(path)
         checked = _checked(reader.index, layout, targets, adapters, cast, rank,
                            read_replicas_once and rank == channel.rank and _live())
         missing, unexpected, mismatched = checked.missing, checked.unexpected, checked.mismatched
@@ -192,7 +188,7 @@ def load_hf(
         # reads overlap it, and nothing is copied into the model until every rank has checked the checkpoint
         stage = _PLANNING
         started = _start_reads(reader, wanted, replicas, targets, adapters, rank, read_threads=read_threads,
-                               budget_bytes=budget_bytes, read_direct=read_direct, ahead=ahead)
+                               budget_bytes=budget_bytes, read_direct=read_direct)
         fault_point("load.planned", rank)
         clock.lap("plan")
     except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word at the agreement
@@ -269,8 +265,6 @@ def load_hf(
     finally:
         if started is not None:
             started.boxes.close()
-        if ahead is not None and (started is None or started.boxes is not ahead):
-            ahead.close()
         if reader is not None:
             reader.close()
 
@@ -303,13 +297,10 @@ def _start_reads(
     read_threads: int,
     budget_bytes: int,
     read_direct: bool | Literal["auto"] | None,
-    ahead: BoxReader | None = None,
 ) -> _StartedReads:
     """Plan what this rank reads (a replicated parameter only where it is this rank's turn) and start the reader.
     Into a GPU (or through the CPU seam) the reader starts reading the landing pieces at once; it copies nothing
-    into the model until the loading thread drains it (``BoxReader.finish``). ``ahead``: a reader reading this
-    checkpoint's last landing ahead (``BoxReader.reading_ahead``), used where it reads into this load's device
-    through this load's ring (it adopts what it read where the plan is the same), else closed."""
+    into the model until the loading thread drains it (``BoxReader.finish``)."""
     plans = {name: spec.memo(("load_plan", rank), lambda spec=spec: plan_hf_load(spec, rank))
              for name, spec in wanted.items()}
     to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
@@ -320,14 +311,9 @@ def _start_reads(
     on_gpu = device is not None and device.type == "cuda"
     landed = _landed(plans, to_read, targets, adapters, device)
     transfers = _transfers(reader, wanted, plans, to_read, targets, adapters, rank, landed)
-    reads = _reads_in_order(plans, to_read, adapters, transfers, targets, landed)
-    if ahead is not None and ahead.reads_into(device, ring):
-        ahead.expect(reads)
-        return _StartedReads(plans, landed, transfers, on_gpu, ahead)
-    if ahead is not None:
-        ahead.close()
-    boxes = BoxReader(reader.index, reads, threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu,
-                      direct=read_direct, device=device, ring=ring)
+    boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, landed),
+                      threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
+                      device=device, ring=ring)
     return _StartedReads(plans, landed, transfers, on_gpu, boxes)
 
 
