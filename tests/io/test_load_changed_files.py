@@ -119,3 +119,35 @@ def test_the_checkpoint_reader_refuses_a_file_replaced_after_its_index_was_parse
         os.replace(file.with_name(".next"), file)
         with pytest.raises(CheckpointError, match="replaced by another file since its header was read"):
             reader.read("a")
+
+
+def test_a_save_published_while_the_index_is_parsed_fails_that_load_only(tmp_path: Path, monkeypatch) -> None:
+    """Another save swaps in its folder right after this load parsed the headers: that load is refused, and the next
+    one loads the new checkpoint. The files of a swapped folder keep their own (old) change times, so an index of
+    the old files was kept beside a signature of the new ones, and every later load in the process was refused."""
+    from workbench.io.files import index as index_module
+    from workbench.io.files.publish import exchange_paths
+
+    tensors, _ = _checkpoint(tmp_path / "ckpt")
+    newer = tmp_path / "next"
+    newer.mkdir()
+    _write(newer / "model.safetensors", [("b", tensors["b"] + 1000), ("a", tensors["a"] + 1000)])
+    monkeypatch.setattr(index_module, "_cache", type(index_module._cache)())
+    monkeypatch.setattr(index_module, "_SETTLED_NS", -(10**12))  # every file counts as settled (no 1 s wait)
+    real = index_module.read_checkpoint
+    swapped: list[bool] = []
+
+    def parse_then_publish(path):
+        parsed = real(path)
+        if not swapped:
+            swapped.append(exchange_paths(newer, tmp_path / "ckpt"))
+        return parsed
+
+    monkeypatch.setattr(index_module, "read_checkpoint", parse_then_publish)
+    with pytest.raises(wb.LoadFailed, match="replaced by another file since its header"):
+        wb.load_hf({k: torch.zeros(64, 64) for k in tensors}, tmp_path / "ckpt", read_direct=False)
+    assert swapped == [True]
+    for _ in range(2):
+        targets = {k: torch.zeros(64, 64) for k in tensors}
+        assert wb.load_hf(targets, tmp_path / "ckpt", read_direct=False).ok
+        assert all(torch.equal(targets[k], v + 1000) for k, v in tensors.items())

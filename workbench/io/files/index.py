@@ -557,6 +557,14 @@ def _signature(path: Path, index: CheckpointIndex | None) -> tuple | None:
     return (index_file, lone_file, *((s.st_dev, s.st_ino, s.st_size, s.st_mtime_ns, s.st_ctime_ns) for s in stats))
 
 
+def _signs_parsed_files(signature: tuple, index: CheckpointIndex) -> bool:
+    """Whether the data files of ``signature`` (made for ``index``) are the files ``index`` parsed: the same device,
+    inode, size and modification time as its ``file_ids``."""
+    stats = signature[3:]
+    return len(stats) == len(index.files) and all(
+        stat[:4] == index.file_ids.get(file) for file, stat in zip(index.files, stats))
+
+
 def _fresh_stat(path: Path) -> os.stat_result:
     """``fstat`` of the file freshly opened: on NFS an ``open`` revalidates the attributes the client cached
     (close-to-open consistency), so another node's rewrite shows; a plain ``stat`` may answer from that cache."""
@@ -591,11 +599,15 @@ def cached_checkpoint(path: Path | str) -> CheckpointIndex:
                     _cache.move_to_end(key)
             return index
     started = time.time_ns()
+    before = _signature(key, None)
     index = read_checkpoint(key)
     signature = _signature(key, index)
-    # kept only when no file changed since a while before parsing began: one rewritten while its header was
-    # parsed would otherwise leave a stale index behind a signature that matches the new file
-    if signature is not None and max(s[4] for s in signature[2:]) < started - _SETTLED_NS:
+    # kept only when no file changed since a while before parsing began (one rewritten while its header was
+    # parsed would otherwise leave a stale index behind a signature that matches the new file), and when the files
+    # the signature saw are the very files parsed: a folder swapped or a link turned between the parse and the
+    # signature keeps its files' old change times, and a kept index of the old files would refuse every later load
+    if (signature is not None and before is not None and signature[:3] == before[:3]
+            and max(s[4] for s in signature[2:]) < started - _SETTLED_NS and _signs_parsed_files(signature, index)):
         with _cache_lock:
             _cache[key] = (signature, index)
             _cache.move_to_end(key)
