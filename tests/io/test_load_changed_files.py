@@ -151,3 +151,37 @@ def test_a_save_published_while_the_index_is_parsed_fails_that_load_only(tmp_pat
         targets = {k: torch.zeros(64, 64) for k in tensors}
         assert wb.load_hf(targets, tmp_path / "ckpt", read_direct=False).ok
         assert all(torch.equal(targets[k], v + 1000) for k, v in tensors.items())
+
+
+def test_the_checkpoint_reader_refuses_a_file_rewritten_in_place_after_it_was_opened(tmp_path: Path) -> None:
+    """The file was opened (and checked) for the first key; another save then rewrote it in place, as
+    ``safetensors.save_file`` does. A memory map of it read the new bytes at the old offsets, without a word."""
+    tensors, file = _checkpoint(tmp_path / "ckpt")
+    with CheckpointReader(tmp_path / "ckpt") as reader:
+        assert torch.equal(reader.read("a"), tensors["a"])
+        _write(file, [("b", tensors["b"] + 1000), ("a", tensors["a"] + 1000)])
+        with pytest.raises(CheckpointError, match="rewritten in place since its header"):
+            reader.read("b")
+
+
+def test_the_checkpoint_reader_survives_a_file_truncated_under_it(tmp_path: Path) -> None:
+    """In a process of its own: a memory-mapped read of a truncated file dies of SIGBUS."""
+    import subprocess
+    import sys
+
+    _checkpoint(tmp_path / "ckpt")
+    code = (
+        "import sys\n"
+        "from workbench.errors import CheckpointError\n"
+        "from workbench.io.files.read import CheckpointReader\n"
+        f"r = CheckpointReader({str(tmp_path / 'ckpt')!r})\n"
+        "r.read('a')\n"
+        f"open({str(tmp_path / 'ckpt' / 'model.safetensors')!r}, 'r+b').truncate(200)\n"
+        "try:\n"
+        "    r.read('b')\n"
+        "except CheckpointError as exc:\n"
+        "    print('refused:', exc)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=120)
+    assert done.returncode == 0, done.stderr[-2000:]
+    assert "refused:" in done.stdout and "model.safetensors" in done.stdout

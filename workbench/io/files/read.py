@@ -3,16 +3,14 @@
 from __future__ import annotations
 
 import operator
-import os
 from pathlib import Path
 from types import TracebackType
-from typing import Any
 
 import torch
-from safetensors import SafetensorError, safe_open
 
 from workbench.errors import CheckpointError
-from workbench.io.files.index import CheckpointIndex, KeyInfo, cached_checkpoint, changed_since_parsed, torch_dtype
+from workbench.io.files.box_reads import BoxReader
+from workbench.io.files.index import CheckpointIndex, KeyInfo, cached_checkpoint, torch_dtype
 
 __all__ = ["CheckpointReader"]
 
@@ -20,11 +18,14 @@ __all__ = ["CheckpointReader"]
 class CheckpointReader:
     """Open a checkpoint once, then read whole keys or boxes of them (one ``slice`` per dim).
 
-    Only the requested box is read (``safe_open(...).get_slice(key)[index]``); one handle per file is
-    kept open until ``close``. ``bytes_read`` counts the bytes of every tensor returned (elements x
-    itemsize), so a loader can report bytes read against bytes owned (the goal is 1.0). It counts what
-    was asked for, not disk traffic: safetensors reads through a memory map, so a box narrow in a
-    trailing dim still touches the pages of the rows it crosses.
+    Only the requested box is read, with positional reads (``BoxReader``: its span, or its runs where
+    they lie pages apart), through the page cache; each file is opened once, checked to be the file the
+    index parsed, and kept open until ``close``. After each read every open file is checked again: a
+    file replaced or rewritten in place since its header was parsed is an error naming it, never bytes
+    of another checkpoint (a memory map would return them, and die of SIGBUS on a file truncated under
+    it). ``bytes_read`` counts the bytes of every tensor returned (elements x itemsize), so a loader can
+    report bytes read against bytes owned (the goal is 1.0). It counts what was asked for, not disk
+    traffic: a box narrow in a trailing dim is read as its span.
 
     Example::
 
@@ -37,7 +38,7 @@ class CheckpointReader:
         self.index: CheckpointIndex = cached_checkpoint(self.path)
         self.bytes_read = 0
         self.reads = 0
-        self._handles: dict[str, Any] = {}
+        self._boxes: BoxReader | None = None  # opened on the first read
 
     def keys(self) -> tuple[str, ...]:
         """Every HF key of the checkpoint, in weight-map order."""
@@ -75,17 +76,15 @@ class CheckpointReader:
                 them silently, so they are refused here. None reads the whole key.
 
         Raises:
-            CheckpointError: the key is not in the checkpoint (named with the checkpoint), or ``index``
-                does not fit its shape.
+            CheckpointError: the key is not in the checkpoint (named with the checkpoint), ``index``
+                does not fit its shape, or a file is not (or no longer) the one the index parsed.
         """
         info = self.info(key)
-        handle = self._handle(info.file)
         box = None if index is None else self._check_index(info, index)
-        try:
-            tensor = handle.get_tensor(key) if box is None else handle.get_slice(key)[box]
-        except (OSError, SafetensorError) as exc:
-            path = self.index.path_of(info.file)
-            raise CheckpointError(f"{path}: reading key {key!r} failed (was the file changed?): {exc}") from exc
+        if self._boxes is None:
+            self._boxes = BoxReader(self.index, (), threads=1, direct=False)
+        tensor = self._boxes.read(key, box).contiguous()
+        self._boxes.check_unchanged()  # the bytes are the parsed file's: not rewritten before or while read
         self.bytes_read += tensor.numel() * tensor.element_size()
         self.reads += 1
         return tensor
@@ -114,30 +113,11 @@ class CheckpointReader:
             out.append(slice(start, stop))
         return tuple(out)
 
-    def _handle(self, file: str) -> Any:
-        handle = self._handles.get(file)
-        if handle is None:
-            path = self.index.path_of(file)
-            try:
-                before = os.stat(path)
-                handle = safe_open(str(path), framework="pt", device="cpu")
-                after = os.stat(path)
-            except (OSError, SafetensorError) as exc:
-                raise CheckpointError(f"{path}: cannot open with safetensors: {exc}") from exc
-            # the file it maps must be the one the index parsed: another save may have replaced it since
-            changed = changed_since_parsed(self.index, file, before) or changed_since_parsed(self.index, file, after)
-            if changed:
-                raise CheckpointError(changed)
-            self._handles[file] = handle
-        return handle
-
     def close(self) -> None:
-        """Close every open file handle (reading again reopens them)."""
-        handles, self._handles = self._handles, {}
-        for handle in handles.values():
-            exit_ = getattr(handle, "__exit__", None)
-            if exit_ is not None:
-                exit_(None, None, None)
+        """Close every open file (reading again reopens them)."""
+        boxes, self._boxes = self._boxes, None
+        if boxes is not None:
+            boxes.close()
 
     def __enter__(self) -> CheckpointReader:
         return self
