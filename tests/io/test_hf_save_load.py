@@ -418,3 +418,45 @@ def test_a_file_removed_while_it_is_carried_over_is_skipped(tmp_path: Path, monk
     wb.save_hf({"w": torch.full((4,), 2.0)}, path)
     assert sorted(p.name for p in path.iterdir()) == sorted(
         [INDEX_NAME, LAYOUT_FILE_NAME, "model-00001-of-00001.safetensors", "config.json"])
+
+
+@pytest.mark.parametrize("exchange", [True, False], ids=["exchange", "rename-aside"])
+def test_files_written_into_the_model_folder_while_a_save_publishes_are_kept(tmp_path: Path, exchange: bool,
+                                                                             monkeypatch: pytest.MonkeyPatch) -> None:
+    # another process writes a tokenizer and replaces config.json (atomically) after the carry looked at the folder,
+    # before the new checkpoint is swapped in: both used to go with the old checkpoint
+    from workbench.io.files import publish
+
+    path = tmp_path / "model"
+    wb.save_hf({"w": torch.ones(4)}, path)
+    (path / "config.json").write_text('{"old": true}')
+    real = publish.AtomicRenamePublisher._carry_other_files
+
+    def carry_then_write(temporary: Path, final: Path) -> dict:
+        carried = real(temporary, final)
+        (final / "tokenizer.json").write_text('{"written": "meanwhile"}')
+        (final / "config.json.tmp").write_text('{"new": true}')
+        os.replace(final / "config.json.tmp", final / "config.json")
+        return carried
+
+    monkeypatch.setattr(publish.AtomicRenamePublisher, "_carry_other_files", staticmethod(carry_then_write))
+    if not exchange:
+        monkeypatch.setattr(publish, "exchange_paths", lambda a, b: False)  # a filesystem without RENAME_EXCHANGE
+    wb.save_hf({"w": torch.full((4,), 2.0)}, path)
+    names = sorted(p.name for p in path.iterdir())
+    assert names == sorted([INDEX_NAME, LAYOUT_FILE_NAME, "model-00001-of-00001.safetensors", "config.json",
+                            "tokenizer.json"]), names
+    assert (path / "config.json").read_text() == '{"new": true}'
+    assert (path / "tokenizer.json").read_text() == '{"written": "meanwhile"}'
+    assert torch.equal(_everything(path)["w"], torch.full((4,), 2.0))
+
+
+def test_a_model_folder_of_a_config_before_any_weights_takes_a_save(tmp_path: Path) -> None:
+    # save_pretrained of the config and tokenizer first, the weights after: the folder holds no weight yet
+    path = tmp_path / "model"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "tokenizer.json").write_text('{"version": "1.0"}')
+    wb.save_hf({"w": torch.ones(4)}, path)
+    assert (path / "config.json").read_text() == "{}" and (path / "tokenizer.json").is_file()
+    assert torch.equal(_everything(path)["w"], torch.ones(4))

@@ -57,23 +57,26 @@ _UNSUPPORTED = {errno.ENOSYS, errno.EINVAL, errno.EOPNOTSUPP, errno.ENOTSUP}
 
 # a replaced checkpoint's weights, in any of the formats HF folders hold them (and their indexes): never kept beside
 # new weights, where a loader that prefers one of them would read the old values
+_CONFIG = "config.json"  # HF's model folder holds it before any weights (save_pretrained of the config first)
 _WEIGHTS = re.compile(r".*\.safetensors|.*\.index\.json|pytorch_model.*\.bin|consolidated.*\.pth|tf_model.*\.h5"
                       r"|flax_model.*\.msgpack")
 
 
 def not_a_checkpoint(path: Path) -> str | None:
-    """Why the existing directory ``path`` is not one a save may replace (None: it may be): an empty directory may
-    be, and so may one that holds files only (no directory) among them an index or a ``.safetensors`` file."""
+    """Why the existing directory ``path`` is not one a save may write its weights into (None: it may): an empty
+    directory may, and so may a model folder of files only (no directory, which the save would delete), among them
+    an index, a ``.safetensors`` file or a ``config.json`` (HF's folder before its weights). Its other files are
+    kept beside the new weights (``AtomicRenamePublisher._carry_other_files``)."""
     names, folders = [], []
     with os.scandir(path) as entries:
         for entry in entries:
             (folders if entry.is_dir(follow_symlinks=False) else names).append(entry.name)
     if folders:
         shown = ", ".join(f"{n}/" for n in sorted(folders)[:4]) + (", ..." if len(folders) > 4 else "")
-        return f"it holds directories: {shown}"
-    if names and INDEX_NAME not in names and not any(n.endswith(".safetensors") for n in names):
+        return f"it holds directories, which a save would delete: {shown}"
+    if names and not {INDEX_NAME, _CONFIG}.intersection(names) and not any(n.endswith(".safetensors") for n in names):
         shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
-        return f"no {INDEX_NAME} and no .safetensors file, but {shown}"
+        return f"no {INDEX_NAME}, no .safetensors file and no {_CONFIG}, but {shown}: not a model folder"
     return None
 
 
@@ -220,8 +223,8 @@ class AtomicRenamePublisher:
         if final.is_dir() and (why := not_a_checkpoint(final)) is not None:
             raise CheckpointError(
                 f"cannot save to {final}: it is a directory that is not a checkpoint ({why}); a save replaces the "
-                "directory at its path whole, so this one would be deleted: save to a new path (a subdirectory, "
-                "say) or move what it holds away"
+                "directory at its path, keeping only the files of a model folder beside its weights: save to a new "
+                "path (a subdirectory, say) or move what it holds away"
             )
         self._repair_aside()
         self._release()  # a second prepare starts over: what this publisher made is now a stale leftover
@@ -355,12 +358,13 @@ class AtomicRenamePublisher:
                     f"cannot publish at {final}: while the save ran it became a directory that is not a checkpoint "
                     f"({why}); it was left as it is, and the new checkpoint was not published")
             else:
-                self._carry_other_files(temporary, final)
+                carried = self._carry_other_files(temporary, final)
                 if self.use_exchange and exchange_paths(temporary, final):
                     fsync_dir(final.parent)
+                    self._carry_late_files(temporary, final, carried)
                     self._discard(temporary)  # the old checkpoint, swapped to the temporary name
                 else:
-                    self._publish_by_rename_aside()
+                    self._publish_by_rename_aside(carried)
             (final / MARKER_NAME).unlink(missing_ok=True)  # it belonged to the unpublished directory only
             fsync_dir(final)  # the marker's removal, durable with the publish
             fsync_dir(final.parent)
@@ -369,20 +373,20 @@ class AtomicRenamePublisher:
         return final
 
     @staticmethod
-    def _carry_other_files(temporary: Path, final: Path) -> None:
+    def _carry_other_files(temporary: Path, final: Path) -> dict[str, tuple[int, int]]:
         """Hard-link (or copy) into ``temporary`` every file of the checkpoint at ``final`` that is not a
         checkpoint's own (weights in any HF format and their indexes, the layout, a save's marker) and that the new
         one does not hold: a model folder's ``config.json`` and tokenizer files, a trainer's optimizer state. A save
         replaces the weights of a folder, not what it holds beside them (as ``save_pretrained`` writing into it
-        would). A file removed meanwhile is skipped."""
-        carried = False
+        would). A file removed meanwhile is skipped. Returns each carried name with the (device, inode) it had."""
+        carried: dict[str, tuple[int, int]] = {}
         with os.scandir(final) as entries:
             for entry in entries:
                 name = entry.name
-                if (entry.is_dir(follow_symlinks=False) or _WEIGHTS.fullmatch(name)
-                        or name in (LAYOUT_FILE_NAME, MARKER_NAME) or os.path.lexists(temporary / name)):
+                if not _carried(entry) or os.path.lexists(temporary / name):
                     continue
                 try:
+                    st = entry.stat(follow_symlinks=False)
                     os.link(entry.path, temporary / name, follow_symlinks=False)
                 except FileNotFoundError:  # removed since the scan (by its owner): nothing to keep
                     continue
@@ -391,17 +395,43 @@ class AtomicRenamePublisher:
                         shutil.copy2(entry.path, temporary / name, follow_symlinks=False)
                     except FileNotFoundError:
                         continue
-                carried = True
+                carried[name] = (st.st_dev, st.st_ino)
         if carried:
             fsync_dir(temporary)
+        return carried
 
-    def _publish_by_rename_aside(self) -> None:
+    @staticmethod
+    def _carry_late_files(old: Path, final: Path, carried: dict[str, tuple[int, int]]) -> None:
+        """After the publish, before the replaced checkpoint ``old`` is deleted: move into ``final`` the files
+        written into the folder since ``_carry_other_files`` looked (a tokenizer saved, a ``config.json`` replaced
+        by its writer meanwhile). A file the new checkpoint holds itself is never replaced; one carried earlier is,
+        where its name now holds another file. A writer that resolved the folder's path before the publish and
+        writes after this look still writes into ``old``: the window is this function's."""
+        moved = False
+        with os.scandir(old) as entries:
+            for entry in entries:
+                name = entry.name
+                if not _carried(entry):
+                    continue
+                try:
+                    st = entry.stat(follow_symlinks=False)
+                    if os.path.lexists(final / name) and carried.get(name) in (None, (st.st_dev, st.st_ino)):
+                        continue  # the new checkpoint's own file, or the one carried, unchanged
+                    os.replace(entry.path, final / name)
+                except FileNotFoundError:
+                    continue
+                moved = True
+        if moved:
+            fsync_dir(final)
+
+    def _publish_by_rename_aside(self, carried: dict[str, tuple[int, int]]) -> None:
         final, aside = self._final, self.aside
         _remove(aside)
         os.rename(final, aside)
         # window: `final` is missing until the next rename; a crash here is repaired by prepare()
         os.rename(self.temporary, final)
         fsync_dir(final.parent)
+        self._carry_late_files(aside, final, carried)
         self._discard(aside)
 
     @staticmethod
@@ -429,6 +459,13 @@ class AtomicRenamePublisher:
 
     def __repr__(self) -> str:
         return f"AtomicRenamePublisher(final={str(self._final)!r})"
+
+
+def _carried(entry: os.DirEntry) -> bool:
+    """Whether a replaced checkpoint's ``entry`` is kept beside the new weights: a file (or link) that is not a
+    checkpoint's own (weights of any HF format and their indexes, the layout, a save's marker)."""
+    return not (entry.is_dir(follow_symlinks=False) or _WEIGHTS.fullmatch(entry.name)
+                or entry.name in (LAYOUT_FILE_NAME, MARKER_NAME))
 
 
 def _let_go(claim: LiveClaim | None, heartbeat: Heartbeat | None) -> None:
