@@ -378,3 +378,11 @@ def test_a_launch_that_fails_before_starting_leaves_no_store_or_log_folder(
     with pytest.raises(RuntimeError, match="no launch today"):
         launch(_hello, nprocs=2, args=([0.0] * 2,))
     assert list(tmp_path.iterdir()) == []
+
+
+def test_a_script_read_from_stdin_is_told_to_be_saved_to_a_file(monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``python - < script.py``: spawn runs '<stdin>' again in every rank, and each rank died with an empty log
+    main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "__file__", "<stdin>", raising=False)
+    with pytest.raises(ValueError, match=r"came from '<stdin>', not from a file it can run: save the script"):
+        launch(_hello, nprocs=2, args=([0.0] * 2,))

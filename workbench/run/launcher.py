@@ -103,6 +103,7 @@ def launch(
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}")
     _refuse_in_a_rank_importing_main(_name_of(fn))
+    _refuse_a_script_spawn_cannot_import()
     payload = cloudpickle.dumps((fn, tuple(args)))
     # ranks of this host meet through files only this user can open (the agent's own stores would listen on
     # every interface, and unpickle what anyone writes there)
@@ -166,6 +167,18 @@ def launch(
         _flush()
     shutil.rmtree(log_dir, ignore_errors=True)  # kept only when a rank failed (LaunchError points at it)
     return dict(sorted(results.items()))
+
+
+def _refuse_a_script_spawn_cannot_import() -> None:
+    """Raise when the launching script has a ``__file__`` that is no file (``python - < script.py`` gives
+    ``<stdin>``): spawn runs it again in every rank from that path, and each rank died with an empty log. A
+    script with no ``__file__`` at all (a notebook, ``python -c``) is not imported again, and launches."""
+    path = getattr(sys.modules.get("__main__"), "__file__", None)
+    if path and not os.path.exists(path):
+        raise ValueError(
+            f"wb.launch starts its ranks with spawn, which runs the launching script again in every rank, but this "
+            f"one came from {path!r}, not from a file it can run: save the script to a file and run that file"
+        )
 
 
 def _refuse_in_a_rank_importing_main(name: str) -> None:
