@@ -97,7 +97,8 @@ def dequantized_state(
     """
     # a float8 weight is found by its tensor's dtype too (a layout built from specs gives none); the other
     # parameters keep what the layout gave (none stays none)
-    found = {n: str(t.dtype).removeprefix("torch.") for n, t in local_tensors(model, layout).items()}
+    locals_ = local_tensors(model, layout)  # one walk of the model: the checked layout names the same parameters
+    found = {n: str(t.dtype).removeprefix("torch.") for n, t in locals_.items()}
     layout = Layout(layout.mesh, layout.specs, {**layout.dtypes, **{n: d for n, d in found.items()
                                                                    if d in FLOAT8_DTYPES}}, name=layout.name)
     checked = with_fp8_scales(layout, block=block, suffix=suffix)
@@ -106,7 +107,6 @@ def dequantized_state(
     if missing:
         raise LayoutError(f"float8 weight(s) without a scale in the layout: {missing[:3]} (expected names ending "
                           f"in {suffix!r})")
-    locals_ = local_tensors(model, checked)
     me = _rank(checked)
     state, specs, dtypes = {}, {}, {}
     dropped = set(scales.values())
