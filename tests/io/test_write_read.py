@@ -217,3 +217,28 @@ def test_reader_on_single_file_directory(tmp_path) -> None:
         assert reader.index.total_size is None and reader.index.index_file is None
         assert torch.equal(reader.read("w"), torch.arange(4))
     assert read_checkpoint(tmp_path / "ckpt").files == ("model.safetensors",)
+
+
+def test_the_reader_serves_empty_keys_own_tensors_and_closes_dropped_readers(tmp_path) -> None:
+    """A zero-size trailing dim has no stride to read with; a small key is a tensor of its own (not a view of a
+    64 MiB buffer that ``torch.save`` would write whole); a reader dropped unclosed leaves no file open."""
+    import gc
+    import os
+
+    w = torch.arange(24, dtype=torch.float32).reshape(4, 6)
+    write_safetensors(tmp_path / "x.safetensors", {"e": torch.zeros(3, 0, dtype=torch.int32), "w": w,
+                                                    "b": torch.tensor([1, 2], dtype=torch.int16)})
+    with CheckpointReader(tmp_path / "x.safetensors") as reader:
+        empty = reader.read("e")
+        assert empty.shape == (3, 0) and empty.dtype == torch.int32
+        assert reader.read("e", (slice(1, 2),)).shape == (1, 0)
+        b = reader.read("b")
+        assert torch.equal(b, torch.tensor([1, 2], dtype=torch.int16))
+        assert b.untyped_storage().nbytes() == 4
+        column = reader.read("w", (slice(None), slice(2, 3)))
+        assert torch.equal(column, w[:, 2:3]) and column.is_contiguous() and column.untyped_storage().nbytes() == 16
+    fds = len(os.listdir("/proc/self/fd"))
+    for _ in range(20):
+        CheckpointReader(tmp_path / "x.safetensors").read("w")
+    gc.collect()
+    assert len(os.listdir("/proc/self/fd")) == fds

@@ -49,7 +49,7 @@ import queue
 import threading
 import time
 from collections import deque
-from collections.abc import Callable, Iterable, Iterator, Sequence
+from collections.abc import Callable, Collection, Iterable, Iterator, Sequence
 from concurrent.futures import Future, ThreadPoolExecutor, wait
 from dataclasses import dataclass, field
 from typing import Literal
@@ -257,7 +257,7 @@ class BoxReader:
             box read into that CPU tensor of its shape and dtype (a view of the consumer's own tensor), which
             ``read`` then hands back, so no copy follows. A request that does not come next in this order is still
             served, by a read of its own.
-        threads: reader threads.
+        threads: reading threads (0: every read on the calling thread).
         budget_bytes: bytes of buffers read ahead and not yet handed out, at most (at least one request).
         pin_memory: allocate buffers in pinned memory (for host-to-device copies that overlap).
         device: a CUDA device to read into: requests in the expected order are read through the process's pinned
@@ -328,7 +328,7 @@ class BoxReader:
         self._slab_used = 0
         self._closing: list[int] = []  # direct fds a refusal retired: closed with the rest, no thread may hold one
         self._lock = threading.Lock()
-        self._pool = _pool(max(1, threads))
+        self._pool = _pool(threads) if threads > 0 else None  # none: every read on the calling thread
         self._futures: list[Future] = []  # every task this reader submitted to the shared pool
         # boxes that land in tensors on the device: read and copied by the reading threads, piece by piece
         self._landing = _Upcoming()  # pieces not started yet, in order, made as they are taken
@@ -816,6 +816,13 @@ class BoxReader:
             self._land_ended.get()
 
     def _submit(self, fn: Callable[..., None], *args: object) -> Future:
+        if self._pool is None:  # no reading threads: run it now, on the calling thread
+            future: Future = Future()
+            try:
+                future.set_result(fn(*args))
+            except BaseException as exc:  # raised where the future's result is asked for, as from a thread
+                future.set_exception(exc)
+            return future
         future = self._pool.submit(fn, *args)
         self._futures.append(future)
         return future
@@ -1112,11 +1119,14 @@ class BoxReader:
             os.close(fd)
             raise CheckpointError(changed)
 
-    def check_unchanged(self) -> None:
-        """Raise where a file this reader read is no longer the one its index was parsed from (rewritten in place
-        while it was read: the bytes read may be from both versions). Call after the last read has ended."""
+    def check_unchanged(self, files: Collection[str] | None = None) -> None:
+        """Raise where a file this reader read (of ``files``, if given) is no longer the one its index was parsed
+        from (rewritten in place while it was read: the bytes read may be from both versions). Call after the last
+        read has ended."""
         opened = [(file, fd) for file, (fd, _) in list(self._fds.items())] + list(self._direct_fds.items())
         for file, fd in opened:
+            if files is not None and file not in files:
+                continue
             changed = self._changed(file, fd)
             if changed:
                 raise CheckpointError(changed)

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import operator
+import weakref
 from pathlib import Path
 from types import TracebackType
 
@@ -39,6 +40,7 @@ class CheckpointReader:
         self.bytes_read = 0
         self.reads = 0
         self._boxes: BoxReader | None = None  # opened on the first read
+        self._finalizer: weakref.finalize | None = None
 
     def keys(self) -> tuple[str, ...]:
         """Every HF key of the checkpoint, in weight-map order."""
@@ -81,10 +83,18 @@ class CheckpointReader:
         """
         info = self.info(key)
         box = None if index is None else self._check_index(info, index)
-        if self._boxes is None:
-            self._boxes = BoxReader(self.index, (), threads=1, direct=False)
-        tensor = self._boxes.read(key, box).contiguous()
-        self._boxes.check_unchanged()  # the bytes are the parsed file's: not rewritten before or while read
+        sizes = [n if box is None or d >= len(box) else box[d].stop - box[d].start for d, n in enumerate(info.shape)]
+        if 0 in sizes:  # no byte to read (and no stride to read it with)
+            tensor = torch.empty(sizes, dtype=torch_dtype(info.dtype))
+        else:
+            boxes = self._boxes
+            if boxes is None:  # reads on this thread; the files close with the reader, or when it is collected
+                boxes = self._boxes = BoxReader(self.index, (), threads=0, direct=False)
+                self._finalizer = weakref.finalize(self, boxes.close)
+            tensor = boxes.read(key, box)
+            boxes.check_unchanged((info.file,))  # the parsed file's bytes: not rewritten before or while read
+            if not _owns_its_storage(tensor):  # a view of a buffer shared with other reads: a tensor of its own
+                tensor = tensor.clone(memory_format=torch.contiguous_format)
         self.bytes_read += tensor.numel() * tensor.element_size()
         self.reads += 1
         return tensor
@@ -115,9 +125,10 @@ class CheckpointReader:
 
     def close(self) -> None:
         """Close every open file (reading again reopens them)."""
-        boxes, self._boxes = self._boxes, None
-        if boxes is not None:
-            boxes.close()
+        self._boxes = None
+        finalizer, self._finalizer = self._finalizer, None
+        if finalizer is not None:
+            finalizer()  # closes the BoxReader, once
 
     def __enter__(self) -> CheckpointReader:
         return self
@@ -132,3 +143,9 @@ class CheckpointReader:
             f"CheckpointReader({str(self.path)!r}, keys={len(self.index.keys)}, files={len(self.index.files)}, "
             f"bytes_read={self.bytes_read})"
         )
+
+
+def _owns_its_storage(t: torch.Tensor) -> bool:
+    """Whether ``t`` is contiguous and is the whole of its storage (not a view of a buffer that holds more)."""
+    return (t.is_contiguous() and t.storage_offset() == 0
+            and t.untyped_storage().nbytes() == t.numel() * t.element_size())
