@@ -3,6 +3,7 @@ save dtypes, config files, async save, replacing a checkpoint, and bit-exact rou
 
 from __future__ import annotations
 
+import errno
 import json
 import os
 import re
@@ -460,3 +461,46 @@ def test_a_model_folder_of_a_config_before_any_weights_takes_a_save(tmp_path: Pa
     wb.save_hf({"w": torch.ones(4)}, path)
     assert (path / "config.json").read_text() == "{}" and (path / "tokenizer.json").is_file()
     assert torch.equal(_everything(path)["w"], torch.ones(4))
+
+
+def test_a_late_file_that_cannot_be_moved_is_a_warning_and_keeps_the_replaced_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # the publish is done when the late files are moved: a failure there used to raise "nothing was published"
+    # over a published checkpoint (with the save's marker left in it) and delete the user's late file
+    from workbench.io.files import publish
+    from workbench.io.files.ownership import MARKER_NAME
+
+    path = tmp_path / "model"
+    wb.save_hf({"w": torch.ones(4)}, path)
+    (path / "config.json").write_text("{}")
+    old = publish.temporary_path(path)
+    real_exchange, real_replace = publish.exchange_paths, os.replace
+
+    def exchange_then_write(a: Path, b: Path) -> bool:
+        done = real_exchange(a, b)
+        (Path(a) / "tokenizer.json").write_text("late")  # a writer that resolved the folder before the swap
+        return done
+
+    def refuse(src: object, dst: object) -> None:
+        if str(src).endswith("tokenizer.json"):
+            raise OSError(errno.EPERM, os.strerror(errno.EPERM))
+        real_replace(src, dst)
+
+    monkeypatch.setattr(publish, "exchange_paths", exchange_then_write)
+    monkeypatch.setattr(publish.os, "replace", refuse)
+    with pytest.warns(UserWarning, match=r"tokenizer\.json .*move them out now"):
+        wb.save_hf({"w": torch.full((4,), 2.0)}, path)
+    assert torch.equal(_everything(path)["w"], torch.full((4,), 2.0))
+    assert not (path / MARKER_NAME).exists() and (path / "config.json").read_text() == "{}"
+    assert (old / "tokenizer.json").read_text() == "late"
+
+
+def test_a_model_folder_of_weights_in_another_format_is_refused_and_left_alone(tmp_path: Path) -> None:
+    # config.json beside pytorch_model.bin: a save of safetensors would delete the only weights it holds
+    path = tmp_path / "bert"
+    path.mkdir()
+    (path / "config.json").write_text("{}")
+    (path / "pytorch_model.bin").write_bytes(b"weights")
+    with pytest.raises(wb.SaveFailed, match=r"weights are in another format \(pytorch_model\.bin\)"):
+        wb.save_hf({"w": torch.ones(4)}, path)
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "pytorch_model.bin"]

@@ -65,8 +65,8 @@ _WEIGHTS = re.compile(r".*\.safetensors|.*\.index\.json|pytorch_model.*\.bin|con
 def not_a_checkpoint(path: Path) -> str | None:
     """Why the existing directory ``path`` is not one a save may write its weights into (None: it may): an empty
     directory may, and so may a model folder of files only (no directory, which the save would delete), among them
-    an index, a ``.safetensors`` file or a ``config.json`` (HF's folder before its weights). Its other files are
-    kept beside the new weights (``AtomicRenamePublisher._carry_other_files``)."""
+    an index or a ``.safetensors`` file, or a ``config.json`` and no weights of another format (HF's folder before
+    its weights). Its other files are kept beside the new weights (``AtomicRenamePublisher._carry_other_files``)."""
     names, folders = [], []
     with os.scandir(path) as entries:
         for entry in entries:
@@ -74,10 +74,16 @@ def not_a_checkpoint(path: Path) -> str | None:
     if folders:
         shown = ", ".join(f"{n}/" for n in sorted(folders)[:4]) + (", ..." if len(folders) > 4 else "")
         return f"it holds directories, which a save would delete: {shown}"
-    if names and not {INDEX_NAME, _CONFIG}.intersection(names) and not any(n.endswith(".safetensors") for n in names):
-        shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
-        return f"no {INDEX_NAME}, no .safetensors file and no {_CONFIG}, but {shown}: not a model folder"
-    return None
+    if not names or INDEX_NAME in names or any(n.endswith(".safetensors") for n in names):
+        return None
+    if _CONFIG in names:  # a model folder: taken when it holds no weights a save would delete
+        others = sorted(n for n in names if _WEIGHTS.fullmatch(n))
+        if not others:
+            return None
+        shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
+        return f"its weights are in another format ({shown}), which a save of safetensors would delete"
+    shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
+    return f"no {INDEX_NAME}, no .safetensors file and no {_CONFIG}, but {shown}: not a model folder"
 
 
 @functools.cache
@@ -361,8 +367,8 @@ class AtomicRenamePublisher:
                 carried = self._carry_other_files(temporary, final)
                 if self.use_exchange and exchange_paths(temporary, final):
                     fsync_dir(final.parent)
-                    self._carry_late_files(temporary, final, carried)
-                    self._discard(temporary)  # the old checkpoint, swapped to the temporary name
+                    if self._carry_late_files(temporary, final, carried):
+                        self._discard(temporary)  # the old checkpoint, swapped to the temporary name
                 else:
                     self._publish_by_rename_aside(carried)
             (final / MARKER_NAME).unlink(missing_ok=True)  # it belonged to the unpublished directory only
@@ -401,28 +407,40 @@ class AtomicRenamePublisher:
         return carried
 
     @staticmethod
-    def _carry_late_files(old: Path, final: Path, carried: dict[str, tuple[int, int]]) -> None:
+    def _carry_late_files(old: Path, final: Path, carried: dict[str, tuple[int, int]]) -> bool:
         """After the publish, before the replaced checkpoint ``old`` is deleted: move into ``final`` the files
         written into the folder since ``_carry_other_files`` looked (a tokenizer saved, a ``config.json`` replaced
         by its writer meanwhile). A file the new checkpoint holds itself is never replaced; one carried earlier is,
         where its name now holds another file. A writer that resolved the folder's path before the publish and
-        writes after this look still writes into ``old``: the window is this function's."""
-        moved = False
-        with os.scandir(old) as entries:
-            for entry in entries:
-                name = entry.name
-                if not _carried(entry):
-                    continue
-                try:
-                    st = entry.stat(follow_symlinks=False)
-                    if os.path.lexists(final / name) and carried.get(name) in (None, (st.st_dev, st.st_ino)):
-                        continue  # the new checkpoint's own file, or the one carried, unchanged
-                    os.replace(entry.path, final / name)
-                except FileNotFoundError:
-                    continue
-                moved = True
-        if moved:
-            fsync_dir(final)
+        writes after this look still writes into ``old``: the window is this function's. The publish is done, so a
+        file that cannot be moved is a warning, not an error: False, and ``old`` must be kept (it holds the file)."""
+        moved, left = False, []
+        try:
+            with os.scandir(old) as entries:
+                for entry in entries:
+                    name = entry.name
+                    if not _carried(entry):
+                        continue
+                    try:
+                        st = entry.stat(follow_symlinks=False)
+                        if os.path.lexists(final / name) and carried.get(name) in (None, (st.st_dev, st.st_ino)):
+                            continue  # the new checkpoint's own file, or the one carried, unchanged
+                        os.replace(entry.path, final / name)
+                        moved = True
+                    except FileNotFoundError:
+                        continue
+                    except OSError as exc:
+                        left.append(f"{name} ({exc.strerror or exc})")
+            if moved:
+                fsync_dir(final)
+        except OSError as exc:
+            left.append(f"the folder could not be read again ({exc.strerror or exc})")
+        if left:
+            warnings.warn(
+                f"published {final}, but files written into it while the save published could not be moved into "
+                f"it: {', '.join(left)}. They are left in {old}, the replaced checkpoint, which the next save to "
+                f"{final} or clean_incomplete removes: move them out now", stacklevel=4)
+        return not left
 
     def _publish_by_rename_aside(self, carried: dict[str, tuple[int, int]]) -> None:
         final, aside = self._final, self.aside
@@ -431,8 +449,8 @@ class AtomicRenamePublisher:
         # window: `final` is missing until the next rename; a crash here is repaired by prepare()
         os.rename(self.temporary, final)
         fsync_dir(final.parent)
-        self._carry_late_files(aside, final, carried)
-        self._discard(aside)
+        if self._carry_late_files(aside, final, carried):
+            self._discard(aside)
 
     @staticmethod
     def _discard(old: Path) -> None:
