@@ -380,9 +380,27 @@ def test_a_launch_that_fails_before_starting_leaves_no_store_or_log_folder(
     assert list(tmp_path.iterdir()) == []
 
 
-def test_a_script_read_from_stdin_is_told_to_be_saved_to_a_file(monkeypatch: pytest.MonkeyPatch) -> None:
-    # ``python - < script.py``: spawn runs '<stdin>' again in every rank, and each rank died with an empty log
+def test_a_script_read_from_stdin_is_told_to_be_saved_to_a_file(tmp_path: Path,
+                                                                monkeypatch: pytest.MonkeyPatch) -> None:
+    # ``python - < script.py``: spawn runs '<stdin>' again in every rank, and each rank died with an empty log.
+    # Scripts spawn can run again are not refused: one imported by name (``python -m``, a zip app), one whose
+    # relative path holds from the directory the process started in, one with no file (a notebook)
+    from multiprocessing import process
+
+    from workbench.run.launcher import _refuse_a_script_spawn_cannot_import
+
     main = sys.modules["__main__"]
+    monkeypatch.setattr(main, "__spec__", None, raising=False)
     monkeypatch.setattr(main, "__file__", "<stdin>", raising=False)
     with pytest.raises(ValueError, match=r"came from '<stdin>', not from a file it can run: save the script"):
         launch(_hello, nprocs=2, args=([0.0] * 2,))
+    (tmp_path / "script.py").write_text("")
+    monkeypatch.setattr(process, "ORIGINAL_DIR", str(tmp_path))
+    monkeypatch.setattr(main, "__file__", "script.py")  # relative, and the process has changed directory since
+    _refuse_a_script_spawn_cannot_import()
+    monkeypatch.setattr(main, "__file__", "app.pyz/__main__.py")
+    monkeypatch.setattr(main, "__spec__", type("Spec", (), {"name": "__main__"})())  # a zip app: run by name
+    _refuse_a_script_spawn_cannot_import()
+    monkeypatch.delattr(main, "__file__")
+    monkeypatch.setattr(main, "__spec__", None)
+    _refuse_a_script_spawn_cannot_import()

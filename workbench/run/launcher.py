@@ -170,14 +170,26 @@ def launch(
 
 
 def _refuse_a_script_spawn_cannot_import() -> None:
-    """Raise when the launching script has a ``__file__`` that is no file (``python - < script.py`` gives
-    ``<stdin>``): spawn runs it again in every rank from that path, and each rank died with an empty log. A
-    script with no ``__file__`` at all (a notebook, ``python -c``) is not imported again, and launches."""
-    path = getattr(sys.modules.get("__main__"), "__file__", None)
-    if path and not os.path.exists(path):
+    """Raise where spawn would run the launching script again from a path that is no file: ``python - <
+    script.py`` gives ``__file__ = "<stdin>"``, and every rank died with an empty log. Spawn's own rule
+    (``multiprocessing.spawn.get_preparation_data``): a ``__main__`` with a module name (``python -m``, a zip app)
+    is imported by that name, one with a ``__file__`` runs from that path (a relative one from the directory the
+    process started in), and one with neither (a notebook, ``python -c``) is not run again."""
+    from multiprocessing import process
+
+    main = sys.modules.get("__main__")
+    if getattr(getattr(main, "__spec__", None), "name", None) is not None:
+        return
+    path = getattr(main, "__file__", None)
+    if path is None:
+        return
+    if not os.path.isabs(path) and process.ORIGINAL_DIR is not None:
+        path = os.path.join(process.ORIGINAL_DIR, path)
+    if not os.path.exists(path):
         raise ValueError(
             f"wb.launch starts its ranks with spawn, which runs the launching script again in every rank, but this "
-            f"one came from {path!r}, not from a file it can run: save the script to a file and run that file"
+            f"one came from {getattr(main, '__file__', None)!r}, not from a file it can run: save the script to a "
+            f"file and run that file"
         )
 
 
