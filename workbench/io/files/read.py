@@ -19,14 +19,16 @@ __all__ = ["CheckpointReader"]
 class CheckpointReader:
     """Open a checkpoint once, then read whole keys or boxes of them (one ``slice`` per dim).
 
-    Only the requested box is read, with positional reads (``BoxReader``: its span, or its runs where
-    they lie pages apart), through the page cache; each file is opened once, checked to be the file the
-    index parsed, and kept open until ``close``. After each read every open file is checked again: a
-    file replaced or rewritten in place since its header was parsed is an error naming it, never bytes
-    of another checkpoint (a memory map would return them, and die of SIGBUS on a file truncated under
-    it). ``bytes_read`` counts the bytes of every tensor returned (elements x itemsize), so a loader can
-    report bytes read against bytes owned (the goal is 1.0). It counts what was asked for, not disk
-    traffic: a box narrow in a trailing dim is read as its span.
+    Only the requested box is read, with positional reads on the calling thread (``BoxReader``: its
+    span, or its runs where they lie pages apart), through the page cache; each file is opened once,
+    checked to be the file the index parsed, and kept open until ``close`` (or until the reader is
+    collected). After each read the file read is checked again: a file replaced or rewritten in place
+    since its header was parsed is an error naming it, never bytes of another checkpoint (a memory map
+    would return them, and die of SIGBUS on a file truncated under it). Each tensor returned is its
+    own (not a view of a buffer shared with other reads). ``bytes_read`` counts the bytes of every
+    tensor returned (elements x itemsize), so a loader can report bytes read against bytes owned (the
+    goal is 1.0). It counts what was asked for, not disk traffic: a box narrow in a trailing dim is
+    read as its span.
 
     Example::
 
