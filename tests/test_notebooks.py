@@ -39,3 +39,12 @@ def test_notebook_runs(path: Path, tmp_path: Path, monkeypatch: pytest.MonkeyPat
     assert not errors, errors
     expected = [c for c in notebook.cells if "raises-exception" in c.metadata.get("tags", [])]
     assert all(any(o.output_type == "error" for o in c.outputs) for c in expected), "a tagged cell did not raise"
+
+
+@pytest.mark.parametrize("path", NOTEBOOKS, ids=lambda p: p.stem)
+def test_every_cell_has_an_id(path: Path) -> None:
+    """nbformat 4.5 wants an id on every cell (a cell added by hand without one is a warning now, an error later)."""
+    import json
+
+    cells = json.loads(path.read_text())["cells"]
+    assert [i for i, cell in enumerate(cells) if "id" not in cell] == []
