@@ -19,10 +19,27 @@ from workbench.errors import CheckpointError
 from workbench.io.files.ownership import MARKER_NAME, Heartbeat, Owner, read_owner, write_owner
 
 
-def _plant(directory: Path, *, job: str, host: str, pid: int, age: float = 0.0) -> None:
+def _this_boot() -> str:
+    return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+
+
+def _this_pid_namespace() -> str:
+    return os.readlink("/proc/self/ns/pid")
+
+
+needs_proc = pytest.mark.skipif(not Path("/proc/self/ns/pid").exists(), reason="the kernel names no PID namespace")
+
+
+def _plant(directory: Path, *, job: str, host: str, pid: int, age: float = 0.0, **place: str) -> None:
+    """A marker another process wrote: in this PID space (this boot and PID namespace) unless ``place`` names
+    another, or leaves them out (``boot=None``) as an older workbench did."""
     directory.mkdir()
     marker = directory / MARKER_NAME
-    marker.write_text(json.dumps({"job": job, "host": host, "pid": pid, "started": time.time() - age}))
+    body = {"job": job, "host": host, "pid": pid, "started": time.time() - age}
+    if Path("/proc/self/ns/pid").exists():
+        body |= {"boot": _this_boot(), "pid_namespace": _this_pid_namespace()}
+    body = {k: v for k, v in (body | place).items() if v is not None}
+    marker.write_text(json.dumps(body))
     os.utime(marker, (time.time() - age, time.time() - age))
     (directory / "model-00001-of-00002.safetensors").write_bytes(b"partial")
 
@@ -46,11 +63,50 @@ def test_a_live_jobs_incomplete_folder_is_not_deleted_by_a_new_save(tmp_path: Pa
 
 
 def test_a_dead_jobs_folder_is_replaced_and_the_marker_is_not_published(tmp_path: Path) -> None:
-    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
-    _plant(tmp_path / ".ckpt.incomplete", job="SLURM_JOB_ID=1", host=socket.gethostname(), pid=int(dead.stdout))
+    _plant(tmp_path / ".ckpt.incomplete", job="SLURM_JOB_ID=1", host=socket.gethostname(), pid=_dead_pid())
     wb.save_hf({"w": torch.ones(2)}, tmp_path / "ckpt")
     assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
     assert MARKER_NAME not in {p.name for p in (tmp_path / "ckpt").iterdir()}
+
+
+def _dead_pid() -> int:
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    return int(dead.stdout)
+
+
+@needs_proc
+@pytest.mark.parametrize("place", [
+    {"pid_namespace": "pid:[1]"},  # another container on this host name: its pids are not ours to look up
+    {"boot": "00000000-0000-0000-0000-000000000000"},  # this host before a reboot, or another kernel by its name
+    {"boot": None, "pid_namespace": None},  # an older workbench's marker: no place recorded
+], ids=["other-pid-namespace", "other-boot", "no-place-recorded"])
+def test_a_pid_outside_this_pid_space_is_never_looked_up(tmp_path: Path, place: dict) -> None:
+    """A container sharing this host name has pids of its own: a pid not running here says nothing of its save. Only
+    the heartbeat judges it, so a beating save is kept and a save whose heartbeat stopped is removed."""
+    for pid in (_dead_pid(), os.getpid()):  # a pid no process here has, and this process's own
+        live = tmp_path / f".live-{pid}.incomplete"
+        _plant(live, job="SLURM_JOB_ID=11", host=socket.gethostname(), pid=pid, **place)
+        save = wb.latest_checkpoint(tmp_path).incomplete[0]
+        assert save.live and save.reason.startswith("last heartbeat"), save
+        with pytest.raises(CheckpointError, match="belongs to a save still in progress"):
+            wb.save_hf({"w": torch.ones(2)}, tmp_path / f"live-{pid}")
+        assert wb.clean_incomplete(tmp_path) == ((), (save,))
+        assert (live / "model-00001-of-00002.safetensors").read_bytes() == b"partial"
+        os.utime(live / MARKER_NAME, (time.time() - 301, time.time() - 301))  # its heartbeat stopped 5 minutes ago
+        assert wb.clean_incomplete(tmp_path)[0] == (live,)
+
+
+@needs_proc
+def test_a_marker_records_the_pid_space_its_pid_belongs_to(tmp_path: Path) -> None:
+    directory = tmp_path / ".ckpt.incomplete"
+    directory.mkdir()
+    body = json.loads(write_owner(directory).read_text())
+    assert (body["boot"], body["pid_namespace"]) == (_this_boot(), _this_pid_namespace())
+    owner = read_owner(directory)
+    assert owner.in_this_pid_space() and owner.is_this_process()
+    pid = _dead_pid()
+    _plant(tmp_path / ".dead.incomplete", job="j", host=socket.gethostname(), pid=pid)  # this PID space
+    assert read_owner(tmp_path / ".dead.incomplete").stale_reason() == f"pid {pid} is not running on this host"
 
 
 def test_another_hosts_folder_is_live_until_its_heartbeat_is_stale() -> None:

@@ -1,17 +1,23 @@
 """Who owns an unpublished save, whether it is still live, and which checkpoint under a root is the newest complete one.
 
 Every ``.NAME.incomplete`` directory a save creates holds an owner marker (``.workbench-owner.json``: job id, host,
-pid, start time and the heartbeat ``period`` in seconds); the marker's modification time is a heartbeat its writer
-refreshes every ``period`` seconds while the save is in progress (``Heartbeat``).
+pid, the kernel's boot id and PID namespace, start time and the heartbeat ``period`` in seconds); the marker's
+modification time is a heartbeat its writer refreshes every ``period`` seconds while the save is in progress
+(``Heartbeat``).
+
+A pid means something only in the PID namespace of one boot of one kernel. Containers often share a host name (or
+run with the node's) and each has its own pid 1, 2, ...: a pid in a marker is looked up here only when the marker's
+host, boot id and PID namespace are all this process's (``Owner.in_this_pid_space``). Any other marker, and one
+written by an older workbench that recorded neither, is judged by its heartbeat alone.
 
 Liveness, one rule for ``clean_incomplete``, ``latest_checkpoint`` and ``AtomicRenamePublisher.prepare``:
 
 * **claimed in this process**: a save of this process holds the directory (its publisher between ``prepare`` and
   ``finalize``/``abort``, or a running ``Heartbeat``): live, always, whatever its marker says;
 * no readable marker (an older workbench, another tool): stale;
-* a marker written by this process (same host and pid) that no save of this process holds: stale (an earlier
-  attempt of ours that failed);
-* a marker of another process on this host whose pid is not running: stale;
+* a marker written by this process (same pid in the same PID space, see above) that no save of this process holds:
+  stale (an earlier attempt of ours that failed);
+* a marker of another process in this PID space whose pid is not running: stale;
 * a heartbeat older than ``STALE_PERIODS`` (10) times the marker's period (30 s unless it says otherwise, so
   5 minutes): stale, on any host, even if the pid still runs (a stopped or hung process, or a reused pid);
 * otherwise live, whoever owns it: another job, or another process of the same job.
@@ -66,6 +72,22 @@ MARKER_NAME = ".workbench-owner.json"
 HEARTBEAT_PERIOD = 30.0
 STALE_PERIODS = 10
 STALE_AFTER = STALE_PERIODS * HEARTBEAT_PERIOD  # for a marker with the default period
+
+
+def _boot_id() -> str:
+    """This boot of this kernel ("" where the kernel does not say: then no pid in a marker is looked up)."""
+    try:
+        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
+    except OSError:
+        return ""
+
+
+def _pid_namespace() -> str:
+    """This process's PID namespace, as the kernel names it (``pid:[4026531836]``), or "" where it does not."""
+    try:
+        return os.readlink("/proc/self/ns/pid")
+    except OSError:
+        return ""
 
 
 def _job_id() -> str:
@@ -136,6 +158,18 @@ class Owner:
     started: float
     heartbeat: float
     period: float = HEARTBEAT_PERIOD
+    boot: str = ""
+    pid_namespace: str = ""
+
+    def in_this_pid_space(self) -> bool:
+        """True when the marker's pid names a process this one can look up: the same host, the same boot of its
+        kernel and the same PID namespace (a marker that does not record them is never in it)."""
+        return (bool(self.boot) and bool(self.pid_namespace) and self.host == socket.gethostname()
+                and self.boot == _boot_id() and self.pid_namespace == _pid_namespace())
+
+    def is_this_process(self) -> bool:
+        """True when this process wrote the marker."""
+        return self.pid == os.getpid() and self.in_this_pid_space()
 
     def heartbeat_age(self, now: float | None = None) -> float:
         """Seconds since the last heartbeat (0 when the marker's clock is ahead of this host's)."""
@@ -145,8 +179,7 @@ class Owner:
         """Why the marker alone shows its owner gone, or None while it may still be writing. ``stale_after``
         (seconds) replaces ``STALE_PERIODS * period``. This process's own markers are judged by its claims, which a
         marker cannot show: see ``incomplete_save``."""
-        here = self.host == socket.gethostname()
-        if here and self.pid != os.getpid() and not _pid_running(self.pid):
+        if self.pid != os.getpid() and self.in_this_pid_space() and not _pid_running(self.pid):
             return f"pid {self.pid} is not running on this host"
         limit = stale_after if stale_after is not None else STALE_PERIODS * self.period
         age = self.heartbeat_age(now)
@@ -191,8 +224,8 @@ def write_owner(directory: Path, *, period: float = HEARTBEAT_PERIOD) -> Path:
     if not period > 0:
         raise ValueError(f"period must be a positive number of seconds, got {period!r}")
     marker = Path(directory) / MARKER_NAME
-    body = {"job": _job_id(), "host": socket.gethostname(), "pid": os.getpid(), "started": time.time(),
-            "period": float(period)}
+    body = {"job": _job_id(), "host": socket.gethostname(), "pid": os.getpid(), "boot": _boot_id(),
+            "pid_namespace": _pid_namespace(), "started": time.time(), "period": float(period)}
     staged = marker.with_name(f"{MARKER_NAME}.{os.getpid()}.{threading.get_ident()}.tmp")
     staged.write_text(json.dumps(body))
     os.replace(staged, marker)
@@ -201,7 +234,8 @@ def write_owner(directory: Path, *, period: float = HEARTBEAT_PERIOD) -> Path:
 
 def read_owner(directory: Path) -> Owner | None:
     """The owner recorded in ``directory``, or None when there is no readable marker. A marker without a period
-    (an older workbench) gets ``HEARTBEAT_PERIOD``."""
+    (an older workbench) gets ``HEARTBEAT_PERIOD``; one without a boot id or PID namespace is judged by its heartbeat
+    alone."""
     marker = Path(directory) / MARKER_NAME
     try:  # a marker is a few hundred bytes: anything larger, deeper or not finite is no readable marker
         body = parse_json(read_capped(marker, MAX_MARKER_BYTES, "MAX_MARKER_BYTES"))
@@ -209,7 +243,8 @@ def read_owner(directory: Path) -> Owner | None:
         if not (math.isfinite(period) and math.isfinite(started)):
             return None
         return Owner(str(body["job"]), str(body["host"]), int(body["pid"]), started,
-                     marker.stat().st_mtime, period if period > 0 else HEARTBEAT_PERIOD)
+                     marker.stat().st_mtime, period if period > 0 else HEARTBEAT_PERIOD,
+                     str(body.get("boot", "")), str(body.get("pid_namespace", "")))
     except (OSError, ValueError, KeyError, TypeError, AttributeError, OverflowError):
         return None
 
@@ -280,7 +315,7 @@ def _judge(directory: Path, owner: Owner | None, *, claims: bool, stale_after: f
         return True, f"a save of this process (pid {os.getpid()}) is writing it"
     if owner is None:
         return False, "no owner marker (an older workbench, or another tool)"
-    if owner.host == socket.gethostname() and owner.pid == os.getpid():
+    if owner.is_this_process():
         return False, f"left by this process (pid {owner.pid}); no save of this process holds it"
     stale = owner.stale_reason(stale_after=stale_after, now=now)
     if stale is not None:
@@ -310,7 +345,8 @@ def incomplete_save(
 def _same_owner(a: Owner | None, b: Owner | None) -> bool:
     if a is None or b is None:
         return a is b
-    return (a.job, a.host, a.pid, a.started) == (b.job, b.host, b.pid, b.started)
+    return (a.job, a.host, a.pid, a.boot, a.pid_namespace, a.started) == (
+        b.job, b.host, b.pid, b.boot, b.pid_namespace, b.started)
 
 
 def remove_if_stale(save: IncompleteSave, *, force: bool = False, holding: bool = False) -> bool:
