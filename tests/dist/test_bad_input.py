@@ -116,7 +116,7 @@ def test_a_directory_that_is_not_a_checkpoint_is_refused_and_left_alone(tmp_path
     plain.mkdir()
     (plain / "train.jsonl").write_text("{}\n")
     for target, why in ((runs, "it holds directories, which a save would delete: notes/, step-100/"),
-                        (plain, f"no {INDEX_NAME}, no .safetensors file and no config.json, but train.jsonl")):
+                        (plain, f"no {INDEX_NAME}, no model*.safetensors file and no config.json, but train.jsonl")):
         before = _snapshot(target)
         with pytest.raises(CheckpointError, match="nothing was published") as info:
             handle = wb.save_hf(_model(), target, async_save=async_save)

@@ -13,7 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 from safetensors import safe_open
-from safetensors.torch import load_file
+from safetensors.torch import load_file, save_file
 from torch.distributed.tensor import Replicate
 
 import workbench as wb
@@ -504,3 +504,31 @@ def test_a_model_folder_of_weights_in_another_format_is_refused_and_left_alone(t
     with pytest.raises(wb.SaveFailed, match=r"weights are in another format \(pytorch_model\.bin\)"):
         wb.save_hf({"w": torch.ones(4)}, path)
     assert sorted(p.name for p in path.iterdir()) == ["config.json", "pytorch_model.bin"]
+
+
+@pytest.mark.parametrize("beside", [[], ["model.safetensors"]], ids=["adapter-folder", "beside-a-model"])
+def test_a_peft_adapter_is_never_taken_for_a_checkpoint(tmp_path: Path, beside: list[str]) -> None:
+    # adapter_config.json + adapter_model.safetensors: a save used to count any .safetensors file as a checkpoint's,
+    # replace the folder and delete the adapter's weights
+    path = tmp_path / "lora"
+    path.mkdir()
+    (path / "adapter_config.json").write_text('{"peft_type": "LORA"}')
+    for name in ("adapter_model.safetensors", *beside):
+        save_file({"w": torch.ones(2)}, str(path / name))
+    before = {p.name: p.read_bytes() for p in path.iterdir()}
+    with pytest.raises(wb.SaveFailed, match=r"safetensors files that are not a checkpoint's model weights "
+                       r"\(adapter_model\.safetensors: a PEFT adapter's"):
+        wb.save_hf({"w": torch.full((4,), 3.0)}, path)
+    assert {p.name: p.read_bytes() for p in path.iterdir()} == before
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["lora"]  # no .lora.incomplete left beside it
+
+
+def test_a_single_file_checkpoint_is_replaced(tmp_path: Path) -> None:
+    path = tmp_path / "one"
+    path.mkdir()
+    save_file({"old": torch.ones(2)}, str(path / "model.safetensors"))  # HF's one-file checkpoint, no index
+    (path / "config.json").write_text("{}")
+    wb.save_hf({"w": torch.full((4,), 3.0)}, path)
+    assert sorted(p.name for p in path.iterdir()) == sorted(["config.json", INDEX_NAME, LAYOUT_FILE_NAME,
+                                                             "model-00001-of-00001.safetensors"])
+    assert torch.equal(_everything(path)["w"], torch.full((4,), 3.0))

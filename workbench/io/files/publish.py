@@ -27,6 +27,7 @@ import re
 import shutil
 import warnings
 import weakref
+from collections.abc import Iterable
 from pathlib import Path
 from typing import Any
 
@@ -62,28 +63,42 @@ _WEIGHTS = re.compile(r".*\.safetensors|.*\.index\.json|pytorch_model.*\.bin|con
                       r"|flax_model.*\.msgpack")
 
 
+_MODEL_WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors")  # what a save writes (and HF names a model's)
+_SAFETENSORS = re.compile(r".*\.safetensors(\.index\.json)?")
+
+
 def not_a_checkpoint(path: Path) -> str | None:
-    """Why the existing directory ``path`` is not one a save may write its weights into (None: it may): an empty
-    directory may, and so may a model folder of files only (no directory, which the save would delete), among them
-    an index or a ``.safetensors`` file, or a ``config.json`` and no weights of another format (HF's folder before
-    its weights). Its other files are kept beside the new weights (``AtomicRenamePublisher._carry_other_files``)."""
+    """Why the existing directory ``path`` is not one a save may write its weights into (None: it may).
+
+    It may when it is empty, or a model folder of files only (no directory, which the save would delete): one with
+    the index or ``model*.safetensors`` weights (a checkpoint), or with a ``config.json`` and no weights of another
+    format (HF's folder before its weights). Safetensors files of other names (``adapter_model.safetensors``, a PEFT
+    adapter's; another model's) are never taken for a checkpoint's: the save would delete them. The folder's other
+    files are kept beside the new weights (``AtomicRenamePublisher._carry_other_files``)."""
     names, folders = [], []
     with os.scandir(path) as entries:
         for entry in entries:
             (folders if entry.is_dir(follow_symlinks=False) else names).append(entry.name)
     if folders:
-        shown = ", ".join(f"{n}/" for n in sorted(folders)[:4]) + (", ..." if len(folders) > 4 else "")
-        return f"it holds directories, which a save would delete: {shown}"
-    if not names or INDEX_NAME in names or any(n.endswith(".safetensors") for n in names):
+        return f"it holds directories, which a save would delete: {_shown(f'{n}/' for n in folders)}"
+    foreign = [n for n in names if _SAFETENSORS.fullmatch(n) and not (n == INDEX_NAME or _MODEL_WEIGHTS.fullmatch(n))]
+    if foreign:
+        return (f"it holds safetensors files that are not a checkpoint's model weights ({_shown(foreign)}: a PEFT "
+                f"adapter's, or another model's), which a save would delete")
+    if not names or INDEX_NAME in names or any(_MODEL_WEIGHTS.fullmatch(n) for n in names):
         return None
     if _CONFIG in names:  # a model folder: taken when it holds no weights a save would delete
-        others = sorted(n for n in names if _WEIGHTS.fullmatch(n))
+        others = [n for n in names if _WEIGHTS.fullmatch(n)]
         if not others:
             return None
-        shown = ", ".join(others[:4]) + (", ..." if len(others) > 4 else "")
-        return f"its weights are in another format ({shown}), which a save of safetensors would delete"
-    shown = ", ".join(sorted(names)[:4]) + (", ..." if len(names) > 4 else "")
-    return f"no {INDEX_NAME}, no .safetensors file and no {_CONFIG}, but {shown}: not a model folder"
+        return f"its weights are in another format ({_shown(others)}), which a save of safetensors would delete"
+    return f"no {INDEX_NAME}, no model*.safetensors file and no {_CONFIG}, but {_shown(names)}: not a model folder"
+
+
+def _shown(names: Iterable[str], most: int = 4) -> str:
+    """The first ``most`` of ``names`` in order, for a message."""
+    ordered = sorted(names)
+    return ", ".join(ordered[:most]) + (", ..." if len(ordered) > most else "")
 
 
 @functools.cache
