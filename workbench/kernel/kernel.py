@@ -40,6 +40,7 @@ from workbench.kernel.fold import Folder, format_ranks
 from workbench.kernel.magics import MagicError, parse_cell
 from workbench.kernel.protocol import ENV_TOKEN, ENV_TOKEN_FILE
 from workbench.kernel.ranks import RankSet
+from workbench.pid_space import PidSpace
 
 __all__ = ["SPMDKernel"]
 
@@ -677,13 +678,13 @@ class SPMDKernel(Kernel):
         for rank, text in dump_all(here).items():
             frames[rank] = parse(text, infos[rank].thread) if text else None
             ledgers[rank] = read_ledger(infos[rank].ledger_file)
-        by_host: dict[str, list[int]] = {}
+        by_place: dict[tuple[str, PidSpace], list[int]] = {}  # a helper signals only a peer its pid names
         for r in answered:
-            if r in self.rankset.ranks:
-                by_host.setdefault(self.rankset.ranks[r].host, []).append(r)
+            if r in self.rankset.ranks and (peer := self.rankset.ranks[r]).pid_space.known:
+                by_place.setdefault((peer.host, peer.pid_space), []).append(r)
         asked: dict[str, int] = {}
         for rank, info in infos.items():
-            helpers = by_host.get(info.host)
+            helpers = by_place.get((info.host, info.pid_space))
             if rank in here or not info.stack_file or not helpers:
                 continue
             request = uuid.uuid4().hex

@@ -20,7 +20,7 @@ import sys
 import tempfile
 import threading
 import time
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -38,6 +38,7 @@ from workbench.kernel.protocol import (
     parse_listen,
     write_token_file,
 )
+from workbench.pid_space import PidSpace, in_this_pid_space
 from workbench.run.private_store import PrivateStore
 
 __all__ = ["LOST_EXIT_CODE", "RankInfo", "RankSet", "RanksStopped"]
@@ -67,6 +68,7 @@ class RankInfo:
     stack_file: str = ""  # faulthandler writes its stacks here on SIGUSR2 (stackdump)
     ledger_file: str = ""  # the collective it is in (ledger)
     thread: int = 0  # its main thread's ident, as faulthandler's dump names it
+    pid_space: PidSpace = field(default_factory=PidSpace)  # where its pid names it (signalled only from there)
 
 
 class RankSet:
@@ -242,9 +244,10 @@ class RankSet:
             self.world_size = None
 
     def on_this_host(self, rank: int) -> bool:
-        """Whether the rank runs on the kernel's host (its files can be read and its process signalled here)."""
+        """Whether the rank runs beside the kernel: the same host name, boot and PID namespace, so its pid names it
+        here and its files can be read here. A rank in another container on a host of the same name is not."""
         info = self.ranks.get(rank)
-        return info is not None and info.host == socket.gethostname()
+        return info is not None and in_this_pid_space(info.host, info.pid_space)
 
     def signal_local(self, rank: int, sig: int) -> bool:
         """Send a signal to a local rank's process (e.g. SIGUSR1: native stacks into the log)."""
@@ -350,7 +353,8 @@ class RankSet:
             info = RankInfo(rank=rank, world_size=world, local_rank=int(hello["local_rank"]),
                             host=str(hello["host"]), pid=int(hello["pid"]), backend=str(hello["backend"]),
                             stack_file=str(hello.get("stack_file", "")), ledger_file=str(hello.get("ledger_file", "")),
-                            thread=int(hello.get("thread", 0)))
+                            thread=int(hello.get("thread", 0)),
+                            pid_space=PidSpace(str(hello.get("boot", "")), str(hello.get("pid_namespace", ""))))
         except (KeyError, TypeError, ValueError) as exc:
             return f"hello of rank {rank} lacks {exc}"
         if self.world_size is not None and world != self.world_size:

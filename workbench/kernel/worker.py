@@ -43,6 +43,7 @@ from workbench.kernel.protocol import (
     new_identity,
     read_token,
 )
+from workbench.pid_space import this_pid_space
 from workbench.run.private_store import connect_store, store_path
 
 __all__ = ["main", "private_folder", "stack_report"]
@@ -319,9 +320,10 @@ class _Worker:
         threading.Thread(target=self.io_loop, name="workbench-kernel-io", daemon=True).start()
         import torch
 
+        space = this_pid_space()
         self.send({"op": "hello", "rank": self.rank, "world_size": self.world_size,
                    "local_rank": self.local_rank, "host": os.environ.get(ENV_HOST) or socket.gethostname(),
-                   "pid": os.getpid(),
+                   "pid": os.getpid(), "boot": space.boot, "pid_namespace": space.namespace,
                    "backend": self.backend, "torch": torch.__version__, "generation": self.generation,
                    "stack_file": self.stack_file, "ledger_file": self.ledger.path if self.ledger else "",
                    "thread": self.main_ident})

@@ -5,10 +5,9 @@ pid, the kernel's boot id and PID namespace, start time and the heartbeat ``peri
 modification time is a heartbeat its writer refreshes every ``period`` seconds while the save is in progress
 (``Heartbeat``).
 
-A pid means something only in the PID namespace of one boot of one kernel. Containers often share a host name (or
-run with the node's) and each has its own pid 1, 2, ...: a pid in a marker is looked up here only when the marker's
-host, boot id and PID namespace are all this process's (``Owner.in_this_pid_space``). Any other marker, and one
-written by an older workbench that recorded neither, is judged by its heartbeat alone.
+A pid in a marker is looked up only when the marker's host, boot id and PID namespace are all this process's
+(``Owner.in_this_pid_space``, see ``workbench.pid_space``): containers sharing a host name have pids of their own.
+Any other marker, and one written by an older workbench that recorded neither, is judged by its heartbeat alone.
 
 Liveness, one rule for ``clean_incomplete``, ``latest_checkpoint`` and ``AtomicRenamePublisher.prepare``:
 
@@ -45,6 +44,7 @@ from pathlib import Path
 from workbench.io.files.complete import OLD_SUFFIX, is_complete
 from workbench.io.files.limits import parse_json, read_capped
 from workbench.io.files.publish_types import INCOMPLETE_SUFFIX, is_temporary_path
+from workbench.pid_space import PidSpace, in_this_pid_space, this_pid_space
 
 MAX_MARKER_BYTES = 64 << 10
 """An owner marker is a few hundred bytes; a larger file is not read."""
@@ -72,22 +72,6 @@ MARKER_NAME = ".workbench-owner.json"
 HEARTBEAT_PERIOD = 30.0
 STALE_PERIODS = 10
 STALE_AFTER = STALE_PERIODS * HEARTBEAT_PERIOD  # for a marker with the default period
-
-
-def _boot_id() -> str:
-    """This boot of this kernel ("" where the kernel does not say: then no pid in a marker is looked up)."""
-    try:
-        return Path("/proc/sys/kernel/random/boot_id").read_text().strip()
-    except OSError:
-        return ""
-
-
-def _pid_namespace() -> str:
-    """This process's PID namespace, as the kernel names it (``pid:[4026531836]``), or "" where it does not."""
-    try:
-        return os.readlink("/proc/self/ns/pid")
-    except OSError:
-        return ""
 
 
 def _job_id() -> str:
@@ -164,8 +148,7 @@ class Owner:
     def in_this_pid_space(self) -> bool:
         """True when the marker's pid names a process this one can look up: the same host, the same boot of its
         kernel and the same PID namespace (a marker that does not record them is never in it)."""
-        return (bool(self.boot) and bool(self.pid_namespace) and self.host == socket.gethostname()
-                and self.boot == _boot_id() and self.pid_namespace == _pid_namespace())
+        return in_this_pid_space(self.host, PidSpace(self.boot, self.pid_namespace))
 
     def is_this_process(self) -> bool:
         """True when this process wrote the marker."""
@@ -224,8 +207,9 @@ def write_owner(directory: Path, *, period: float = HEARTBEAT_PERIOD) -> Path:
     if not period > 0:
         raise ValueError(f"period must be a positive number of seconds, got {period!r}")
     marker = Path(directory) / MARKER_NAME
-    body = {"job": _job_id(), "host": socket.gethostname(), "pid": os.getpid(), "boot": _boot_id(),
-            "pid_namespace": _pid_namespace(), "started": time.time(), "period": float(period)}
+    space = this_pid_space()
+    body = {"job": _job_id(), "host": socket.gethostname(), "pid": os.getpid(), "boot": space.boot,
+            "pid_namespace": space.namespace, "started": time.time(), "period": float(period)}
     staged = marker.with_name(f"{MARKER_NAME}.{os.getpid()}.{threading.get_ident()}.tmp")
     staged.write_text(json.dumps(body))
     os.replace(staged, marker)
