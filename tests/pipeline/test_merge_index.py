@@ -11,6 +11,8 @@ import pytest
 
 from workbench.errors import CheckpointError
 from workbench.io.files.index import INDEX_NAME
+from workbench.io.files.ownership import MARKER_NAME
+from workbench.io.files.publish import AtomicRenamePublisher
 from workbench.io.pipeline.save import _merge
 from workbench.layout.model_layout import Layout
 from workbench.layout.pipeline import PipelineLayout
@@ -18,7 +20,7 @@ from workbench.mesh import MeshSpec
 
 
 def _stage(root: Path, body: object) -> Path:
-    stage = root / ".ckpt.stage0"
+    stage = root / "stage0"  # inside the save's own prepared directory, as save_hf_pipeline makes it
     stage.mkdir()
     (stage / INDEX_NAME).write_text(json.dumps(body))
     return stage
@@ -36,9 +38,12 @@ def _one_stage() -> PipelineLayout:
 def test_a_bad_stage_index_stops_the_merge_naming_the_stage(tmp_path: Path, body: object, message: str) -> None:
     outside = tmp_path / "outside.safetensors"
     outside.write_bytes(b"not a stage file")
-    stage = _stage(tmp_path, body)
+    publisher = AtomicRenamePublisher(tmp_path / "ckpt")
+    stage = _stage(publisher.prepare(), body)
     with pytest.raises(CheckpointError, match=rf"pipeline stage 0's index cannot be merged: .*{INDEX_NAME}.*{message}"):
-        _merge([stage], tmp_path / "ckpt", [], _one_stage())
+        _merge([stage], publisher, [], _one_stage())
     assert outside.read_bytes() == b"not a stage file"  # not moved into the checkpoint
     assert not (tmp_path / "ckpt").exists()
-    assert sorted(p.name for p in tmp_path.iterdir()) == [".ckpt.stage0", "outside.safetensors"]  # nothing prepared
+    assert sorted(p.name for p in publisher.temporary.iterdir()) == [MARKER_NAME, "stage0"]  # nothing moved
+    publisher.abort()  # as save_hf_pipeline does after a failed merge
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.safetensors"]

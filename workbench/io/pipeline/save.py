@@ -3,8 +3,12 @@
 ``save_hf`` assumes one mesh whose ranks all hold the same parameter names. A pipeline stage is exactly that on
 its own (``PipelineLayout.stages``, stage-local ranks), so each stage runs an ordinary ``save_hf`` through a
 ``StageCommunicator`` that makes the stage look like a world: stage-local ranks, process groups over the stage's
-own ranks, agreement among the stage only. Stages write side by side into hidden per-stage directories next to the
-target; after every rank's stage succeeded, global rank 0 renumbers the files
+own ranks, agreement among the stage only. Global rank 0 first prepares the save's own unpublished directory
+(``.NAME.incomplete``, with its owner marker and heartbeat), and the stages write side by side into it
+(``.NAME.incomplete/stageK``): no stage's files are ever a checkpoint of their own beside the target, which
+``latest_checkpoint`` could take for the newest or which a crash would leave behind as one (a dead save's directory
+is stale, and ``clean_incomplete`` removes it with its stages). After every rank's stage succeeded, global rank 0
+renumbers the files
 (``model-0000k-of-0000N.safetensors`` over all stages), writes one index with ``metadata.total_size``, the layout of
 the whole pipeline (``workbench_layout.toml``: every stage's layout as its save wrote it, with a ``[pipeline]``
 table naming each stage's parameters, so ``diagnose`` can tell which global ranks held a region), copies the config
@@ -25,6 +29,7 @@ left as it was. Within a stage, ``save_hf``'s own flag protocol and status excha
 from __future__ import annotations
 
 import dataclasses
+import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
@@ -37,6 +42,7 @@ from workbench.errors import CheckpointError, LayoutError
 from workbench.io.files.file_plan import FilePlan, FileSpec, file_name
 from workbench.io.files.index import INDEX_NAME, read_index, write_index
 from workbench.io.files.publish import AtomicRenamePublisher
+from workbench.io.files.publish_types import temporary_path
 from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
 from workbench.layout.pipeline import PipelineLayout
 from workbench.mesh import MeshDimRef, format_mesh_dim
@@ -203,15 +209,26 @@ def save_hf_pipeline(
     what = f"pipeline save to {path}"
     world = ControlChannel(ACROSS_STAGES * timeout)
     rank = world.rank
-    stages = [path.with_name(f".{path.name}.stage{s}") for s in range(len(pipeline.stages))]
+    # the stages save into the directory rank 0 prepares for the whole save: never a checkpoint beside the target
+    stages = [temporary_path(path) / f"stage{s}" for s in range(len(pipeline.stages))]
+    publisher: AtomicRenamePublisher | None = None
     # arguments first, agreed on by the whole world before any stage group is built (a collective of every rank)
     problem: RankProblem | None = None
     failure: BaseException | None = None
     try:
         _check_arguments(pipeline, config_files if rank == 0 else (), save_kwargs)
+        if rank == 0:
+            preparing = AtomicRenamePublisher(path)
+            preparing.prepare()  # refuses a live save at the path, or a directory that is not a checkpoint
+            publisher = preparing
     except Exception as exc:
         problem, failure = problem_from(exc, rank, "checking the arguments"), exc
-    _across_stages(world, problem, what, outcome="nothing was written", cause=failure)
+
+    def abort() -> None:  # rank 0's directory, with every stage in it: once every stage's save has ended
+        if publisher is not None:
+            publisher.abort()
+
+    _across_stages(world, problem, what, outcome="nothing was written", on_failure=abort, cause=failure)
     comm = StageCommunicator(pipeline, timeout=timeout)
     mine: RankProblem | None = None
     try:
@@ -221,24 +238,18 @@ def save_hf_pipeline(
         failure = exc
         mine = _stage_problem(exc, pipeline, rank)
 
-    def remove_own_stage() -> None:  # by the rank that published it, once its stage's save has ended
-        if comm.rank == 0:
-            shutil.rmtree(stages[comm.stage], ignore_errors=True)
-
     # an interrupt (not an Exception) save_hf raised again after its stage agreed may still have come from inside
     # a collective, leaving this rank's stage groups out of step: every rank drops them
-    _across_stages(world, mine, what, on_failure=remove_own_stage, cause=failure,
+    _across_stages(world, mine, what, on_failure=abort, cause=failure,
                    suspect=failure is not None and not isinstance(failure, Exception))
     merged: RankProblem | None = None
-    if rank == 0:
+    if publisher is not None:
         try:
-            _merge(stages, path, config_files, pipeline)
+            _merge(stages, publisher, config_files, pipeline)
         except BaseException as exc:
             failure = exc
             merged = problem_from(exc, 0, "merging the stages and publishing (index, config files, rename)")
-        finally:
-            for stage_dir in stages:  # every stage's save has ended: the stage directories are rank 0's
-                shutil.rmtree(stage_dir, ignore_errors=True)
+            _quietly(abort)
     _across_stages(world, merged, what, cause=failure,
                    lost="rank 0 may or may not have published: check with wb.latest_checkpoint")
     return path
@@ -326,10 +337,10 @@ def _quietly(fn: Callable[[], None] | None) -> None:
         pass
 
 
-def _merge(stage_dirs: Sequence[Path], path: Path, config_files: Sequence[str | Path], pipeline: PipelineLayout
-           ) -> None:
-    """Move every stage's files into one directory with global numbering, one index and the pipeline's layout file,
-    and publish it."""
+def _merge(stage_dirs: Sequence[Path], publisher: AtomicRenamePublisher, config_files: Sequence[str | Path],
+           pipeline: PipelineLayout) -> None:
+    """Move every stage's files up into the publisher's prepared directory (which holds the stages) with global
+    numbering, remove the stages, write one index and the pipeline's layout file, and publish it."""
     files: list[tuple[Path, dict[str, str]]] = []  # (file, {key: ...}) in stage order
     for stage, stage_dir in enumerate(stage_dirs):
         weight_map, _, problems = read_index(stage_dir / INDEX_NAME)  # bounded, checked parsing
@@ -344,25 +355,21 @@ def _merge(stage_dirs: Sequence[Path], path: Path, config_files: Sequence[str | 
         files.extend((stage_dir / name, dict.fromkeys(keys, name)) for name, keys in sorted(by_file.items()))
     saved = _saved_pipeline(pipeline, stage_dirs)
     total = len(files)
-    publisher = AtomicRenamePublisher(path)
-    temporary = publisher.prepare()
-    try:
-        specs = []
-        for number, (source, keys) in enumerate(files, start=1):
-            name = file_name("model", number, total)
-            nbytes = _data_bytes(source)
-            shutil.move(str(source), temporary / name)
-            specs.append(FileSpec(name=name, writer=0, keys=tuple(keys), nbytes=nbytes))
-        weight_map = {key: spec.name for spec in specs for key in spec.keys}
-        write_index(temporary, FilePlan(files=tuple(specs), weight_map=weight_map,
-                                        total_size=sum(s.nbytes for s in specs)))
-        (temporary / LAYOUT_FILE_NAME).write_text(saved.to_toml(), encoding="utf-8")  # fsynced by finalize
-        for config in config_files:
-            shutil.copy2(config, temporary / Path(config).name)
-        publisher.finalize()
-    except BaseException:
-        publisher.abort()
-        raise
+    temporary = publisher.temporary
+    specs = []
+    for number, (source, keys) in enumerate(files, start=1):
+        name = file_name("model", number, total)
+        nbytes = _data_bytes(source)
+        os.replace(source, temporary / name)  # the same directory tree: a rename
+        specs.append(FileSpec(name=name, writer=0, keys=tuple(keys), nbytes=nbytes))
+    for stage_dir in stage_dirs:
+        shutil.rmtree(stage_dir)
+    weight_map = {key: spec.name for spec in specs for key in spec.keys}
+    write_index(temporary, FilePlan(files=tuple(specs), weight_map=weight_map, total_size=sum(s.nbytes for s in specs)))
+    (temporary / LAYOUT_FILE_NAME).write_text(saved.to_toml(), encoding="utf-8")  # fsynced by finalize
+    for config in config_files:
+        shutil.copy2(config, temporary / Path(config).name)
+    publisher.finalize()
 
 
 def _saved_pipeline(pipeline: PipelineLayout, stage_dirs: Sequence[Path]) -> PipelineLayout:
