@@ -135,7 +135,7 @@ def _case(draw: st.DrawFn) -> dict:
             "rows": kind != "random",
             "file": file,
             "box": tuple(box),
-            "how": draw(st.sampled_from(["runs", "gather", "span", "shared"])),
+            "how": draw(st.sampled_from(["runs", "span", "shared"])),
             "cast": draw(st.booleans()),
             "order": draw(st.permutations(range(ndim))),
             "pad": pad,
@@ -156,14 +156,12 @@ def _case(draw: st.DrawFn) -> dict:
 def _check_piece_shape(piece: LandingPiece, slot_bytes: int) -> np.ndarray:
     """The piece's own invariants; the slot bytes its reads fill."""
     covered = np.zeros(slot_bytes, dtype=bool)
-    assert (piece.reads or piece.gathers) and piece.parts
-    for _, at, n in _slot_ranges(piece):
-        assert n > 0 and at >= 0 and at + n <= piece.used, (piece.reads, piece.gathers, piece.used)
-        assert not covered[at:at + n].any(), f"reads overlap in the slot: {piece.reads} {piece.gathers}"
+    assert piece.reads and piece.parts
+    for _, at, n in piece.reads:
+        assert n > 0 and at >= 0 and at + n <= piece.used, (piece.reads, piece.used)
+        assert not covered[at:at + n].any(), f"reads overlap in the slot: {piece.reads}"
         covered[at:at + n] = True
-    assert piece.nbytes == sum(n for _, _, n in piece.reads) + sum(
-        sum((k - 1) * s for k, s in zip(g.sizes, g.steps)) + g.run for g in piece.gathers)
-    assert not (piece.gathers and piece.solid), "a gather in a solid piece"
+    assert piece.nbytes == sum(n for _, _, n in piece.reads)
     assert piece.used == max(p.at + p.nbytes for p in piece.parts)
     for p in piece.parts:
         size = p.dtype.itemsize
@@ -184,24 +182,12 @@ def _check_piece_shape(piece: LandingPiece, slot_bytes: int) -> np.ndarray:
     return covered
 
 
-def _slot_ranges(piece: LandingPiece) -> list[tuple[int, int, int]]:
-    """Every (file offset, slot offset, bytes) the piece fills: its reads, and each run of its gathers (packed from
-    the gather's place, in the order of its index)."""
-    out = list(piece.reads)
-    for g in piece.gathers:
-        at = g.at
-        for index in itertools.product(*(range(n) for n in g.sizes)):
-            out.append((g.offset + sum(i * s for i, s in zip(index, g.steps)), at, g.run))
-            at += g.run
-    return out
-
-
 def _asked(pieces: list[LandingPiece], length: int, file: str) -> np.ndarray:
-    """How many times the pieces' reads (and gathers' runs) ask each byte of ``file`` to land in a slot."""
+    """How many times the pieces' reads ask each byte of ``file``."""
     out = np.zeros(length, dtype=np.int64)
     for piece in pieces:
         if piece.file == file:
-            for off, _, n in _slot_ranges(piece):
+            for off, _, n in piece.reads:
                 assert off >= 0 and off + n <= length
                 out[off:off + n] += 1
     return out
@@ -241,8 +227,8 @@ def test_planned_pieces_land_every_box_exactly(case: dict) -> None:
             ends = [max(off + n for off, _, n in p.reads) for p in pieces]
             assert all(end % ALIGN == 0 for end in ends[:-1]), ends
             event(f"a 1-D run cut: {len(ends) > 1}")
-        if b["how"] in ("runs", "gather"):
-            assert np.array_equal(asked, own), f"{b['how']}: the reads do not land exactly the box's bytes"
+        if b["how"] == "runs":
+            assert np.array_equal(asked, own), "runs: the reads do not ask exactly the box's bytes"
         elif fb.span <= slot_bytes - 2 * ALIGN:
             assert np.array_equal(asked, span), "the reads do not ask exactly the box's span"
         else:  # cut into parts, each read as its own span: every byte of the box, nothing outside its span, once
@@ -262,7 +248,7 @@ def test_planned_pieces_land_every_box_exactly(case: dict) -> None:
         _check_piece_shape(piece, slot_bytes)
         file = files[piece.file]
         slot = garbage.clone()
-        for off, at, n in _slot_ranges(piece):
+        for off, at, n in piece.reads:
             assert off + n <= len(file)
             slot[at:at + n] = file[off:off + n]
         direct = None
@@ -297,7 +283,7 @@ def test_plan_landing_refuses_a_small_slot_and_a_dest_of_another_shape() -> None
         plan_landing([(fb, torch.zeros(4, 4), "runs")], {"a.safetensors": 8}, 3 * ALIGN - ALIGN)
     with pytest.raises(ValueError, match="cannot land"):
         plan_landing([(fb, torch.zeros(4, 5), "runs")], {"a.safetensors": 8}, 3 * ALIGN)
-    with pytest.raises(ValueError, match="expected runs, gather, span or shared"):
+    with pytest.raises(ValueError, match="expected runs, span or shared"):
         plan_landing([(fb, torch.zeros(4, 4), "all")], {"a.safetensors": 8}, 3 * ALIGN)
 
 
@@ -742,80 +728,6 @@ def test_a_repeat_landing_plans_nothing_and_lands_in_the_tensors_given_now(tmp_p
         for i, (_, dest) in enumerate(third):
             assert torch.equal(dest, w[8 * i:8 * i + 8]), i
     assert all_slots_free(ring)
-
-
-def _read_chars() -> int:
-    """Bytes this process's read calls returned so far (``/proc/self/io`` ``rchar``: the file layer's count)."""
-    for line in Path("/proc/self/io").read_text().splitlines():
-        if line.startswith("rchar:"):
-            return int(line.split()[1])
-    raise AssertionError("no rchar in /proc/self/io")
-
-
-@pytest.mark.skipif(not Path("/proc/self/io").exists(), reason="no /proc/self/io")
-@pytest.mark.parametrize("native", [True, False], ids=["gathered", "no-native-gather"])
-def test_half_rows_are_gathered_packed_and_land_exactly(tmp_path: Path, monkeypatch: pytest.MonkeyPatch,
-                                                        native: bool) -> None:
-    """A rank's half of each 1 KiB row (an expert-TP ``down_proj``) is gathered: the slots carry only the owned
-    halves (each part's bytes contiguous), the file is read for the span once (``rchar``, counted by the kernel),
-    and the values are torch's indexing of the saved tensor, into a plain and a transposed destination. Without the
-    native gather the box is read as its span, into slots that carry it whole: the same values."""
-    from workbench.io.files import box_reads, gather
-
-    if native and gather.native_gather() is None:
-        pytest.skip(f"no native gather: {gather.why_not_native()}")
-    if not native:
-        monkeypatch.setattr(box_reads, "native_gather", lambda: None)
-    w = torch.randn(3, 300, 512, generator=torch.Generator().manual_seed(4)).to(torch.bfloat16)
-    save_file({"w": w}, str(tmp_path / "model.safetensors"))
-    index = read_checkpoint(tmp_path)
-    info = index.keys["w"]
-    span = (3 * 300 - 1) * 1024 + 512
-    for half in (0, 1):
-        landing._KEPT.clear()
-        fb = FileBox(info.file, info.data_offsets[0] + half * 512, (3, 300, 256), (300 * 1024, 1024, 2),
-                     torch.bfloat16)
-        plain, transposed = torch.zeros(3, 300, 256, dtype=torch.bfloat16), torch.zeros(256, 300, 3).permute(2, 1, 0)
-        ring = StagingRing(3, 200 << 10, pinned=False)
-        before = _read_chars()
-        _land(index, [(fb, plain), (fb, transposed)], ring)
-        read = _read_chars() - before
-        want = w[:, :, half * 256:(half + 1) * 256]
-        assert torch.equal(_bits(plain), _bits(want)) and torch.equal(_bits(transposed), _bits(want.float()))
-        kept = list(landing._KEPT._data.values())[-1]
-        gathers = [g for piece in kept for g in piece[5]]
-        used = sum(piece[2] for piece in kept)
-        # each box's span at most once (a gather cut over pieces skips the gaps between them); every owned byte
-        assert 2 * fb.nbytes <= read <= 2 * span + 2 * 4096 * len(kept), read
-        if native:
-            assert gathers and all(g.run == 512 for g in gathers)
-            # the slots carry the halves packed (parts padded to 64 bytes), each part's bytes contiguous
-            assert 2 * fb.nbytes <= used <= 2 * fb.nbytes + 64 * sum(len(piece[4]) for piece in kept)
-            assert all(part[3][-1] == 1 and part[3][-2] == 256 for piece in kept for part in piece[4])
-        else:
-            assert not gathers and used > 3 * fb.nbytes  # the spans: the peer's halves ride along
-        assert all_slots_free(ring)
-
-
-def test_a_file_cut_short_under_a_gather_is_an_error_naming_it(tmp_path: Path) -> None:
-    """The last rows of a gathered box are gone from the file (truncated after its index was read): a clear error
-    naming the file, never a slot of stale bytes (``test_gather.py`` reads past the end of a file itself)."""
-    from workbench.io.files import gather
-
-    if gather.native_gather() is None:
-        pytest.skip(f"no native gather: {gather.why_not_native()}")
-    w = torch.randn(2, 300, 512).to(torch.bfloat16)
-    save_file({"w": w}, str(tmp_path / "model.safetensors"))
-    index = read_checkpoint(tmp_path)
-    info = index.keys["w"]
-    fb = FileBox(info.file, info.data_offsets[0] + 512, (2, 300, 256), (300 * 1024, 1024, 2), torch.bfloat16)
-    os.truncate(tmp_path / "model.safetensors", info.data_offsets[0] + 100 * 1024)
-    landing._KEPT.clear()
-    with pytest.raises(CheckpointError, match=r"model\.safetensors: rewritten in place since its header was read"
-                       ), BoxReader(index, [(fb, torch.zeros(2, 300, 256, dtype=torch.bfloat16))],
-                                                device="cpu", ring=StagingRing(3, 200 << 10, pinned=False),
-                                                threads=2, direct=False) as r:
-        r.finish()
 
 
 class _Concurrent:

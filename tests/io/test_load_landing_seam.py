@@ -132,37 +132,3 @@ def test_the_reads_start_before_the_agreement_and_nothing_lands_before_it(tmp_pa
         assert len(seen) == 1 and seen[0][0] > 0 and seen[0][1], seen
         _expect(model, state, 1.0)
     assert landing._KEPT.hits == 1
-
-
-@pytest.mark.parametrize("native", [True, False], ids=["gathered", "no-native-gather"])
-def test_expert_tp_half_rows_land_exactly_gathered_or_not(tmp_path: Path, monkeypatch, native: bool) -> None:
-    """An expert-TP ``down_proj``: 4 experts of 1 KiB bf16 rows, each of 2 ranks owning half of every row. Through
-    the GPU's path each rank's halves are gathered (packed, the peer's halves dropped) where the native gather is
-    built, else read as spans; either way every rank gets torch's slice of the saved experts. The expected values
-    are the tensors written, sliced with torch."""
-    from torch.distributed.tensor import Shard
-
-    from workbench.io.files import box_reads, gather
-    from workbench.layout.load_spec import LoadSpec
-    from workbench.layout.model_layout import Layout
-
-    if native and gather.native_gather() is None:
-        pytest.skip(f"no native gather: {gather.why_not_native()}")
-    if not native:
-        monkeypatch.setattr(box_reads, "native_gather", lambda: None)
-    gathered = []
-    real = box_reads.gather_runs
-    monkeypatch.setattr(box_reads, "gather_runs", lambda *a: gathered.append(a[2]) or real(*a))
-    monkeypatch.setattr(load_module, "_CPU_LANDING_RING", StagingRing(3, 64 << 10, pinned=False))
-    full = random_tensor((4, 96, 512), torch.bfloat16, 40)  # experts, rows, columns
-    save_checkpoint(tmp_path, {"experts.down_proj": full})
-    mesh = wb.MeshSpec((2,), ("etp",))
-    spec = LoadSpec.from_placements("down_proj", ["experts.down_proj"], (4, 96, 512), mesh, [Shard(2)])
-    layout = Layout(mesh, {"down_proj": spec})
-    for rank in (0, 1):
-        landing._KEPT.clear()
-        target = torch.zeros(spec.local_shape(rank), dtype=torch.bfloat16)
-        report = wb.load_hf({"down_proj": target}, tmp_path, layout=layout, rank=rank)
-        assert torch.equal(bits(target), bits(full[:, :, rank * 256:(rank + 1) * 256])), rank
-        assert report.bytes_owned == full.numel()  # half of every row, on each of the two ranks
-    assert (len(gathered) > 0) == native and set(gathered) <= {512}

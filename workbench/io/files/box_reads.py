@@ -17,9 +17,7 @@ ranks owned of it. What the OS reads is counted in ``tests/dist/test_os_read_byt
 
 A box whose runs leave no whole page between them (``gap_pages``) is read as its span too, and handed out as a
 contiguous copy: the disk reads whole pages, so reading a 512-byte half of each 1 KiB row run by run fetched the same
-pages in a thousand small reads. Landing on a GPU, such a box of runs of ``GATHER_RUN_BYTES`` or more is gathered
-instead where the native gather is built (``gather.py``): one call per box reads its runs packed into the slot, the
-bytes between them going to a scratch buffer, so the slot and the copy to the GPU carry only the rank's bytes.
+pages in a thousand small reads.
 
 **O_DIRECT.** A request of one contiguous byte range (a span, or neighbouring spans) can be read with ``O_DIRECT``:
 the disk's blocks land straight in the (pinned) buffer, with no copy out of the page cache and no page cache
@@ -60,9 +58,8 @@ import numpy as np
 import torch
 
 from workbench.errors import CheckpointError
-from workbench.io.files.gather import gather_runs, native_gather
 from workbench.io.files.index import CheckpointIndex, KeyInfo, changed_since_parsed, torch_dtype
-from workbench.io.files.landing import GatherRead, LandingPart, LandingPiece, kept_landing, run_dims
+from workbench.io.files.landing import LandingPart, LandingPiece, kept_landing
 from workbench.io.files.staging import Slot, StagingRing, as_dtype, staging_ring
 from workbench.io.files.transfers import FileBox
 
@@ -79,9 +76,6 @@ ALIGN = 4096  # O_DIRECT: file offsets, lengths and buffer addresses are multipl
 DIRECT_MIN_BYTES = 1 << 20  # auto: smaller requests go through the page cache (alignment costs up to 8 KiB each)
 DIRECT_COLD_SHARE = 0.1  # auto: O_DIRECT when at most this share of a request's sampled pages are cached
 LANDING_RUN_BYTES = 64 << 10  # a box given a tensor lands there run by run when its runs are this long
-# a landing box read as its span because its runs leave no whole page between them (half rows: an expert-TP
-# down_proj) is gathered instead (``gather.py``: its runs packed, the gaps dropped) when its runs are this long
-GATHER_RUN_BYTES = 512
 DIRECT_ENV = "WORKBENCH_READ_DIRECT"  # the default of ``direct``: auto, 1 (True) or 0 (False)
 _SAMPLES = 32  # pages of a range cached_share asks mincore about
 PACKED_CACHED_SHARE = 0.9  # auto: a landing packs its pieces full in a file with this share of its pages cached
@@ -659,14 +653,9 @@ class BoxReader:
 
     def _how(self, fb: FileBox) -> str:
         """How a landing box is read (``plan_landing``): its runs packed, or its span (shared: its pages hold a
-        peer's bytes too), as ``_describe`` decides for any box; a shared span of runs of ``GATHER_RUN_BYTES`` or
-        more is gathered where the native gather is built (its runs packed, the bytes between them dropped)."""
+        peer's bytes too), as ``_describe`` decides for any box."""
         how = self._describe(fb)
-        if how.runs is not None:
-            return "runs"
-        if how.compact:
-            return "gather" if run_dims(fb)[0] >= GATHER_RUN_BYTES and native_gather() is not None else "shared"
-        return "span"
+        return "runs" if how.runs is not None else "shared" if how.compact else "span"
 
     def _pump(self) -> None:
         """Start reading the next landing pieces, in order, into the ring's free slots."""
@@ -769,8 +758,6 @@ class BoxReader:
                 return
         for offset, at, n in piece.reads:
             self._read_into(fd, piece.file, offset, view[at:at + n])
-        for g in piece.gathers:
-            self._gather_into(fd, piece.file, g, slot)
         with self._lock:
             self.bytes_fetched += piece.nbytes
 
@@ -915,15 +902,6 @@ class BoxReader:
                 path = self.index.path_of(file)
                 raise CheckpointError(f"{path}: short read at byte {offset + done} (file truncated?)")
             done += n
-
-    def _gather_into(self, fd: int, file: str, g: GatherRead, slot: Slot) -> None:
-        """The runs of ``g`` packed into ``slot`` from ``g.at``."""
-        room = slot.buffer.numel() - g.at
-        try:
-            gather_runs(fd, g.offset, g.run, g.sizes, g.steps, slot.buffer.data_ptr() + g.at, room)
-        except OSError as exc:
-            raise CheckpointError(f"{self.index.path_of(file)}: reading {g.run}-byte runs from byte {g.offset} "
-                                  f"failed: {exc}") from exc
 
     def _take(self, item: _Box, request: _Request) -> torch.Tensor:
         if request.staged:

@@ -12,9 +12,8 @@ A box is cut along its leading dim into parts whose bytes fit a piece (a row too
 leading dim, down to runs of elements; a contiguous run is cut at page boundaries of the file, so the pieces of a
 large tensor read with ``O_DIRECT`` read every page once), and parts that follow each other are packed into one
 piece while they fit. A part is read as its span (viewed with the file's strides: the bytes between its runs come
-along) or as its runs packed one after the other (a read each, or one gather), as the caller says (``BoxReader``
-keeps its own rule: the span where it is dense or its gaps hold no whole page; a gather for such a span's half rows).
-Where a piece's parts are one range of the file, each at its own
+along) or as its runs packed one after the other, as the caller says (``BoxReader`` keeps its own rule: the span
+where it is dense or its gaps hold no whole page). Where a piece's parts are one range of the file, each at its own
 place relative to the page the range starts in, the piece is ``solid``: its aligned cover fits the slot and can be
 read with ``O_DIRECT`` straight into it. A solid piece of ``_KEEP_SOLID`` bytes is joined by no part from elsewhere
 (it stays O_DIRECT-able), except in files the caller names ``packed`` (cached: read through the page cache, where
@@ -37,7 +36,7 @@ import torch
 from workbench.io.files.transfers import FileBox
 from workbench.memo import LRU
 
-__all__ = ["GatherRead", "LandingPart", "LandingPiece", "kept_landing", "plan_landing", "run_dims"]
+__all__ = ["LandingPart", "LandingPiece", "kept_landing", "plan_landing"]
 
 ALIGN = 4096  # O_DIRECT's alignment of offsets and lengths (a page)
 _PAD = 64  # a part that does not sit at its place in the file starts at a multiple of this in the slot
@@ -66,46 +65,22 @@ class LandingPart:
 
 
 @dataclass(frozen=True, slots=True)
-class GatherRead:
-    """Runs of ``run`` bytes of a file at ``offset + sum(i[d] * steps[d])`` for every index ``i`` of ``sizes``, in
-    that (file) order, read packed into a slot from ``at`` (``gather.gather_runs``: the bytes between them are
-    not kept)."""
-
-    offset: int  # absolute
-    at: int
-    run: int
-    sizes: tuple[int, ...]
-    steps: tuple[int, ...]
-
-    @property
-    def span(self) -> int:
-        """Bytes from the first run's first byte to the last run's last."""
-        return sum((n - 1) * s for n, s in zip(self.sizes, self.steps)) + self.run
-
-    @property
-    def nbytes(self) -> int:
-        """Bytes it lands in the slot: its runs."""
-        return math.prod(self.sizes) * self.run
-
-
-@dataclass(frozen=True, slots=True)
 class LandingPiece:
-    """What one slot carries: ``reads`` (absolute file offset, offset in the slot, bytes) of ``file`` and its
-    ``gathers`` (short runs packed), then the copy of each part. ``used``: slot bytes from 0 to the end of the last
-    part. ``solid``: the absolute range ``(begin, end)`` the reads make when they are one range of the file laid at
-    ``begin % ALIGN`` in the slot (O_DIRECT reads its aligned cover into the slot instead), else None."""
+    """What one slot carries: ``reads`` (absolute file offset, offset in the slot, bytes) of ``file``, then the copy
+    of each part. ``used``: slot bytes from 0 to the end of the last part. ``solid``: the absolute range
+    ``(begin, end)`` the reads make when they are one range of the file laid at ``begin % ALIGN`` in the slot
+    (O_DIRECT reads its aligned cover into the slot instead), else None."""
 
     file: str
     reads: tuple[tuple[int, int, int], ...]
     parts: tuple[LandingPart, ...]
     used: int
     solid: tuple[int, int] | None
-    gathers: tuple[GatherRead, ...] = ()
 
     @property
     def nbytes(self) -> int:
-        """Bytes the reads ask for (a gather's whole span: the page cache is read for the gaps too)."""
-        return sum(n for _, _, n in self.reads) + sum(g.span for g in self.gathers)
+        """Bytes the reads ask for."""
+        return sum(n for _, _, n in self.reads)
 
 
 def plan_landing(
@@ -115,11 +90,9 @@ def plan_landing(
     packed: Collection[str] = (),
 ) -> list[LandingPiece]:
     """The pieces that read ``boxes`` into slots of ``slot_bytes``, in order. Each is ``(box, dest, how)``: a box of
-    a file, the view of its sizes it lands in, and how it is read: ``"runs"`` (its runs packed one after the other,
-    a read each), ``"gather"`` (its runs packed, read with the gaps between them by one native call: ``GatherRead``),
+    a file, the view of its sizes it lands in, and how it is read: ``"runs"`` (its runs packed one after the other),
     ``"span"`` (its span, viewed with the file's strides) or ``"shared"`` (its span, whose pages hold a peer's bytes
-    too: never in a solid piece, so O_DIRECT does not read for one rank what the page cache reads once for both; a
-    gather is never in one either).
+    too: never in a solid piece, so O_DIRECT does not read for one rank what the page cache reads once for both).
 
     ``data_start`` is each file's first data byte (after its header). Every part's bytes end at most ``ALIGN``
     before the slot's end, so a solid piece's aligned cover always fits. In the files of ``packed`` each keeps its own
@@ -135,15 +108,15 @@ def plan_landing(
     for i, (fb, dest, how) in enumerate(boxes):
         if tuple(dest.shape) != fb.sizes:
             raise ValueError(f"{fb} cannot land in a tensor of shape {tuple(dest.shape)}")
-        if how not in ("runs", "gather", "span", "shared"):
-            raise ValueError(f"how={how!r}: expected runs, gather, span or shared")
+        if how not in ("runs", "span", "shared"):
+            raise ValueError(f"how={how!r}: expected runs, span or shared")
         if not fb.numel:
             continue
         base = data_start[fb.file]
-        span = how in ("span", "shared")
+        span = how != "runs"
         for sub, offset, strides in _split(fb, dest.storage_offset(), dest.stride(), span, limit, base):
             view = dest.as_strided(sub.sizes, strides, offset)
-            packer.add(sub, view, span, base, shared=how == "shared", box=i, gather=how == "gather")
+            packer.add(sub, view, span, base, shared=how == "shared", box=i)
     return packer.done()
 
 
@@ -170,17 +143,17 @@ def kept_landing(
         pieces = plan_landing([(fb, dest, how(fb)) for fb, dest in boxes], data_start, slot_bytes, packed)
         _KEPT.put(key, [(p.file, p.reads, p.used, p.solid,
                          tuple((q.at, q.nbytes, q.sizes, q.strides, q.dtype, q.box, q.dest.storage_offset(),
-                                q.dest.stride()) for q in p.parts), p.gathers) for p in pieces])
+                                q.dest.stride()) for q in p.parts)) for p in pieces])
         return iter(pieces)
     return _remade(kept, [dest for _, dest in boxes])
 
 
 def _remade(kept: list[tuple], dests: list[torch.Tensor]) -> Iterator[LandingPiece]:
     """The kept pieces, each part's place a view of ``dests`` made as the piece is taken."""
-    for file, reads, used, solid, parts, gathers in kept:
+    for file, reads, used, solid, parts in kept:
         yield LandingPiece(file, reads, tuple(
             LandingPart(at, nbytes, sizes, strides, dtype, dests[box].as_strided(sizes, steps, offset), box)
-            for at, nbytes, sizes, strides, dtype, box, offset, steps in parts), used, solid, gathers)
+            for at, nbytes, sizes, strides, dtype, box, offset, steps in parts), used, solid)
 
 
 def _split(
@@ -232,21 +205,15 @@ def _read_bytes(fb: FileBox, span: bool) -> int:
     return fb.span if span else fb.nbytes
 
 
-def run_dims(fb: FileBox) -> tuple[int, tuple[int, ...], tuple[int, ...]]:
-    """``fb``'s runs: their length in bytes (its trailing dims contiguous in the file, folded), and the sizes and
-    byte strides of the dims outside them."""
-    k, run = len(fb.sizes), fb.dtype.itemsize
+def _runs(fb: FileBox) -> tuple[int, list[int]]:
+    """The length of ``fb``'s runs (trailing dims contiguous in the file, folded) and their offsets, in order."""
+    size = fb.dtype.itemsize
+    k, run = len(fb.sizes), size
     while k > 0 and fb.strides[k - 1] == run:
         k -= 1
         run *= fb.sizes[k]
-    return run, fb.sizes[:k], fb.strides[:k]
-
-
-def _runs(fb: FileBox) -> tuple[int, list[int]]:
-    """The length of ``fb``'s runs and their offsets, in order."""
-    run, sizes, steps = run_dims(fb)
     starts = [fb.offset]
-    for n, s in zip(sizes, steps):
+    for n, s in zip(fb.sizes[:k], fb.strides[:k]):
         starts = [a + i * s for a in starts for i in range(n)]
     return run, starts
 
@@ -257,14 +224,12 @@ class _Open:
     def __init__(self, file: str) -> None:
         self.file = file
         self.reads: list[tuple[int, int, int]] = []
-        self.gathers: list[GatherRead] = []
         self.parts: list[LandingPart] = []
         self.used = 0
         self.solid: tuple[int, int] | None = None
 
     def piece(self) -> LandingPiece:
-        return LandingPiece(self.file, tuple(self.reads), tuple(self.parts), self.used, self.solid,
-                            tuple(self.gathers))
+        return LandingPiece(self.file, tuple(self.reads), tuple(self.parts), self.used, self.solid)
 
 
 class _Packer:
@@ -279,12 +244,9 @@ class _Packer:
         self.pieces: list[LandingPiece] = []
         self._open: dict[str, _Open] = {}  # by file, in the order they were opened
 
-    def add(self, fb: FileBox, dest: torch.Tensor, span: bool, base: int, shared: bool = False, box: int = -1,
-            gather: bool = False) -> None:
+    def add(self, fb: FileBox, dest: torch.Tensor, span: bool, base: int, shared: bool = False, box: int = -1
+            ) -> None:
         size = fb.dtype.itemsize
-        if gather and not span and run_dims(fb)[1]:  # more than one run: one gather, never in a solid piece
-            self._add_gather(fb, dest, base, box)
-            return
         run, starts = (0, []) if span else _runs(fb)
         if span or len(starts) == 1:  # one range of the file
             begin = base + fb.offset
@@ -295,7 +257,8 @@ class _Packer:
             ranges = [(base + s, run) for s in starts]
             nbytes = run * len(starts)
             strides = _contiguous(fb.sizes)
-        self._flush_others(fb.file)
+        for other in [f for f in self._open if f != fb.file and f not in self.packed]:
+            self._flush(other)
         piece = self._open.get(fb.file)
         at = None if piece is None else self._place(piece, ranges, nbytes, size, shared)
         if at is None:
@@ -313,27 +276,6 @@ class _Packer:
                 piece.reads.append((offset, pos, n))
             pos += n
         piece.used = at + nbytes
-
-    def _add_gather(self, fb: FileBox, dest: torch.Tensor, base: int, box: int) -> None:
-        run, sizes, steps = run_dims(fb)
-        offset = base + fb.offset
-        ranges = [(offset, run), (offset + fb.span - run, run)]  # its first and last runs: not one range
-        self._flush_others(fb.file)
-        piece = self._open.get(fb.file)
-        at = None if piece is None else self._place(piece, ranges, fb.nbytes, fb.dtype.itemsize, True)
-        if at is None:
-            self._flush(fb.file)
-            piece = self._open[fb.file] = _Open(fb.file)
-            at = self._place(piece, ranges, fb.nbytes, fb.dtype.itemsize, True)
-            assert at is not None, "a part larger than a slot"
-        piece.parts.append(LandingPart(at, fb.nbytes, fb.sizes, _contiguous(fb.sizes), fb.dtype, dest, box))
-        piece.gathers.append(GatherRead(offset, at, run, sizes, steps))
-        piece.used = at + fb.nbytes
-
-    def _flush_others(self, file: str) -> None:
-        """End the open pieces of other files, except those of ``packed`` files."""
-        for other in [f for f in self._open if f != file and f not in self.packed]:
-            self._flush(other)
 
     def _place(self, piece: _Open, ranges: list[tuple[int, int]], nbytes: int, size: int, shared: bool) -> int | None:
         """Where the part goes in ``piece`` (None: it does not fit; start a new one); keeps its ``solid``."""
