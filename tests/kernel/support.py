@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import time
 from contextlib import contextmanager
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -31,11 +32,17 @@ class CellOutput:
         return "\n".join(ANSI.sub("", line) for e in self.errors for line in e["traceback"])
 
 
-def execute(client: Any, code: str, timeout: float = 120, on_output: Any = None) -> CellOutput:
-    """Run one cell and collect its outputs (``on_output(msg)`` sees each iopub message as it arrives)."""
+def execute(client: Any, code: str, timeout: float = 120, on_output: Any = None, total: float | None = None
+            ) -> CellOutput:
+    """Run one cell and collect its outputs (``on_output(msg)`` sees each iopub message as it arrives). ``timeout``
+    bounds the wait for each message; ``total`` (seconds) the whole cell: a live view's updates keep arriving while
+    a cell hangs, so only ``total`` turns a hang into a failure."""
     msg_id = client.execute(code)
     out = CellOutput(reply={})
+    end = None if total is None else time.monotonic() + total
     while True:
+        if end is not None and time.monotonic() > end:
+            raise TimeoutError(f"the cell did not end within {total:g} s: {code!r}")
         msg = client.get_iopub_msg(timeout=timeout)
         if msg["parent_header"].get("msg_id") != msg_id:
             continue

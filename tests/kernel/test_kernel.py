@@ -115,6 +115,21 @@ def test_a_failed_rank_does_not_leave_peers_waiting_in_a_collective(kernel: tupl
     assert again.result == "[3.0, 3.0]" and execute(client, "x").result == "0"
 
 
+def test_a_rank_that_enters_a_collective_after_its_peer_failed_is_freed_too(kernel: tuple[Any, Any]) -> None:
+    # rank 0 is still computing when the kernel first looks (2 s after rank 1's error): it used to be named once and
+    # then left to wait in the all_reduce for gloo's 30 minutes
+    _, client = kernel
+    start = time.monotonic()
+    out = execute(client, "import time\nif rank == 1:\n    raise ValueError('bad shard')\ntime.sleep(4)\n"
+                          "dist.all_reduce(torch.ones(1))", timeout=60, total=60)
+    assert time.monotonic() - start < 30
+    assert out.reply["ename"] == "ValueError" and out.reply["evalue"] == "[rank 1] bad shard"
+    stderr = out.streams["stderr"]
+    assert "rank(s) 1 failed; still running outside any collective: rank 0 at" in stderr, stderr
+    assert "rank(s) 0 wait in a collective that the other ranks left (rank 1 failed)" in stderr, stderr
+    assert execute(client, "t = torch.ones(1)\ndist.all_reduce(t)\nt.item()").result == "2.0"
+
+
 def test_hang_report_then_interrupt_then_the_next_cell_works(kernel: tuple[Any, Any]) -> None:
     manager, client = kernel
     execute(client, "%hang_timeout 2")
@@ -247,3 +262,24 @@ def test_a_crashed_rank_is_reported_and_restart_restarts_every_rank(kernel: tupl
     client.wait_for_ready(timeout=120)
     out = execute(client, "('x' in globals(), world_size, dist.is_initialized())")
     assert out.result == "(False, 2, True)"
+
+
+def test_a_local_rank_whose_process_ends_mid_cell_ends_the_cell_naming_it(tmp_path: Path) -> None:
+    # torch's agent goes on while a worker that exited with code 0 leaves the others running: the cell used to wait
+    # for it forever, and interrupts could not end it
+    from jupyter_client.manager import start_new_kernel
+
+    install_kernel(nprocs=2, backend="gloo", name="wb-test-exit", prefix=str(tmp_path))
+    with jupyter_path(tmp_path):
+        manager, client = start_new_kernel(kernel_name="wb-test-exit", startup_timeout=120)
+    try:
+        assert execute(client, "rank").result == "0"
+        start = time.monotonic()
+        out = execute(client, "import os, time\nif rank == 1:\n    os._exit(0)\ntime.sleep(2)", timeout=60, total=60)
+        assert time.monotonic() - start < 20
+        assert out.reply["ename"] == "RanksLost", out.reply
+        assert out.reply["evalue"].startswith("rank(s) 1 of the job are gone: their process ended during the cell")
+        assert "Restart the kernel (Kernel > Restart Kernel) to start new ranks." in out.streams["stderr"]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)

@@ -187,7 +187,7 @@ def test_ranks_that_never_join_are_named_with_the_hosts_of_those_that_did(tmp_pa
         peer.send_multipart(link.seal(encode({"op": "hello", "rank": 0, "world_size": 2, "local_rank": 0,
                                                "host": "gpu-node-7", "pid": 1, "backend": "gloo"})))
         start = time.monotonic()
-        out = execute(client, "1 + 1", timeout=30)
+        out = execute(client, "1 + 1", timeout=30, total=40)
         took = time.monotonic() - start
     finally:
         client.stop_channels()
@@ -197,3 +197,24 @@ def test_ranks_that_never_join_are_named_with_the_hosts_of_those_that_did(tmp_pa
     assert out.reply["evalue"].startswith("rank(s) 1 of 2 did not join within 2 s (1 of 2 joined: gpu-node-7 rank 0)")
     assert "waiting up to 2 s for the job's ranks: 1 of 2 joined: gpu-node-7 rank 0\n" in out.streams["stdout"]
     assert 2 <= took < 10
+
+
+def test_an_interrupt_while_the_first_cell_waits_for_ranks_gets_a_reply(tmp_path: Path) -> None:
+    # the stop button pressed while no job has joined: the interrupt escaped the cell and Jupyter never got an
+    # execute_reply (the frontend waits forever)
+    from jupyter_client.manager import start_new_kernel
+
+    install_kernel(nprocs=0, backend="gloo", name="wb-wait", prefix=str(tmp_path), listen="127.0.0.1:0",
+                   join_timeout=120)
+    with jupyter_path(tmp_path):
+        manager, client = start_new_kernel(kernel_name="wb-wait", startup_timeout=60)
+    try:
+        threading.Timer(2.0, manager.interrupt_kernel).start()
+        start = time.monotonic()
+        out = execute(client, "1 + 1", timeout=30, total=40)
+        assert time.monotonic() - start < 20
+        assert out.reply["status"] == "error" and out.reply["ename"] == "KeyboardInterrupt", out.reply
+        assert "nothing ran" in out.reply["evalue"]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)

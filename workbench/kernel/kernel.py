@@ -115,7 +115,8 @@ class _Cell:
     interrupted_at: float | None = None
     first_error_at: float | None = None
     hang_reported: bool = False
-    stuck_checked: bool = False
+    check_at: float | None = None  # when to look again for ranks left in a collective (None: the grace after trouble)
+    told_outside: bool = False  # the ranks outside any collective after a rank's error were named once
     release: bool = False
     released_at: float | None = None
     stuck: tuple[int, ...] = ()
@@ -196,6 +197,10 @@ class SPMDKernel(Kernel):
         """Run the cell on the ranks; fold their output; report errors and hangs (see module docstring)."""
         try:
             return self._execute(code, silent, store_history)
+        except KeyboardInterrupt:  # outside the wait for a cell's ranks (joining, say): a reply all the same
+            message = ("interrupted before the cell reached the ranks (while the kernel waited for them to join, or "
+                       "checked on a cell given up before); nothing ran")
+            return self._fail("KeyboardInterrupt", message, [f"KeyboardInterrupt: {message}"], silent)
         except MagicError as exc:
             return self._fail("MagicError", str(exc), [f"MagicError: {exc}"], silent)
         except _RanksGone as exc:
@@ -434,8 +439,11 @@ class SPMDKernel(Kernel):
         if code is not None:
             raise _RanksGone(code)
         lost = self.rankset.lost(self.dead_after)
-        if lost:
-            cell.lost = self._lose(cell, lost)
+        exited = [] if lost else self.rankset.exited(sorted(cell.pending))
+        if lost or exited:
+            why = ("their process ended during the cell without finishing it (an exit, os._exit or a signal)"
+                   if exited else None)
+            cell.lost = self._lose(cell, lost or exited, why)
             cell.pending.clear()
             return
         live = self.live and not cell.silent
@@ -460,8 +468,10 @@ class SPMDKernel(Kernel):
             self._give_up(cell)
             return
         trouble = min((t for t in (cell.interrupted_at, cell.first_error_at) if t is not None), default=None)
-        if trouble is not None and not cell.stuck_checked and time.monotonic() - trouble > _GRACE and cell.pending:
-            cell.stuck_checked = True
+        now = time.monotonic()
+        due = None if trouble is None else cell.check_at if cell.check_at is not None else trouble + _GRACE
+        if due is not None and now >= due and cell.pending and cell.released_at is None and not cell.release:
+            cell.check_at = now + _GRACE  # while a rank has failed, look again until the others are free
             self._release_if_stuck(cell)
 
     def _route(self, cell: _Cell | None, rank: int, message: dict[str, Any]) -> None:
@@ -810,10 +820,18 @@ class SPMDKernel(Kernel):
                 f"rank {r} (no answer, stack unreadable)" if r not in stacks else f"rank {r} at {stacks[r]['where']}"
                 + (" (holding the GIL in native code: the interrupt reaches it when that call returns)"
                    if stacks[r].get("native") else "") for r in elsewhere)
-            self._stream("stderr", f"workbench kernel: still running outside any collective after "
-                         f"{_GRACE:g} s: {where}; interrupt again, or restart the kernel\n", cell.silent)
-            cell.stuck_checked = False  # look again after the next interrupt
-            cell.interrupted_at = cell.first_error_at = None
+            if cell.interrupted_at is not None:  # the user's interrupt has not reached them: say so, every time
+                self._stream("stderr", f"workbench kernel: still running outside any collective after "
+                             f"{_GRACE:g} s: {where}; interrupt again, or restart the kernel\n", cell.silent)
+                cell.interrupted_at = None
+                if cell.first_error_at is None:
+                    cell.check_at = None  # nothing failed: look again after the next interrupt
+            elif not cell.told_outside:  # a rank failed: its peers are watched until they finish or wait for it
+                failed = format_ranks(sorted(r for r, d in cell.done.items() if d["status"] == "error"))
+                self._stream("stderr", f"workbench kernel: rank(s) {failed} failed; still running outside any "
+                             f"collective: {where}. If they enter a collective the failed rank(s) left, the kernel "
+                             "frees them; interrupt to stop them now\n", cell.silent)
+                cell.told_outside = True
         if stuck and not elsewhere:
             cell.release = True
             by_how: dict[str, list[int]] = {}
@@ -852,14 +870,14 @@ class SPMDKernel(Kernel):
         cell.pending.clear()
         cell.release = False
 
-    def _lose(self, cell: _Cell | None, lost: list[int]) -> str:
+    def _lose(self, cell: _Cell | None, lost: list[int], why: str | None = None) -> str:
         """Ranks of the job are gone: free the others from what they wait in, end the job (every other rank exits,
         so its agent stops without waiting for the lost ones) and say how to go on. The kernel keeps running: a
         new set of ranks can join."""
         ranks = self.rankset.ranks
-        lines = [f"rank(s) {format_ranks(lost)} of the job are gone: nothing heard for "
-                 f"{self.dead_after:g} s or more and their connection is closed (the process exited, or its host is "
-                 "unreachable):"]
+        why = why or (f"nothing heard for {self.dead_after:g} s or more and their connection is closed (the process "
+                      "exited, or its host is unreachable)")
+        lines = [f"rank(s) {format_ranks(lost)} of the job are gone: {why}:"]
         for rank in lost:
             info = ranks.get(rank)
             lines.append(f"  rank {rank} on host {info.host if info else '?'}: last seen "
@@ -890,8 +908,11 @@ class SPMDKernel(Kernel):
         lines.append(f"The job cannot go on without them (its world size is fixed): rank(s) "
                      f"{format_ranks(survivors) if survivors else 'none'} were told to exit (their agents stop "
                      "without waiting for the lost ones), and every variable of the job is gone.")
-        lines.append("Restart the job's ranks" + (f", e.g. with:\n  {command}" if command else "")
-                     + "\nThis kernel keeps running: the next cell waits for the new ranks to join.")
+        if self.rankset.nprocs:  # ranks this kernel started: only a restart starts new ones
+            lines.append("Restart the kernel (Kernel > Restart Kernel) to start new ranks.")
+        else:
+            lines.append("Restart the job's ranks" + (f", e.g. with:\n  {command}" if command else "")
+                         + "\nThis kernel keeps running: the next cell waits for the new ranks to join.")
         text = "\n".join(lines) + "\n"
         if cell is not None:
             self._stream("stderr", text, cell.silent)
@@ -929,11 +950,13 @@ class SPMDKernel(Kernel):
         return {**self._ok(), "payload": cell.done.get(cell.primary, {}).get("payload") or []}
 
     def _reinit(self) -> str:
-        """Every rank destroyed its process groups (release); build the next generation everywhere."""
+        """Every rank destroyed its process groups (release); build the next generation everywhere. An interrupt
+        meanwhile waits until it is done: stopped half way, the ranks would be left without process groups."""
+        held: list[bool] = []
         world = sorted(self.rankset.ranks)
         deadline = time.monotonic() + 30
         while not self._released.issuperset(world) and time.monotonic() < deadline:
-            got = self.rankset.recv(0.2)
+            got = self._recv_holding_interrupts(0.2, held)
             if got:
                 self._route(None, *got)
         self._released.clear()
@@ -942,14 +965,23 @@ class SPMDKernel(Kernel):
         done: dict[int, Any] = {}
         deadline = time.monotonic() + 120
         while len(done) < len(world) and time.monotonic() < deadline:
-            got = self.rankset.recv(0.2)
+            got = self._recv_holding_interrupts(0.2, held)
             if got and got[1]["op"] == "reinit_done":
                 done[got[0]] = got[1]["error"]
         failed = {r: e for r, e in done.items() if e} | {r: "no answer" for r in world if r not in done}
+        note = " (an interrupt meanwhile was held until they were)" if held else ""
         if failed:
-            return (f"workbench kernel: could not re-create the process groups ({failed}); restart the kernel\n")
+            return f"workbench kernel: could not re-create the process groups ({failed}); restart the kernel{note}\n"
         return ("workbench kernel: process groups re-created on every rank (generation "
-                f"{self.generation}); meshes and groups made before are gone, build them again\n")
+                f"{self.generation}){note}; meshes and groups made before are gone, build them again\n")
+
+    def _recv_holding_interrupts(self, timeout: float, held: list[bool]) -> tuple[int, dict[str, Any]] | None:
+        """``rankset.recv``; an interrupt meanwhile is noted in ``held`` instead of raised."""
+        try:
+            return self.rankset.recv(timeout)
+        except KeyboardInterrupt:
+            held.append(True)
+            return None
 
     def _error_reply(self, cell: _Cell, errors: dict[int, dict[str, Any]]) -> dict:
         from workbench.run.launcher import _PEER_FAILURE

@@ -47,6 +47,7 @@ _ALIVE = 10.0  # seconds: a rank heard from more recently than this keeps its pl
 _HEARTBEAT_IVL_MS = 1000  # ZMTP heartbeats on every rank connection, answered by libzmq's own thread (no GIL):
 _HEARTBEAT_TIMEOUT_MS = 5000  # a connection whose peer answers none for this long is closed
 _QUIET_AT_SHUTDOWN = 5.0  # seconds: a rank silent this long at shutdown may be gone (see stop)
+_EXITED_AFTER = 2.0  # seconds a local rank's process has ended before the kernel calls it gone (see exited)
 LOST_EXIT_CODE = 3  # ranks told to exit because their job lost ranks exit with this (torch's agent then stops)
 _LOGGED_DROPS = 20  # log every dropped message up to this many, then every 100th
 
@@ -98,6 +99,7 @@ class RankSet:
         self._identity: dict[int, bytes] = {}  # admitted rank -> its identity
         self._heard: dict[int, float] = {}  # admitted rank -> when a valid message of it last arrived
         self._unreachable: dict[int, float] = {}  # rank -> since when ZMQ says its connection is gone
+        self._ended: dict[int, float] = {}  # local rank -> when its process was first seen ended
         self._tombstones: set[bytes] = set()  # identities of ranks of a job the kernel ended (told to exit)
         self._lock = threading.RLock()  # the socket is used by the shell thread and the control thread (shutdown)
         self._context = zmq.Context()
@@ -219,6 +221,19 @@ class RankSet:
         """Ranks silent for ``seconds`` or whose connection ZMQ reports gone."""
         return sorted(r for r in self.ranks if r in self._unreachable or self.silent_for(r) >= seconds)
 
+    def exited(self, ranks: list[int], after: float = _EXITED_AFTER) -> list[int]:
+        """Those of ``ranks`` the kernel started itself whose process ended ``after`` seconds ago or more (gone, or a
+        zombie its agent has not reaped). torch's agent goes on while a worker that exited with code 0 leaves the
+        others running, so its exit code never says so; a worker that failed stops the agent within ``after``, whose
+        exit says more (its log). A remote rank is judged by ``lost``."""
+        if self._agent is None:
+            return []
+        now = time.monotonic()
+        for r in ranks:
+            if r not in self._ended and self.on_this_host(r) and not _process_runs(self.ranks[r].pid):
+                self._ended[r] = now
+        return [r for r in ranks if now - self._ended.get(r, now) >= after]
+
     def lost(self, dead_after: float) -> list[int]:
         """Ranks that are gone: silent for ``dead_after`` seconds *and* without a connection.
 
@@ -240,6 +255,7 @@ class RankSet:
         self._identity.clear()
         self._heard.clear()
         self._unreachable.clear()
+        self._ended.clear()
         if not self.nprocs:
             self.world_size = None
 
@@ -410,3 +426,23 @@ def _default_token_path() -> Path:
     from jupyter_core.paths import jupyter_runtime_dir
 
     return Path(jupyter_runtime_dir()) / f"workbench-kernel-{socket.gethostname()}-{os.getpid()}.token"
+
+
+def _process_runs(pid: int) -> bool:
+    """Whether ``pid`` (of this PID space) is a process that has not ended: running, or not yet a zombie."""
+    if os.path.isdir("/proc/self"):
+        try:
+            with open(f"/proc/{pid}/stat", "rb") as f:
+                state = f.read().rsplit(b")", 1)[1].split()[:1]
+        except FileNotFoundError:
+            return False
+        except OSError:
+            return True
+        return state not in ([b"Z"], [b"X"])
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:
+        return True
+    return True
