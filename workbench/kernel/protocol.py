@@ -31,7 +31,8 @@ from pathlib import Path
 from typing import Any
 
 __all__ = [
-    "ENV_CONNECT", "ENV_HOST", "ENV_KERNEL_PID", "ENV_RUN_DIR", "ENV_TOKEN", "ENV_TOKEN_FILE", "WILDCARD_HOSTS",
+    "ENV_CONNECT", "ENV_HOST", "ENV_KERNEL_PID", "ENV_RUN_DIR", "ENV_SILENCE", "ENV_TOKEN", "ENV_TOKEN_FILE",
+    "WILDCARD_HOSTS",
     "Link", "Rejected",
     "check_address", "decode", "encode", "new_identity", "new_token", "parse_listen", "read_token", "write_token_file",
 ]
@@ -40,6 +41,7 @@ ENV_CONNECT = "WORKBENCH_KERNEL_CONNECT"  # the kernel's address, set by the ker
 ENV_KERNEL_PID = "WORKBENCH_KERNEL_PID"  # local ranks exit when this process is gone
 ENV_RUN_DIR = "WORKBENCH_KERNEL_RUN_DIR"  # where local ranks keep their stack dump and ledger files
 ENV_HOST = "WORKBENCH_KERNEL_HOST"  # the host name a rank reports (default: its hostname), e.g. a node's name
+ENV_SILENCE = "WORKBENCH_KERNEL_SILENCE_S"  # a rank exits after this many seconds without a word from a gone kernel
 ENV_TOKEN = "WORKBENCH_KERNEL_TOKEN"  # the token itself (what a scheduler may set in a job's environment)
 ENV_TOKEN_FILE = "WORKBENCH_KERNEL_TOKEN_FILE"  # a file holding the token: the kernel writes it, ranks read it
 WILDCARD_HOSTS = ("0.0.0.0", "*", "::")  # hosts that bind every interface

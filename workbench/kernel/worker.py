@@ -10,6 +10,10 @@ initializes the default process group, then serves the kernel: a background thre
 the rank sends, drops any kernel message whose signature, connection or sequence number is wrong, answers stack
 requests, pings and interrupts at once, even while a cell hangs) and hands cells to the main thread, which runs
 them in an IPython shell whose namespace holds ``dist``, ``rank``, ``world_size``, ``local_rank`` and ``device``.
+
+A rank does not outlive its kernel: a local rank exits when the kernel's process is gone; any rank exits with
+``LOST_EXIT_CODE`` (so torch's agent stops) once no valid kernel message came for ``--kernel-silence`` seconds
+(``$WORKBENCH_KERNEL_SILENCE_S``, 30) while its connection did not hold (``_KernelWatch``).
 """
 
 from __future__ import annotations
@@ -34,6 +38,7 @@ from workbench.kernel.protocol import (
     ENV_HOST,
     ENV_KERNEL_PID,
     ENV_RUN_DIR,
+    ENV_SILENCE,
     ENV_TOKEN,
     ENV_TOKEN_FILE,
     Link,
@@ -43,10 +48,18 @@ from workbench.kernel.protocol import (
     new_identity,
     read_token,
 )
+from workbench.kernel.ranks import LOST_EXIT_CODE
 from workbench.pid_space import this_pid_space
 from workbench.run.private_store import connect_store, store_path
 
 __all__ = ["main", "private_folder", "stack_report"]
+
+SILENCE_DEFAULT = 30.0  # seconds without a word from a kernel whose connection went before a rank exits (as
+# the kernel's --dead-after for ranks: both sides give up on a network partition alike)
+_SILENCE_MIN = 3.0  # the kernel pings every second: a shorter limit would mistake a slow kernel for a gone one
+_HEARTBEAT_IVL_MS = 1000  # ZMTP heartbeats from the rank too: a kernel host that vanished drops the connection
+_HEARTBEAT_TIMEOUT_MS = 5000  # after this long without an answer (as the kernel's side does)
+
 
 def stack_report(frame: Any) -> dict[str, Any]:
     """A main-thread stack as the kernel shows it: the frames from the cell in, and whether it is in a collective."""
@@ -55,10 +68,44 @@ def stack_report(frame: Any) -> dict[str, Any]:
     return summarize(traceback.format_stack(frame))
 
 
+class _KernelWatch:
+    """Whether the kernel is gone, as the rank's I/O thread sees it: when its last valid message came, and whether
+    the ZMQ connection has held since. libzmq answers heartbeats without the GIL, so a kernel busy in a wait that
+    sends no pings keeps its connection; a killed one loses it at once, a vanished host after the heartbeat timeout.
+    """
+
+    def __init__(self, limit: float | None, now: float) -> None:
+        self.limit = limit
+        self.heard_at = now
+        self.broken_at = now
+        self.state = "waiting"  # never connected; "up": connected with no drop since the last word; "broken"
+
+    def heard(self, now: float) -> None:
+        """A valid kernel message (any op) arrived."""
+        self.heard_at, self.state = now, "up"
+
+    def event(self, event: int, now: float) -> None:
+        """A ZMQ monitor event of the kernel connection. A connection made after a drop proves nothing (the kernel's
+        port may have a new kernel, with another token) until a valid message comes on it."""
+        import zmq
+
+        if event == zmq.EVENT_DISCONNECTED and self.state != "broken":
+            self.state, self.broken_at = "broken", now
+        elif event == zmq.EVENT_CONNECTED and self.state == "waiting":
+            self.state = "up"
+
+    def gone_for(self, now: float) -> float | None:
+        """Seconds since the kernel's last word once the limit has passed since that word and since the connection
+        first dropped (a network blip is forgiven), while the connection does not hold; else None."""
+        if self.limit is None or self.state == "up" or now - max(self.heard_at, self.broken_at) < self.limit:
+            return None
+        return now - self.heard_at
+
+
 class _Worker:
     """The rank's side of the kernel connection (one per process)."""
 
-    def __init__(self, address: str, token: str, backend: str) -> None:
+    def __init__(self, address: str, token: str, backend: str, silence: float | None = SILENCE_DEFAULT) -> None:
         import zmq
 
         self.rank = int(os.environ["RANK"])
@@ -85,7 +132,12 @@ class _Worker:
         self._socket = self._context.socket(zmq.DEALER)
         self._socket.setsockopt(zmq.IDENTITY, self.identity.encode())
         self._socket.setsockopt(zmq.LINGER, 1000)
+        self._socket.setsockopt(zmq.HEARTBEAT_IVL, _HEARTBEAT_IVL_MS)
+        self._socket.setsockopt(zmq.HEARTBEAT_TIMEOUT, _HEARTBEAT_TIMEOUT_MS)
+        # made before connect, so that the first connection's event is seen (_KernelWatch)
+        self._monitor = self._socket.get_monitor_socket(zmq.EVENT_CONNECTED | zmq.EVENT_DISCONNECTED)
         self._socket.connect(address)
+        self.silence = silence
         self._store: Any = None
         self._store_port = 0  # the TCP store's connection is one socket that severing the groups must keep (none
         # for a file store)
@@ -159,12 +211,15 @@ class _Worker:
 
     # -- threads ----------------------------------------------------------------------------------------
     def io_loop(self) -> None:
-        """Own the socket: send queued messages, answer stacks/interrupts at once, queue cells for main."""
+        """Own the socket: send queued messages, answer stacks/interrupts at once, queue cells for main; exit when
+        the kernel is gone."""
         import zmq
 
         poller = zmq.Poller()
         poller.register(self._socket, zmq.POLLIN)
+        poller.register(self._monitor, zmq.POLLIN)
         poller.register(self._wake_r, zmq.POLLIN)
+        watch = _KernelWatch(self.silence, time.monotonic())
         kernel_pid = int(os.environ.get(ENV_KERNEL_PID, "0"))
         last_check = time.monotonic()
         while True:
@@ -179,6 +234,7 @@ class _Worker:
                 except queue.Empty:
                     break
                 self._socket.send_multipart(self._link.seal(frame))
+            self._read_monitor(watch)  # before the messages: a drop is seen before a word on a new connection
             if self._socket in events:
                 while self._socket.poll(0):
                     frames = self._socket.recv_multipart()
@@ -187,8 +243,12 @@ class _Worker:
                     except Rejected as exc:
                         self._drop(str(exc))
                         continue
+                    watch.heard(time.monotonic())
                     if self._handle_now(message):
                         return
+            quiet = watch.gone_for(time.monotonic())
+            if quiet is not None:
+                self._leave_gone_kernel(quiet)
             if kernel_pid and time.monotonic() - last_check > 1.0:
                 last_check = time.monotonic()
                 try:
@@ -197,6 +257,27 @@ class _Worker:
                     os._exit(0)
                 except PermissionError:
                     pass
+
+    def _read_monitor(self, watch: _KernelWatch) -> None:
+        """I/O thread: pass the kernel connection's monitor events (connected, disconnected) to ``watch``."""
+        import zmq
+        from zmq.utils.monitor import recv_monitor_message
+
+        while True:
+            try:
+                event = recv_monitor_message(self._monitor, zmq.NOBLOCK)
+            except zmq.Again:
+                return
+            watch.event(int(event["event"]), time.monotonic())
+
+    def _leave_gone_kernel(self, quiet: float) -> None:
+        """I/O thread: the kernel is gone (killed, its host or the network down); end the rank so that torch's agent
+        stops instead of keeping it forever."""
+        print(f"workbench rank {self.rank}: no word from the kernel at {self.address} for {quiet:.0f} s (it died, or "
+              f"the network is down); exiting with code {LOST_EXIT_CODE} so that torch's agent stops",
+              file=sys.__stderr__, flush=True)
+        self.cleanup()
+        os._exit(LOST_EXIT_CODE)
 
     def _handle_now(self, message: dict[str, Any]) -> bool:
         op = message["op"]
@@ -643,6 +724,22 @@ def private_folder(path: str) -> str:
     return path
 
 
+def _silence_limit(text: str) -> float | None:
+    """``--kernel-silence`` / ``$WORKBENCH_KERNEL_SILENCE_S``: seconds, or ``off`` (or 0) for never."""
+    value = text.strip().lower()
+    if value in ("off", "0"):
+        return None
+    try:
+        seconds = float(value)
+    except ValueError:
+        seconds = float("nan")
+    if not seconds >= _SILENCE_MIN:
+        raise argparse.ArgumentTypeError(
+            f"kernel silence {text!r} (--kernel-silence or {ENV_SILENCE}): give seconds, at least {_SILENCE_MIN:g} "
+            f"(the kernel pings every second), or off")
+    return seconds
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     """Entry point of ``python -m workbench.kernel.worker`` (under torchrun)."""
     parser = argparse.ArgumentParser(
@@ -660,6 +757,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                         f"${ENV_TOKEN}, else the file ${ENV_TOKEN_FILE} names)")
     parser.add_argument("--backend", choices=("auto", "gloo", "nccl"), default="auto",
                         help="process group backend (auto: nccl when CUDA is available, else gloo)")
+    parser.add_argument("--kernel-silence", type=_silence_limit, metavar="SECONDS",
+                        default=os.environ.get(ENV_SILENCE) or f"{SILENCE_DEFAULT:g}",
+                        help=f"exit with code {LOST_EXIT_CODE} (torch's agent then stops) after this many seconds "
+                        f"without a word from the kernel while the connection to it is gone (it died, or the network "
+                        f"is down); off: never (default: ${ENV_SILENCE}, else {SILENCE_DEFAULT:g})")
     args = parser.parse_args(argv)
     if not args.connect:
         parser.error("--connect is required (the kernel's tcp://HOST:PORT, as %ranks_connect prints it)")
@@ -682,7 +784,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     import faulthandler
 
     faulthandler.register(signal.SIGUSR1, all_threads=True)  # native stacks on demand, into the rank's log
-    worker = _Worker(address, token, backend)
+    worker = _Worker(address, token, backend, silence=args.kernel_silence)
     worker.start_forensics()
     worker.init_process_group()
     worker.serve()
