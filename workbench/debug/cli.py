@@ -1,21 +1,27 @@
-"""``workbench inspect | diff | diagnose``: the debug subcommands; exit status 0 healthy, 1 findings, 2 unreadable.
+"""``workbench inspect | diff | diagnose``: the debug subcommands; exit status 0 healthy, 1 findings, 2 unreadable,
+3 internal error.
 
 Unreadable input (a path that does not exist or is not a checkpoint, a layout file that cannot be read) exits 2
-with a message naming the path on stderr; with ``--json`` the report still goes to stdout.
+with a message naming the path on stderr; with ``--json`` the report still goes to stdout. Any other exception is a
+bug of workbench, not a finding: it exits 3 with its last traceback line and a request to report it.
 """
 
 from __future__ import annotations
 
 import argparse
+import functools
 import json
 import sys
-from collections.abc import Sequence
+import traceback
+from collections.abc import Callable, Sequence
 from typing import Any
 
 __all__ = ["main", "register"]
 
 _EXIT = """exit status: 0 healthy, 1 findings, 2 could not read (a path that does not exist or is not a
-checkpoint, an unreadable layout file: the message, naming the path, goes to stderr)"""
+checkpoint, an unreadable layout file: the message, naming the path, goes to stderr), 3 internal error (a bug of
+workbench: please report it)"""
+INTERNAL_ERROR = 3
 _INSPECT = """Summarize a checkpoint from its headers only (no tensor data is read): keys grouped by layer
 pattern, shapes, dtypes, bytes per file, parameter count, index consistency, unfinished saves beside it
 and workbench's layout fingerprint.
@@ -65,7 +71,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--allow-pickle", action="store_true",
                    help="read a DCP folder's .metadata (a pickle: only for checkpoints you trust)")
     p.add_argument("--json", action="store_true", help="print JSON instead of a table")
-    p.set_defaults(func=_inspect)
+    p.set_defaults(func=_guarded("inspect", _inspect))
 
     p = subparsers.add_parser("diff", help="compare checkpoint B with reference A and explain each difference",
                               description=_DIFF, epilog=_EXIT, formatter_class=fmt)
@@ -74,7 +80,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("--layout", default=None, help=_LAYOUT_HELP)
     p.add_argument("--block-size", type=_block, default=32 << 20, help="largest read at once (default 32MiB)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=_diff)
+    p.set_defaults(func=_guarded("diff", _diff))
 
     p = subparsers.add_parser("diagnose", help="what is wrong with a checkpoint, against a reference or layout",
                               description=_DIAGNOSE, epilog=_EXIT, formatter_class=fmt)
@@ -83,7 +89,33 @@ def register(subparsers: Any) -> None:
     p.add_argument("--layout", default=None, help="with a reference checkpoint: " + _LAYOUT_HELP)
     p.add_argument("--block-size", type=_block, default=32 << 20, help="largest read at once (default 32MiB)")
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
-    p.set_defaults(func=_diagnose)
+    p.set_defaults(func=_guarded("diagnose", _diagnose))
+
+
+def _guarded(command: str, run: Callable[[argparse.Namespace], int]) -> Callable[[argparse.Namespace], int]:
+    """``run`` with an unexpected exception (neither ``OSError`` nor ``ValueError``: those are unreadable input)
+    turned into exit status 3 and one line on stderr, so that a crash is never read as status 1 (findings)."""
+
+    @functools.wraps(run)
+    def guarded(args: argparse.Namespace) -> int:
+        try:
+            return run(args)
+        except (OSError, ValueError):
+            raise
+        except Exception as exc:
+            return _internal_error(command, exc)
+
+    return guarded
+
+
+def _internal_error(command: str, exc: Exception) -> int:
+    """Exit status 3: the traceback's last line and where it was raised, with a request to report it."""
+    last = traceback.extract_tb(exc.__traceback__)[-1] if exc.__traceback__ else None
+    where = f" (at {last.filename}:{last.lineno})" if last else ""
+    line = traceback.format_exception_only(type(exc), exc)[-1].strip()
+    print(f"workbench {command}: internal error, not a finding about the checkpoint: {line}{where}; please report "
+          "it with the command line", file=sys.stderr)
+    return INTERNAL_ERROR
 
 
 def _emit(command: str, result: Any, as_json: bool) -> int:
@@ -177,7 +209,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         return int(args.func(args))
-    except Exception as exc:  # unreadable input of any kind: status 2, one line
+    except (OSError, ValueError) as exc:  # unreadable input of any kind: status 2, one line
         print(f"workbench {args.command}: {type(exc).__name__}: {exc}", file=sys.stderr)
         return 2
 
