@@ -8,6 +8,7 @@ then prepares the directory and agrees with the other ranks.
 
 from __future__ import annotations
 
+import hashlib
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
@@ -27,10 +28,11 @@ from workbench.plan.policy import SavePolicy
 from workbench.plan.save_set import SavePlanSet, key_meta, layout_fingerprint, plan_save_within_writers
 from workbench.plan.writers import writer_pool
 
-__all__ = ["RankSavePlan", "plan_rank_save", "same_model_problem"]
+__all__ = ["RankSavePlan", "dtype_problem", "dtype_summary", "plan_rank_save", "same_model_problem"]
 
 RESERVED_NAMES = frozenset({INDEX_NAME, MARKER_NAME, LAYOUT_FILE_NAME})  # files of the save that configs may not be
 KeyMeta = dict[str, tuple[torch.dtype, tuple[int, ...]]]
+DtypeSummary = tuple[str, tuple[str, ...]]  # (digest of the layout without its dtypes, every parameter's dtype)
 
 
 @dataclass(frozen=True, slots=True)
@@ -120,6 +122,40 @@ def same_model_problem(models: Sequence[tuple[str, int, str | None]]) -> str | N
     )
     return (f"the ranks hold different layouts ({groups}); every rank must save the same model (pipeline "
             "stages save with save_hf_pipeline)")
+
+
+def dtype_summary(layout: Layout) -> DtypeSummary:
+    """A digest of ``layout`` without its dtypes (mesh, names, keys, shapes, cuts) and every parameter's dtype name,
+    in layout order: what ranks whose fingerprints differ share, to tell one parameter's dtype from another model."""
+    digest = hashlib.sha256(repr((layout.mesh.shape, layout.mesh.dim_names)).encode())
+    for name, spec in layout.specs.items():
+        row = (name, spec.hf_keys, spec.global_shape, spec.origin_shape, spec.fused_dim,
+               tuple(str(d) for d in spec.shards))
+        digest.update(repr(row).encode())
+    dtypes = tuple(_dtype_name(layout.dtypes.get(name)) for name in layout.specs)
+    return digest.hexdigest()[:16], dtypes
+
+
+def dtype_problem(names: Sequence[str], summaries: Sequence[DtypeSummary]) -> str | None:
+    """The first parameter of ``names`` whose dtype differs between the ranks (each rank's ``dtype_summary``), with
+    each rank's dtype; None when the ranks hold different parameters (their digests differ) or agree on dtypes."""
+    if len({digest for digest, _ in summaries}) != 1:
+        return None
+    differing = [i for i in range(len(names)) if len({dtypes[i] for _, dtypes in summaries}) > 1]
+    if not differing:
+        return None
+    first = differing[0]
+    by_dtype: dict[str, list[int]] = {}
+    for rank, (_, dtypes) in enumerate(summaries):
+        by_dtype.setdefault(dtypes[first], []).append(rank)
+    held = " and ".join(f"{dtype} on rank(s) {_ranks(ranks)}" for dtype, ranks in by_dtype.items())
+    more = f" ({len(differing) - 1} more parameter(s) differ in dtype)" if len(differing) > 1 else ""
+    return (f"parameter {names[first]!r} is {held}: every rank must hold it in one dtype (cast the model, or give "
+            f"the layout its dtypes){more}")
+
+
+def _dtype_name(dtype: torch.dtype | str | None) -> str:
+    return "unknown" if dtype is None else str(dtype).removeprefix("torch.")
 
 
 _META_CACHE = LRU(16)

@@ -42,7 +42,13 @@ from workbench.io.files.stream_write import StreamWriter
 from workbench.io.files.writeback import WritebackWindow
 from workbench.io.hf.direct_queue import queue_direct_pieces, write_piece
 from workbench.io.hf.early_snapshot import EarlySnapshot
-from workbench.io.hf.save_planning import RankSavePlan, plan_rank_save, same_model_problem
+from workbench.io.hf.save_planning import (
+    RankSavePlan,
+    dtype_problem,
+    dtype_summary,
+    plan_rank_save,
+    same_model_problem,
+)
 from workbench.io.hf.save_result import SaveResult
 from workbench.io.hf.save_timings import SaveClock
 from workbench.io.hf.save_writers import WriterQueue
@@ -203,7 +209,10 @@ class SaveSession:
         everyone = self._agree(problem, what=f"save to {self.path}", on_failure=self._abort,
                                share=(digests, model))
         cause = same_model_problem([m for _, m in everyone])
-        if cause is not None:
+        if cause is not None:  # every rank knows it: a second exchange, of each parameter's dtype, names a dtype apart
+            summaries = self._agree(None, what=f"save to {self.path}", on_failure=self._abort,
+                                    share=dtype_summary(self.layout))
+            cause = dtype_problem(list(self.layout.specs), summaries) or cause
             self._abort()
             raise SaveFailed(f"save to {self.path} refused before any data moved: {cause}",
                              [RankProblem(self.rank, "checking that the ranks save the same model", cause)])
