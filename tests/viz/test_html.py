@@ -15,7 +15,10 @@ from tests.viz.support import SAMPLES, cases, expert_tp_16, owners_from_runs
 from workbench.io.hf.load import LoadReport
 from workbench.io.hf.save import SaveResult
 from workbench.io.hf.save_timings import SaveTimings
-from workbench.layout.layout_file import load_layout
+from workbench.layout.layout_file import load_layout, parse_placement
+from workbench.layout.load_spec import LoadSpec
+from workbench.layout.model_layout import Layout
+from workbench.mesh import MeshSpec
 from workbench.plan.load_plan import plan_hf_load
 from workbench.plan.save_plan import plan_hf_save
 from workbench.run.simulated import plan_save
@@ -132,3 +135,31 @@ def test_layout_heat_map_numbers_read_on_their_fill() -> None:
             assert contrast(ink_rgb, rgb) >= 4.5, f"text {ink} on {under[-1]}"
             checked += 1
     assert checked >= 8  # every rank's number of the 8-rank toy
+
+
+@pytest.mark.parametrize("shape", [(0, 4), (4, 0), (0,)], ids=str)
+def test_a_zero_size_spec_keeps_its_table_without_a_picture(shape: tuple[int, ...]) -> None:
+    spec = LoadSpec.from_placements("z", "z", shape, MeshSpec((8,), ("dp",)), [parse_placement("S(0)")])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no fallback to the bare repr
+        text = render_html(spec)
+    assert text.startswith('<div class="workbench-repr"') and "LoadSpec z" in text
+    assert f">{shape}<" in text  # the global shape row
+    assert "<svg" not in text
+
+
+def test_names_with_markup_are_escaped_in_every_repr() -> None:
+    evil = "<script>alert(1)</script>&x"
+    mesh = MeshSpec((2, 2), ("dp<b>", "tp&"))
+    name = f"model.{evil}.weight"
+    spec = LoadSpec.from_placements(name, [f"{name}.a", f"{name}.b"], (8, 4), mesh,
+                                    [parse_placement("S(0)"), parse_placement("S(1)")], fused_dim=0)
+    layout = Layout(mesh=mesh, specs={name: spec}, dtypes={name: "bfloat16"}, name=f"layout {evil}")
+    schedule = plan_save(layout, budget_bytes=16).schedules[1]
+    raw = re.compile(r"<script|<b>|&(?!amp;|lt;|gt;|quot;|#)")
+    for obj in (mesh, spec, layout, plan_hf_load(spec, 1), plan_hf_save(spec, 1), schedule):
+        with warnings.catch_warnings():
+            warnings.simplefilter("error")
+            text = render_html(obj)
+        assert not raw.findall(text), (type(obj).__name__, raw.findall(text))
+    assert "&lt;script&gt;alert(1)&lt;/script&gt;&amp;x" in render_html(layout)

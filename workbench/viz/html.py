@@ -208,6 +208,8 @@ def _spec_picture(spec: Any, width: int = 240, height: int = 120) -> str:
 
     view = shard_view(spec)
     rows, cols = view.shape
+    if not rows or not cols:  # a 0-size tensor: no element to draw (the table says its shape)
+        return ""
     h = height if view.dims[0] is not None else 24
     ph, pw = min(h, rows), min(width, cols)
     ys = ((np.arange(ph) + 0.5) * rows / ph).astype(np.int64)
