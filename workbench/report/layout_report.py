@@ -376,7 +376,7 @@ def summarize_layout(
 
     Args:
         layout: the layout.
-        ranks: ranks to describe in detail (default: every rank of a mesh of <= 16 ranks, else rank 0).
+        ranks: ranks to describe in detail (default: every rank of a mesh of <= 16 ranks, else its first).
         params: a glob on parameter names (``"*experts*"``) to narrow everything to.
         max_keys: in ``full()``, key regions listed per rank and parameter.
         hint: the sentence telling how to get the full listing (the CLI says ``--full``).
@@ -385,16 +385,7 @@ def summarize_layout(
         ValueError: a rank outside the mesh, or a glob matching no parameter.
     """
     selected = select_layout(layout, params)
-    mesh = selected.mesh
-    if ranks is None or not len(ranks):
-        shown = tuple(mesh.all_ranks()) if mesh.size <= 16 else (0,)
-    else:
-        shown = tuple(ranks)
-        bad = [r for r in shown if not 0 <= r < mesh.size]
-        if bad:
-            raise ValueError(
-                f"rank(s) {format_ranks(bad)} outside {layout.name!r}'s {mesh.size} ranks (0-{mesh.size - 1})"
-            )
+    shown = _shown_ranks(layout, ranks)
     totals = rank_totals(selected)
     outliers = outlier_ranks(totals, heavy_factor=1.5)
     coverage = selected.coverage()
@@ -403,3 +394,18 @@ def summarize_layout(
     findings = layout_findings(selected, coverage, outliers, uneven, total)
     return LayoutReport(layout=selected, ranks=shown, params=params, totals=totals, outliers=outliers,
                         coverage=coverage, uneven=uneven, findings=findings, max_keys=max_keys, hint=hint)
+
+
+def _shown_ranks(layout: Layout, ranks: Sequence[int] | None) -> tuple[int, ...]:
+    """The ranks to describe: ``ranks`` (checked against the mesh's rank array), else every rank of a mesh of
+    <= 16 ranks, else the mesh's first rank (a sub-mesh's ranks need not start at 0)."""
+    every = layout.mesh.all_ranks()
+    if ranks is None or not len(ranks):
+        return tuple(every) if len(every) <= 16 else every[:1]
+    shown = tuple(ranks)
+    known = set(every)
+    bad = [r for r in shown if r not in known]
+    if bad:
+        raise ValueError(f"rank(s) {format_ranks(bad)} outside {layout.name!r}'s {len(every)} ranks "
+                         f"({format_ranks(every, limit=8)})")
+    return shown

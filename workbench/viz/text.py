@@ -15,7 +15,7 @@ __all__ = ["layout_report", "select_ranks"]
 
 
 def select_ranks(layout: Layout, ranks: Sequence[int] | None, *, limit: int = 16) -> list[int]:
-    """Ranks to describe: the given ones, every rank of a mesh of <= ``limit`` ranks, else rank 0."""
+    """Ranks to describe: the given ones, every rank of a mesh of <= ``limit`` ranks, else its first rank."""
     if ranks:
         return list(ranks)
     every = list(layout.mesh.all_ranks())
@@ -33,7 +33,7 @@ def layout_report(
 
     Args:
         layout: the layout to describe.
-        ranks: ranks to describe (default: all of a mesh of <= 16 ranks, else rank 0).
+        ranks: ranks to describe (default: all of a mesh of <= 16 ranks, else its first rank).
         params: a glob on parameter names (``"*experts*"``) to narrow the report.
         max_keys: in ``full()``, key regions shown per rank and parameter before eliding the rest.
 
