@@ -1,6 +1,6 @@
 """``explore(layout)``: an ipywidgets app to browse a layout: parameter or HF key, rank, save policy, budget.
 
-Standard widgets only (Combobox, IntSlider, Dropdown, Image, HTML, boxes), so it works in JupyterLab, classic
+Standard widgets only (Combobox, sliders, Dropdown, Image, HTML, boxes), so it works in JupyterLab, classic
 Notebook and VS Code. Figures are PNGs rendered at twice their CSS size (sharp on hi-dpi screens) into
 ``Image`` widgets of that CSS width. A rank change sends one message: each view's static part is drawn and sent
 once per parameter, and what the rank adds to them (its text, the overview's outline and zoom window, the zoom
@@ -15,6 +15,7 @@ whose plans depend on each rank's keys; a rank change never waits for them.
 from __future__ import annotations
 
 import atexit
+import bisect
 import contextlib
 import gc
 import math
@@ -25,7 +26,9 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
+from workbench.errors import LayoutError
 from workbench.layout.model_layout import Layout
+from workbench.units import format_ranks
 from workbench.viz import _style
 
 __all__ = ["Explorer", "explore"]
@@ -39,14 +42,15 @@ _OVERLAY_STYLE = ("<style>.workbench-rank{pointer-events:none}.workbench-rank .w
                   "line-height:1.5}</style>")
 
 
-def explore(layout: Layout, *, param: str | None = None, rank: int = 0, background: bool = True) -> Any:
+def explore(layout: Layout, *, param: str | None = None, rank: int | None = None, background: bool = True) -> Any:
     """An ipywidgets app over ``layout``; returns the top ``Widget`` (its ``.explorer`` drives it from code).
 
     Pick a parameter (and optionally one of its HF keys; type to filter either list), slide a rank or its
     mesh coordinates, choose a save policy and a memory budget: the shard offsets (zoomed on the rank when its
     part is thin), the mesh (elements each rank holds, the rank's group outlined), the rank's unshard schedule
-    and the bytes-per-rank heat map of the whole layout update together. ``background=False`` plans and draws
-    schedules at once instead of in a background thread (scripts, tests).
+    and the bytes-per-rank heat map of the whole layout update together. ``rank`` defaults to the mesh's first
+    rank (a pipeline stage's sub-mesh may hold ranks 4..7). ``background=False`` plans and draws schedules at
+    once instead of in a background thread (scripts, tests).
     """
     return Explorer(layout, param=param, rank=rank, background=background).widget
 
@@ -55,7 +59,8 @@ class Explorer:
     """State and widgets of ``explore``; ``update_seconds`` is how long the last refresh took (schedules
     planned or drawn in the background not included: ``settle()`` waits for them)."""
 
-    def __init__(self, layout: Layout, *, param: str | None = None, rank: int = 0, background: bool = True) -> None:
+    def __init__(self, layout: Layout, *, param: str | None = None, rank: int | None = None,
+                 background: bool = True) -> None:
         try:
             import ipywidgets as w
         except ImportError as exc:  # pragma: no cover - ipywidgets is a dependency
@@ -69,7 +74,8 @@ class Explorer:
             param = max(names, key=lambda n: math.prod(layout.specs[n].global_shape))
         elif param not in layout.specs:
             raise ValueError(f"explore: {param!r} is not a parameter of {layout!r}")
-        mesh.coordinate(rank)  # a clear error for a rank outside the mesh
+        rank = _start_rank(mesh, rank)  # a clear error for a rank outside the mesh
+        self._ranks = sorted(mesh.all_ranks())  # the rank slider's stops, in order
         self._pictures: dict[tuple, Any] = {}
         self._schedules: dict[tuple, Any] = {}
         self._schedule_png: dict[tuple, bytes] = {}
@@ -87,8 +93,7 @@ class Explorer:
                                 placeholder=f"type to filter {len(names)} parameters", layout=wide)
         self.key = w.Combobox(options=self._key_options(param), value=_WHOLE, description="HF key",
                               ensure_option=True, placeholder="type to filter the HF keys", layout=wide)
-        self.rank = w.IntSlider(value=rank, min=0, max=mesh.size - 1, description="rank", continuous_update=False,
-                                layout=wide)
+        self.rank = _rank_slider(w, self._ranks, rank, wide)
         self.coords = [
             w.IntSlider(value=c, min=0, max=s - 1, description=n, continuous_update=False,
                         layout=w.Layout(width="270px"))
@@ -126,8 +131,8 @@ class Explorer:
         self.budget.observe(lambda _: self.refresh(), names="value")
 
         controls = w.VBox([
-            w.HTML(f"<b>{layout.name}</b>: {mesh!r}, {len(layout)} parameters, {len(layout.hf_keys)} HF keys"
-                   + _OVERLAY_STYLE),
+            w.HTML(f"<b>{_escape(str(layout.name))}</b>: {_escape(repr(mesh))}, {len(layout)} parameters, "
+                   f"{len(layout.hf_keys)} HF keys" + _OVERLAY_STYLE),
             self.param, self.key, self.rank, w.HBox(self.coords, layout=w.Layout(flex_flow="row wrap")),
             w.HBox([self.group, self.policy, self.budget], layout=w.Layout(flex_flow="row wrap")),
             self.message,
@@ -214,29 +219,40 @@ class Explorer:
         spec = self.layout.specs[name]
         key = None if self.key.value in (_WHOLE, "") or self.key.value not in spec.hf_keys else self.key.value
         # the static pictures change only with the parameter (no message otherwise); a rank change sends one
-        # message: the rank's text and every picture's SVG marks, as one HTML value over them
-        offsets = self._offsets_picture(name, key)
+        # message: the rank's text and every picture's SVG marks, as one HTML value over them. A scalar (0-d) has
+        # no offsets to draw: only its mesh picture, and a note
+        offsets = self._offsets_picture(name, key) if spec.global_shape else None
         mesh = self._mesh_picture(name)
         self._set_stage(offsets, mesh)
-        marks = {"offsets": offsets.marks(rank), "mesh": mesh.marks(self._group(rank))}
-        if offsets.zoomed:
-            marks["zoom"] = offsets.zoom(rank)
+        marks = {"mesh": mesh.marks(self._group(rank))}
+        if offsets is not None:
+            marks["offsets"] = offsets.marks(rank)
+            if offsets.zoomed:
+                marks["zoom"] = offsets.zoom(rank)
         self.marks = marks
         self._show_schedule(rank)
-        coord = ", ".join(f"{n}={c}" for n, c in zip(self.layout.mesh.dim_names, self.layout.mesh.coordinate(rank)))
-        regions = [r for r in spec.key_regions(rank) if key is None or r.hf_key == key]
-        shown = "<br>".join(_escape(str(r)) for r in regions[:6])
-        if len(regions) > 6:
-            shown += f"<br>... {len(regions) - 6} more"
-        warning = "" if regions else _warn(f"rank {rank} holds none of {key or name}")
-        self.message.value = ""  # a warning about typed text is answered (no message when there was none)
-        info = (f"{warning}<code>rank {rank} ({coord}): local {spec.local_shape(rank)} of {spec.global_shape}, "
-                f"{_escape(spec.describe_shards())}<br>{shown or 'holds no HF key region here'}</code>")
+        info = self._rank_text(rank, name, key)
+        # a warning about typed text is answered (no message when there was none)
+        self.message.value = "" if offsets is not None else _note(
+            f"{name} is a scalar (0-d): no offsets to draw; held whole by {self.layout.mesh.size} ranks")
         self._last_refresh = time.perf_counter()
         self.update_seconds = self._last_refresh - start
         text = f"{info}<br><small>updated in {self.update_seconds * 1000:.0f} ms</small>"
         self.rank_view.value = self._stage.overlay(text, marks, rank=rank)
         self._draw_ahead(offsets, mesh, rank)
+
+    def _rank_text(self, rank: int, name: str, key: str | None) -> str:
+        """The rank's text (HTML, every name escaped): its coordinate, local shape and key regions."""
+        mesh, spec = self.layout.mesh, self.layout.specs[name]
+        coord = ", ".join(f"{n}={c}" for n, c in zip(mesh.dim_names, mesh.coordinate(rank)))
+        regions = [r for r in spec.key_regions(rank) if key is None or r.hf_key == key]
+        shown = "<br>".join(_escape(str(r)) for r in regions[:6])
+        if len(regions) > 6:
+            shown += f"<br>... {len(regions) - 6} more"
+        warning = "" if regions else _warn(f"rank {rank} holds none of {key or name}")
+        return (f"{warning}<code>rank {rank} ({_escape(coord)}): local {spec.local_shape(rank)} of "
+                f"{spec.global_shape}, {_escape(spec.describe_shards())}<br>{shown or 'holds no HF key region here'}"
+                "</code>")
 
     def _group(self, rank: int) -> tuple[int, ...]:
         """The ranks the mesh view outlines for ``rank``: itself, or its group along the chosen mesh dim."""
@@ -254,12 +270,12 @@ class Explorer:
         coord = list(mesh_spec.coordinate(rank))
         step = -1 if rank < self._ahead_from else 1  # the way the slider went first, then back
         self._ahead_from = rank
-        near = [rank + step, rank - step]
+        near = [self._slider_step(rank, step), self._slider_step(rank, -step)]
         for d, size in enumerate(mesh_spec.shape):
             for step in (1, -1):
                 if 0 <= coord[d] + step < size:
                     near.append(mesh_spec.rank_at([*coord[:d], coord[d] + step, *coord[d + 1:]]))
-        near = [r for r in dict.fromkeys(near) if 0 <= r < mesh_spec.size and r != rank]
+        near = [r for r in dict.fromkeys(near) if r is not None and r != rank]
         generation = self._generation
 
         def dropped() -> bool:  # the controls moved on: a newer request draws around the new rank
@@ -267,9 +283,10 @@ class Explorer:
 
         steps: list[Callable[[], Any]] = []
         for r in near:
-            if offsets.zoomed:
+            if offsets is not None and offsets.zoomed:
                 steps.append(lambda r=r: offsets.zoom(r, dropped))
-            steps.append(lambda r=r: offsets.marks(r, dropped))
+            if offsets is not None:
+                steps.append(lambda r=r: offsets.marks(r, dropped))
             group = self._group(r)
             steps.append(lambda group=group: mesh.marks(group))
 
@@ -284,30 +301,40 @@ class Explorer:
 
         self._worker.submit(("ahead",), work, None)
 
+    def _slider_step(self, rank: int, step: int) -> int | None:
+        """The rank ``step`` stops from ``rank`` on the rank slider (None past its ends)."""
+        i = bisect.bisect_left(self._ranks, rank) + step
+        return self._ranks[i] if 0 <= i < len(self._ranks) else None
+
     def _set_image(self, image: Any, png: bytes) -> None:
         width = str(_png_width(png) // _SCALE)
         if image.width != width:
             image.width = width
         image.value = png
 
-    def _set_stage(self, offsets: Any, mesh: Any) -> None:
-        """Show the parameter's static pictures on a grid laid out for them (messages only when they change)."""
+    def _set_stage(self, offsets: Any | None, mesh: Any) -> None:
+        """Show the parameter's static pictures on a grid laid out for them (messages only when they change);
+        ``offsets`` None (a scalar) shows the mesh alone."""
         from workbench.viz.stage import stage
 
-        pngs = {"offsets": offsets.base[0], "mesh": mesh.base[0]}
-        if offsets.zoomed:
-            pngs["zoom"] = offsets.base[1]
+        pngs = {"mesh": mesh.base[0]}
+        if offsets is not None:
+            pngs["offsets"] = offsets.base[0]
+            if offsets.zoomed:
+                pngs["zoom"] = offsets.base[1]
         top = [n for n in ("offsets", "zoom") if n in pngs]
-        placed = stage([("<b>shard offsets</b>", [(n, *_css_size(pngs[n])) for n in top]),
-                        ("<b>mesh</b> (elements of the parameter held)", [("mesh", *_css_size(pngs["mesh"]))])])
+        rows = [("<b>shard offsets</b>", [(n, *_css_size(pngs[n])) for n in top])] if top else []
+        rows.append(("<b>mesh</b> (elements of the parameter held)", [("mesh", *_css_size(pngs["mesh"]))]))
+        placed = stage(rows)
         images = {"offsets": self.offsets, "zoom": self.zoom_image, "mesh": self.mesh_image}
         for slot in placed.slots:
             image = images[slot.name]
             self._set_image(image, pngs[slot.name])
             image.layout.grid_area = slot.grid_area
             image.layout.display = None
-        if not offsets.zoomed:
-            self.zoom_image.layout.display = "none"
+        for name, image in images.items():
+            if name not in pngs:
+                image.layout.display = "none"
         grid = self.pictures.layout
         grid.grid_template_columns = placed.grid_template_columns
         grid.grid_template_rows = placed.grid_template_rows
@@ -639,6 +666,26 @@ def _stop_workers() -> None:
         worker.stop(timeout=10.0)
 
 
+def _start_rank(mesh: Any, rank: int | None) -> int:
+    """``rank``, checked against the mesh's rank array (a sub-mesh's need not be 0..size-1), else its first."""
+    every = mesh.all_ranks()
+    if rank is None:
+        return every[0]
+    if rank not in set(every):
+        raise LayoutError(f"explore: rank {rank} is not in {mesh!r}; its ranks are {format_ranks(every, limit=8)}")
+    return rank
+
+
+def _rank_slider(w: Any, ranks: Sequence[int], rank: int, layout: Any) -> Any:
+    """A slider over ``ranks`` (sorted) whose value is a rank: an IntSlider when they are consecutive (its readout
+    takes a typed rank), else a SelectionSlider stopping at each."""
+    if ranks[-1] - ranks[0] + 1 == len(ranks):
+        return w.IntSlider(value=rank, min=ranks[0], max=ranks[-1], description="rank", continuous_update=False,
+                           layout=layout)
+    return w.SelectionSlider(options=list(ranks), value=rank, description="rank", continuous_update=False,
+                             layout=layout)
+
+
 def _class_key(schedule: Any) -> tuple:
     return (id(schedule.calls), schedule.peak_bytes)  # ranks of one shape class share their calls
 
@@ -665,6 +712,11 @@ def _escape(text: str) -> str:
     import html
 
     return html.escape(text, quote=False)
+
+
+def _note(text: str) -> str:
+    """``text`` (escaped) as a plain note in the message area."""
+    return f'<div style="padding: 2px 6px">{_escape(text)}</div>'
 
 
 def _warn(text: str) -> str:
