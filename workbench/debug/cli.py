@@ -52,14 +52,28 @@ examples:
 _LAYOUT_HELP = ("the training layout: a layout file (TOML, e.g. written by wb.save_layout) or a checkpoint folder "
                 "that carries one (workbench_layout.toml); its cuts are tried first and its ranks named")
 
+_BLOCK_HELP = "largest read at once: 1 byte or more, e.g. 4096, 64KiB, 32MiB (default 32MiB)"
+
 
 def _block(text: str) -> int:
+    """argparse type of ``--block-size``: a whole number of bytes >= 1, optionally with a unit (``64B``,
+    ``512KiB``, ``32MiB``, ``1GiB``)."""
     units = {"kib": 1 << 10, "mib": 1 << 20, "gib": 1 << 30, "b": 1}
     lowered = text.strip().lower()
-    for unit, size in units.items():
+    number, size = lowered, 1
+    for unit, unit_size in units.items():
         if lowered.endswith(unit):
-            return int(float(lowered[: -len(unit)]) * size)
-    return int(lowered)
+            number, size = lowered[: -len(unit)], unit_size
+            break
+    try:
+        value = int(number) if size == 1 else int(float(number) * size)
+    except (ValueError, OverflowError):  # not a number, nan or inf
+        raise argparse.ArgumentTypeError(f"{text!r} is not a size (bytes, e.g. 4096, 64KiB or 32MiB)"
+                                         ) from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: must be at least 1 byte (the largest read at "
+                                         f"once), got {value}")
+    return value
 
 
 def register(subparsers: Any) -> None:
@@ -78,7 +92,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("a", help="the reference checkpoint")
     p.add_argument("b", help="the checkpoint to judge")
     p.add_argument("--layout", default=None, help=_LAYOUT_HELP)
-    p.add_argument("--block-size", type=_block, default=32 << 20, help="largest read at once (default 32MiB)")
+    p.add_argument("--block-size", type=_block, default=32 << 20, help=_BLOCK_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_guarded("diff", _diff))
 
@@ -87,7 +101,7 @@ def register(subparsers: Any) -> None:
     p.add_argument("path", help="the checkpoint to judge")
     p.add_argument("--expected", required=True, help="reference checkpoint, or layout file (.toml)")
     p.add_argument("--layout", default=None, help="with a reference checkpoint: " + _LAYOUT_HELP)
-    p.add_argument("--block-size", type=_block, default=32 << 20, help="largest read at once (default 32MiB)")
+    p.add_argument("--block-size", type=_block, default=32 << 20, help=_BLOCK_HELP)
     p.add_argument("--json", action="store_true", help="print JSON instead of text")
     p.set_defaults(func=_guarded("diagnose", _diagnose))
 

@@ -30,13 +30,28 @@ from workbench.layout.model_layout import Layout
 from workbench.layout.pipeline import PipelineLayout, read_checkpoint_pipeline_layout
 from workbench.mesh import format_mesh_dim
 
-__all__ = ["compare_sources", "diff_checkpoints", "layout_hints", "open_checkpoint"]
+__all__ = ["check_block_bytes", "compare_sources", "diff_checkpoints", "layout_hints", "open_checkpoint"]
+
+
+def check_block_bytes(block_bytes: int) -> int:
+    """``block_bytes`` when it is a whole number of bytes >= 1; else an error naming it (a block of 0 or fewer
+    bytes would read nothing, and two keys that hash nothing are equal)."""
+    if isinstance(block_bytes, bool) or not isinstance(block_bytes, int):
+        raise TypeError(f"block_bytes must be an int (bytes), got {type(block_bytes).__name__} {block_bytes!r}")
+    if block_bytes < 1:
+        raise ValueError(f"block_bytes must be at least 1 byte (the largest read at once), got {block_bytes}")
+    return block_bytes
 
 
 def open_checkpoint(path: Path | str, block_bytes: int = DEFAULT_BLOCK_BYTES) -> tuple[
     CheckpointSource | None, tuple[Finding, ...], str
 ]:
-    """``(source, integrity findings, error)`` for a checkpoint path; ``source`` is None when unreadable."""
+    """``(source, integrity findings, error)`` for a checkpoint path; ``source`` is None when unreadable.
+
+    Raises:
+        ValueError: ``block_bytes`` is below 1.
+    """
+    check_block_bytes(block_bytes)
     scan = scan_for_findings(path)
     if scan.index is None or scan.error:
         return None, scan.findings, scan.error or f"{path}: not a checkpoint"
@@ -129,6 +144,9 @@ class _Fingerprints:
 
 
 def _digest(source: Source, key: str, start: int, stop: int, block: int) -> bytes:
+    """The digest of bytes ``start:stop`` of ``key``, read ``block`` bytes at a time."""
+    if block < 1:  # range() would read nothing (or fail): every key would hash alike
+        raise ValueError(f"_digest of {key!r}: block {block} must be at least 1 byte")
     digest = hashlib.blake2b(digest_size=16)
     for a in range(start, stop, block):
         digest.update(source.read_raw(key, a, min(stop, a + block)))
@@ -272,7 +290,11 @@ def compare_sources(
     bytes cannot be read (a missing, truncated or unparsable file) are findings and the rest is compared. When
     ``act`` is a checkpoint that carries the layout it was saved with (``LAYOUT_FILE_NAME``), or else with
     ``layout``, each differing key names the ranks whose shards differ and each missing key the ranks that held it.
+
+    Raises:
+        ValueError: ``block_bytes`` is below 1.
     """
+    check_block_bytes(block_bytes)
     saved_layout, layout_note = _checkpoint_layout(act)
     provenance = saved_layout or layout
     one_mesh = layout or saved_layout  # its cuts and fused keys; a pipeline's as one mesh (its ranks: provenance)
@@ -458,7 +480,11 @@ def diff_checkpoints(
         >>> [(f.kind, f.key, f.transform) for f in report.findings]      # doctest: +SKIP
         [('permuted', 'model.layers.0.mlp.experts.fused_w1w3',
           'interleaved shard gathered as contiguous (IS(0,2)@tp over 2 ranks)')]
+
+    Raises:
+        ValueError: ``block_bytes`` is below 1 (a block of no bytes would compare nothing).
     """
+    check_block_bytes(block_bytes)
     ref, ref_findings, ref_error = open_checkpoint(a, block_bytes)
     act, act_findings, act_error = open_checkpoint(b, block_bytes)
     tagged = [Finding(f.kind, f.key, {**f.evidence, "side": "reference"}, f.hint) for f in ref_findings]
