@@ -89,6 +89,36 @@ def test_a_given_layout_dtype_that_agrees_is_accepted(tmp_path: Path) -> None:
     assert header_dtypes(tmp_path / "ckpt") == {"model.w": "F16"}
 
 
+def float64_values() -> torch.Tensor:
+    """(8, 4) random float64 values (nearly all change in float32), and 1 + 2**-40 (1.0 in float32)."""
+    full = torch.randn(8, 4, generator=torch.Generator().manual_seed(64), dtype=torch.float64)
+    full[6, 0] = 1 + 2**-40
+    return full
+
+
+@pytest.mark.parametrize("dtype", [None, torch.bfloat16])
+@pytest.mark.parametrize("write_mode", ["direct", "gather"])
+def test_a_float64_fused_tensor_with_one_float32_key_writes_every_key_from_the_float64_values(
+    tmp_path: Path, write_mode: str, dtype: torch.dtype | None
+) -> None:
+    # gate matches the pattern (float32); up is written in float64 (dtype=None) or bfloat16, each cast once from
+    # the float64 source: never through a float32 copy of the whole fused tensor
+    from safetensors.torch import load_file
+
+    full = float64_values()
+    layout = wb.Layout(MESH, {"gu": wb.LoadSpec.from_placements("gu", ["gate", "up"], (8, 4), MESH, [Replicate()],
+                                                                fused_dim=0)}, {"gu": "float64"})
+    wb.save_hf({"gu": full.clone()}, tmp_path / "ckpt", layout=layout, dtype=dtype, fp32_keys_pattern=r"^gate$",
+               write_mode=write_mode)
+    up_dtype = dtype or torch.float64
+    assert header_dtypes(tmp_path / "ckpt") == {"gate": "F32", "up": SAFETENSORS_NAMES[up_dtype]}
+    saved = {k: v for f in (tmp_path / "ckpt").glob("*.safetensors") for k, v in load_file(f).items()}
+    want = {"gate": full[:4].to(torch.float32), "up": full[4:].to(up_dtype)}
+    assert saved.keys() == want.keys()
+    for key, tensor in want.items():
+        assert saved[key].dtype == tensor.dtype and torch.equal(saved[key], tensor), (key, saved[key] - tensor)
+
+
 # -- the property ----------------------------------------------------------------------------------------------
 DTYPES = [torch.bfloat16, torch.float16, torch.float32, torch.float64, torch.int64, torch.int32, torch.uint8,
           torch.bool]

@@ -190,6 +190,11 @@ def test_preserving_a_one_rank_ep_group_is_the_identity() -> None:
         (("l.gate",), F16, None, None, (F16,), F16),
         # one pattern given as a plain string
         (("a.bias", "a.w"), BF16, F16, r"bias", (F32, F16), F32),
+        # a float64 tensor with one float32 key: a float32 gather would round the other key, gather float64
+        (("l.gate", "l.up"), torch.float64, None, r"gate", (F32, torch.float64), torch.float64),
+        (("l.gate", "l.up"), torch.float64, BF16, r"gate", (F32, BF16), torch.float64),
+        # every key in one dtype: gather in it (a float64 tensor saved in float32 sends half the bytes)
+        (("l.gate", "l.up"), torch.float64, F32, None, (F32, F32), F32),
         # an unescaped dot is a wildcard (re.search semantics): "l.norm" matches "l_norm"
         (("l_norm",), BF16, None, ["l.norm"], (F32,), F32),
         # non-float tensors keep their dtype whatever is asked

@@ -124,6 +124,30 @@ def test_fp32_pattern_on_one_key_moves_the_tensor_to_a_float32_call() -> None:
     assert [(c.dtype, [i.name for i in c.items]) for c in schedule.calls] == [(BF16, ["w"]), (F32, ["n"])]
 
 
+@pytest.mark.parametrize("scratch", [False, True])
+def test_a_float64_tensor_with_one_float32_key_is_gathered_in_float64_and_its_peak_measured(scratch: bool) -> None:
+    # a float32 gather would round the float64 key; gathered as it is, no cast copy is made: the model counts
+    # what the executor really allocates (torch's profiler), for the fused float64 tensor and a bf16 one cast up
+    from tests.run.test_memory_model import EchoComm, StagingEchoComm, measured_peak
+
+    mesh = MeshSpec((2,), ("fsdp",))
+    layout = layout_of(
+        mesh,
+        spec("w", ["w.gate", "w.up"], (8, 4), mesh, [Shard(1)], fused_dim=0),
+        spec("gu", ["gu.gate", "gu.up"], (8, 4), mesh, [Shard(0)], fused_dim=0),
+        dtypes={"gu": "float64", "w": "bfloat16"},
+    )
+    plans = plans_of(layout, 0, fp32_keys_pattern=r"\.gate$")
+    runtime = {n: layout.dtype(n) for n in layout}
+    for budget in (None, 1):
+        schedule = schedule_unshard(plans, runtime, budget, gather_scratch=scratch)
+        assert [(c.dtype, [i.name for i in c.items]) for c in schedule.calls] == [
+            (F32, ["w"]), (torch.float64, ["gu"])]
+        local = {p.name: torch.randn(p.local_shape).to(runtime[p.name]) for p in plans}
+        comm = StagingEchoComm if scratch else EchoComm
+        assert measured_peak(schedule, list(plans), local, 0, comm) == schedule.peak_bytes
+
+
 # -- dependency rounds and the budget, on random layouts ----------------------------------------------
 @settings(max_examples=150, deadline=None, derandomize=True)
 @given(st.data())

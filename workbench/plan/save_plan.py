@@ -236,13 +236,15 @@ def plan_hf_save(
 
 
 def gather_dtype(key_dtypes: Sequence[torch.dtype], runtime_dtype: torch.dtype) -> torch.dtype:
-    """The dtype a tensor is gathered in: float32 if any of its keys is saved in float32 (every key of a
-    fused tensor counts), else the keys' dtype; non-floating tensors keep their runtime dtype."""
-    if not runtime_dtype.is_floating_point:
+    """The dtype a tensor is gathered in, so that every key, cast from it, equals the key cast from the runtime
+    tensor: the keys' dtype when they share one; when they differ (a fused tensor with a key in float32),
+    float32 if it holds every runtime value (a runtime of 32 bits or fewer), else the runtime dtype (float64:
+    a float32 gather would round the other keys). Non-floating tensors keep their runtime dtype."""
+    if not runtime_dtype.is_floating_point or not key_dtypes:
         return runtime_dtype
-    if torch.float32 in key_dtypes:
-        return torch.float32
-    return key_dtypes[0] if key_dtypes else runtime_dtype
+    if len(set(key_dtypes)) == 1:
+        return key_dtypes[0]
+    return torch.float32 if runtime_dtype.itemsize <= 4 else runtime_dtype
 
 
 def _shape(global_shape: Sequence[int], cuts: Sequence[tuple[ShardDescriptor, int, int]],
