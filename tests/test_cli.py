@@ -129,6 +129,49 @@ def test_plan_defaults_to_minimal(capsys: pytest.CaptureFixture[str]) -> None:
     assert "over the 100 B budget" in "\n".join(capsys.readouterr().out.splitlines()[:4])
 
 
+@pytest.mark.parametrize("policy", [None, "minimal", "full", "preserve:ep"])
+def test_simulate_is_bit_exact_under_each_hf_policy(capsys: pytest.CaptureFixture[str], policy: str | None) -> None:
+    argv = ["simulate", str(TOY)] + (["--policy", policy] if policy else [])
+    assert main(argv) == 0
+    assert "bit-exact" in capsys.readouterr().out
+
+
+def test_simulate_refuses_gather_only_as_a_usage_error(capsys: pytest.CaptureFixture[str]) -> None:
+    # gather_only saves in runtime layout, keyed by parameter name: an HF round trip cannot compare it (it once
+    # reported "MISMATCH in 11 keys" for 9 keys and exit 1, as if the data were wrong)
+    with pytest.raises(SystemExit) as done:
+        main(["simulate", str(TOY), "--policy", "gather_only:fsdp"])
+    assert done.value.code == 2
+    out, err = capsys.readouterr()
+    assert out == "" and "usage:" in err and "argument --policy" in err, err
+    assert "gather_only:fsdp" in err and all(p in err for p in ("minimal", "full", "preserve:DIM")), err
+    assert "MISMATCH" not in err
+    policy_help = next(a.help for a in _subcommands()["simulate"]._actions if "--policy" in a.option_strings)
+    assert "full or preserve:DIM" in policy_help and "gather_only saves no HF checkpoint" in policy_help
+
+
+def test_simulate_lists_only_its_policies_for_an_unknown_one(capsys: pytest.CaptureFixture[str]) -> None:
+    with pytest.raises(SystemExit) as done:
+        main(["simulate", str(TOY), "--policy", "bogus"])
+    assert done.value.code == 2
+    err = capsys.readouterr().err
+    assert "'bogus'" in err and "full or preserve:DIM[,DIM]" in err and "gather_only" not in err, err
+
+
+def test_simulate_round_trip_refuses_gather_only_naming_the_policy() -> None:
+    from workbench.layout.layout_file import load_layout
+    from workbench.plan.policy import SavePolicy
+    from workbench.run.round_trip import simulate_round_trip
+
+    with pytest.raises(ValueError, match=r"policy gather_only\(fsdp\): .*use minimal .*full or preserve"):
+        simulate_round_trip(load_layout(TOY), policy=SavePolicy.gather_only("fsdp"))
+
+
+def test_plan_still_takes_gather_only(capsys: pytest.CaptureFixture[str]) -> None:
+    assert main(["plan", str(TOY), "--rank", "0", "--policy", "gather_only:fsdp"]) == 0
+    assert "gather_only(fsdp)" in capsys.readouterr().out
+
+
 def test_bad_input_is_a_clean_error(tmp_path: Path, capsys: pytest.CaptureFixture[str]) -> None:
     bad = tmp_path / "bad.toml"
     bad.write_text("[mesh]\nshape = [2]\n")

@@ -61,6 +61,21 @@ def _policy(text: str) -> Any:
     )
 
 
+def _round_trip_policy(text: str) -> Any:
+    """argparse type of ``simulate --policy``: a policy whose saves are HF-keyed, so a round trip can compare them."""
+    from workbench.run.round_trip import check_round_trip_policy
+
+    try:
+        policy = _policy(text)
+    except argparse.ArgumentTypeError:
+        raise argparse.ArgumentTypeError(f"policy {text!r}: use minimal (save_hf's default), full or "
+                                         "preserve:DIM[,DIM]") from None
+    try:
+        return check_round_trip_policy(policy)
+    except ValueError as exc:
+        raise argparse.ArgumentTypeError(f"{text!r} cannot be simulated: {exc}") from None
+
+
 def _add_rank(parser: argparse.ArgumentParser, default: str) -> None:
     parser.add_argument("--rank", type=rank_list, default=None, metavar="RANKS",
                         help=f"ranks to show: '5', '0,5', '0-7' or a mix like '0,8-11' (default: {default})")
@@ -229,7 +244,9 @@ def register_simulate(subparsers: Any) -> None:
     p.add_argument("path", help="layout file (small: it holds every rank's tensors in memory)")
     _add_rank(p, "none")
     p.add_argument("--budget", type=_byte_count, default=None, help="memory budget of the save schedule")
-    p.add_argument("--policy", type=_policy, default=None, help="minimal (default, as save_hf), full or preserve:ep")
+    p.add_argument("--policy", type=_round_trip_policy, default=None,
+                   help="minimal (default, as save_hf), full or preserve:DIM[,DIM] such as preserve:ep (gather_only "
+                   "saves no HF checkpoint: use plan for it)")
     p.add_argument("--json", action="store_true", help="print the result as JSON")
     p.set_defaults(func=_run_simulate)
 

@@ -11,7 +11,11 @@ from workbench.plan.load_plan import expected_key_shape
 from workbench.plan.policy import SavePolicy
 from workbench.run.simulated import SimulatedWorld, plan_save
 
-__all__ = ["RoundTripReport", "random_hf_tensors", "simulate_round_trip"]
+__all__ = ["HF_KEYED_MODES", "RoundTripReport", "check_round_trip_policy", "random_hf_tensors",
+           "simulate_round_trip"]
+
+# policy modes whose saves are HF checkpoints (keyed by HF key, each key whole): the ones a round trip can compare
+HF_KEYED_MODES = ("minimal", "full", "preserve")
 
 
 @dataclass(frozen=True, slots=True)
@@ -52,6 +56,15 @@ def random_hf_tensors(layout: Layout, *, seed: int = 0) -> dict[str, torch.Tenso
     return out
 
 
+def check_round_trip_policy(policy: SavePolicy) -> SavePolicy:
+    """``policy`` when its saves are HF-keyed (``HF_KEYED_MODES``); else a ``ValueError`` naming it."""
+    if policy.mode not in HF_KEYED_MODES:
+        raise ValueError(f"policy {policy}: a round trip compares the saved HF keys with the loaded ones, but "
+                         f"{policy.mode} saves in runtime layout, keyed by parameter name; use minimal (save_hf's "
+                         "default), full or preserve:DIM[,DIM]")
+    return policy
+
+
 def simulate_round_trip(
     layout: Layout,
     *,
@@ -60,7 +73,13 @@ def simulate_round_trip(
     max_writers: int | None = None,
     seed: int = 0,
 ) -> RoundTripReport:
-    """Load random HF tensors into every rank of ``layout``, save them back, and compare bit for bit."""
+    """Load random HF tensors into every rank of ``layout``, save them back, and compare bit for bit.
+
+    Raises:
+        ValueError: ``policy`` does not save an HF checkpoint (``gather_only``: see ``check_round_trip_policy``).
+    """
+    if policy is not None:
+        check_round_trip_policy(policy)
     hf = random_hf_tensors(layout, seed=seed)
     world = SimulatedWorld(layout.mesh)
     locals_by_rank = world.load(layout, hf)
