@@ -11,7 +11,9 @@ initializes the default process group in each, runs ``fn(*args)`` and returns ``
   the step that failed and writes the traceback into the rank's log too.
 * ``timeout``: a watchdog in every rank prints all of that rank's Python stacks and stops it; the error names
   each rank with the frame it was stuck in, so a rank blocked in user code stands out from ranks waiting for it
-  in a collective.
+  in a collective. A rank that outlives its own watchdogs is stopped by the launching process.
+* A rank whose process ends with code 0 without returning a result (``os._exit(0)``, ``sys.exit(0)``) is a failure
+  too: torch's agent alone waited for its result forever.
 * Multi-node: pass ``nnodes``, ``node_rank`` and ``rdzv_endpoint`` like torchrun.
 """
 
@@ -28,17 +30,20 @@ import threading
 import time
 import traceback
 import uuid
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import Any, NoReturn
 
 from workbench.run.private_store import PrivateStore, connect_store, inherited_variables, store_path
+from workbench.run.rank_watch import RankWatch, mark
 
 __all__ = ["LaunchError", "RankFailure", "launch"]
 
 _TIMEOUT_EXIT = 124
 _NATIVE_GRACE = 10.0  # seconds after the timeout before the C backstop exits a rank the Python watchdog could not
+_WATCH_MARGIN = 15.0  # seconds after the C backstop before the launching process stops a rank that outlived both
+_NO_RESULT_EXIT = 1  # the exit code of a rank that called sys.exit(0): one torch's agent counts as a failure
 _RECORDS_ENV = "WORKBENCH_LAUNCH_DIR"
 # errors a rank gets because a peer died: reported after the root cause
 _PEER_FAILURE = (
@@ -93,7 +98,8 @@ def launch(
     each rank on ``cuda:local_rank``) before ``fn`` runs, and destroyed after.
 
     Raises:
-        LaunchError: a rank raised or hung; names the rank(s), with the traceback or stacks.
+        LaunchError: a rank raised, hung, or exited without returning a result; names the rank(s), with the
+            traceback or stacks.
     """
     import cloudpickle
     from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
@@ -147,11 +153,20 @@ def launch(
     levels = [q.level for q in quiet]
     for q in quiet:
         q.setLevel(logging.CRITICAL)
+    # torch's agent waits for every rank's result and sees only non-zero exits: the watch stops it when a rank ended
+    # without a result, or outlived its watchdogs
+    watch = RankWatch(log_dir, None if timeout is None else timeout + _NATIVE_GRACE + _WATCH_MARGIN)
     try:
-        results = elastic_launch(config, _worker)(payload, backend, timeout, _name_of(fn))
+        results = watch.run(lambda: elastic_launch(config, _worker)(payload, backend, timeout, _name_of(fn)))
+        if watch.stopped is not None:
+            watch.reap()
+            raise LaunchError(_failures({}, log_dir, _watched(watch, log_dir, nprocs, timeout, _name_of(fn))),
+                              log_dir)
     except ChildFailedError as exc:
-        raise LaunchError(_failures(exc, log_dir), log_dir) from None
+        watched = _watched(watch, log_dir, nprocs, timeout, _name_of(fn))
+        raise LaunchError(_failures(exc.failures, log_dir, watched), log_dir) from None
     finally:
+        watch.reap()
         for q, level in zip(quiet, levels):
             q.setLevel(level)
         for s, handler in saved.items():  # the elastic agent installs its own handlers; give ours back
@@ -219,14 +234,39 @@ def _worker(payload: bytes, backend: str, timeout: float | None, name: str = "th
     """Entry point of every rank (module level, so spawn can import it)."""
     from torch.distributed.elastic.multiprocessing.errors import record
 
+    mark(os.environ.get(_RECORDS_ENV), int(os.environ.get("RANK", "0")), "started")
     return record(_run)(payload, backend, timeout, name)
 
 
 def _run(payload: bytes, backend: str, timeout: float | None, name: str = "the function") -> Any:
+    """Run the function; mark the rank as returned, or make sys.exit(0) a failure (torch's ``record`` would turn it
+    into a None result)."""
     rank = int(os.environ.get("RANK", "0"))
+    try:
+        result = _call(payload, backend, timeout, name, rank)
+    except SystemExit as exc:
+        if exc.code not in (0, None):
+            raise
+        _exit_without_result(rank, name, exc)
+    mark(os.environ.get(_RECORDS_ENV), rank, "returned")
+    return result
+
+
+def _exit_without_result(rank: int, name: str, exc: SystemExit) -> NoReturn:
+    """Record a rank that called ``sys.exit(0)`` as one that exited without a result, and exit with a failing code."""
+    call = "sys.exit()" if exc.code is None else f"sys.exit({exc.code!r})"
+    message = f"rank {rank} (pid {os.getpid()}) exited with code 0 without returning a result: {name} called {call}"
+    text = "".join(traceback.format_exception(exc))
+    _write_record(rank, {"kind": "exit", "exitcode": 0, "message": message, "traceback": text})
+    print(f"{message}\n{text.rstrip()}", file=sys.stderr, flush=True)
+    raise SystemExit(_NO_RESULT_EXIT) from None
+
+
+def _call(payload: bytes, backend: str, timeout: float | None, name: str, rank: int) -> Any:
     fn, args = _bootstrap(payload, backend, rank, name)
     import torch.distributed as dist
 
+    mark(os.environ.get(_RECORDS_ENV), rank, "running")
     stop = threading.Event()
     if timeout is not None:  # started after the rendezvous, so every rank's clock starts together
         threading.Thread(target=_watchdog, args=(rank, timeout, stop), daemon=True).start()
@@ -360,8 +400,30 @@ def _innermost_user_frame(stack: Sequence[str]) -> str:
     return stack[-1].strip().splitlines()[0] if stack else "an unknown place"
 
 
-def _failures(exc: Any, log_dir: str) -> list[RankFailure]:
-    """Every rank's story, root cause first: the earliest error, or the ranks that hung outside a collective."""
+def _watched(watch: RankWatch, log_dir: str, nprocs: int, timeout: float | None, name: str) -> list[RankFailure]:
+    """The ranks the watch found: ended with code 0 and no result, or (when it stopped the launch) still running past
+    their deadline."""
+    found = [_silent_failure(rank, pid, log_dir, nprocs) for rank, pid in watch.silent()]
+    for rank, pid, ran in watch.stopped.overdue if watch.stopped else ():
+        tail = _log_tail(log_dir, rank % nprocs)
+        code = watch.exit_code(pid)
+        message = (f"TimeoutError: rank {rank} (pid {pid}) had no result {ran:.0f} s after it started running {name} "
+                   f"(timeout {timeout:g} s), and its own watchdogs did not stop it: the launching process did"
+                   + (f"; the end of its stderr log:\n{tail}" if tail else "; its stderr log is empty"))
+        found.append(RankFailure(rank, _TIMEOUT_EXIT if code is None else code, message, True))
+    return found
+
+
+def _silent_failure(rank: int, pid: int, log_dir: str, nprocs: int) -> RankFailure:
+    tail = _log_tail(log_dir, rank % nprocs)
+    message = (f"rank {rank} (pid {pid}) exited with code 0 without returning a result"
+               + (f"; the end of its stderr log:\n{tail}" if tail else "; its stderr log is empty"))
+    return RankFailure(rank, 0, message, False)
+
+
+def _failures(crashes: Mapping[Any, Any], log_dir: str, watched: Sequence[RankFailure] = ()) -> list[RankFailure]:
+    """Every rank's story, root cause first: the ranks the watch found, then the earliest error, or the ranks that
+    hung outside a collective. ``crashes``: torch's failures by rank (exit code, pid, time)."""
     import json
 
     records = {}
@@ -374,13 +436,16 @@ def _failures(exc: Any, log_dir: str) -> list[RankFailure]:
         with contextlib.suppress(OSError, ValueError):
             record = json.loads(path.read_text())
             by_pid[int(record["pid"])] = record
-    for rank, failure in exc.failures.items():  # a process that failed before it knew its rank: torch knows it
+    for rank, failure in crashes.items():  # a process that failed before it knew its rank: torch knows it
         record = by_pid.get(int(getattr(failure, "pid", -1)))
         if int(rank) not in records and record is not None:
             records[int(rank)] = {**record, "rank": int(rank)}
-    exit_codes = {int(rank): int(f.exitcode) for rank, f in exc.failures.items()}
-    out = []
+    exit_codes = {int(rank): int(f.exitcode) for rank, f in crashes.items()}
+    seen = {f.rank for f in watched}
+    out = [(-1, 0.0, f) for f in watched]
     for rank, record in records.items():
+        if rank in seen:
+            continue
         if record["kind"] == "timeout":
             where = record["where"]
             state = f"waiting in a collective, called at {where}" if record["waiting_in_collective"] else (
@@ -394,10 +459,10 @@ def _failures(exc: Any, log_dir: str) -> list[RankFailure]:
                 message = (f"{record['message']}\n(before running {record['name']}, while {record['step']})"
                            f"{record.get('hint', '')}\n{record['traceback']}")
             secondary = any(s in record["message"] for s in _PEER_FAILURE)  # a symptom of another rank's death
-            out.append((2 if secondary else 0, record["time"], RankFailure(rank, exit_codes.get(rank, 1), message,
-                                                                          False)))
-    for rank, failure in exc.failures.items():  # crashes that left no record (a signal, os._exit)
-        if int(rank) not in records:
+            code = record.get("exitcode", exit_codes.get(rank, 1))
+            out.append((2 if secondary else 0, record["time"], RankFailure(rank, code, message, False)))
+    for rank, failure in crashes.items():  # crashes that left no record (a signal, os._exit)
+        if int(rank) not in records and int(rank) not in seen:
             out.append((3, failure.timestamp, RankFailure(int(rank), int(failure.exitcode), _crash(failure, log_dir),
                                                            False)))
     return [f for _, _, f in sorted(out, key=lambda item: (item[0], item[1]))]
