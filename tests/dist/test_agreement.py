@@ -6,6 +6,7 @@ from __future__ import annotations
 from pathlib import Path
 
 import pytest
+import torch
 
 import workbench as wb
 
@@ -45,3 +46,43 @@ def test_ranks_with_different_arguments_are_refused_before_any_data_moves(tmp_pa
         assert "writer maps differ between ranks [0] and [1]" in writers, writers
         assert "is written by rank" in writers, writers
     assert not (tmp_path / "budget").exists() and not (tmp_path / "writers").exists()
+
+
+UNEVEN_NAMES = ("f0", "w1", "f2", "w3")
+
+
+def _uneven_values() -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(5)
+    return {n: torch.randn(10, 64, generator=gen) for n in UNEVEN_NAMES}
+
+
+def _save_uneven(path: str) -> str:
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    rank = dist.get_rank()
+    mesh = wb.MeshSpec((4,), ("fsdp",))
+    layout = wb.Layout(mesh, {n: wb.LoadSpec.from_placements(n, n, (10, 64), mesh, [Shard(0)]) for n in UNEVEN_NAMES})
+    state = {n: torch.chunk(t, 4)[rank].clone() for n, t in _uneven_values().items()}  # rows 3, 3, 3, 1
+    try:
+        wb.save_hf(state, path, layout=layout, budget_bytes=7040, dtype=torch.bfloat16, fp32_keys_pattern=r"^f",
+                   write_mode="gather", timeout=60)
+    except wb.SaveFailed as exc:
+        return str(exc)
+    return "ok"
+
+
+@pytest.mark.slow
+def test_ranks_of_uneven_shards_with_the_same_arguments_save_together(tmp_path: Path) -> None:
+    # each rank plans alone; rank 3's 1-row shard used to pack other waves than ranks 0-2's 3 rows at this budget,
+    # and every rank refused the save although every argument was the same
+    from safetensors.torch import load_file
+
+    results = wb.launch(_save_uneven, nprocs=4, args=(str(tmp_path / "ckpt"),), timeout=180)
+    assert results == dict.fromkeys(range(4), "ok"), results
+    saved = {k: v for f in (tmp_path / "ckpt").glob("*.safetensors") for k, v in load_file(f).items()}
+    values = _uneven_values()
+    want = {n: t if n.startswith("f") else t.to(torch.bfloat16) for n, t in values.items()}
+    assert saved.keys() == want.keys()
+    for key, tensor in want.items():
+        assert saved[key].dtype == tensor.dtype and torch.equal(saved[key], tensor), key

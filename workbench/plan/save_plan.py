@@ -92,6 +92,10 @@ class HFSavePlan:
         fused_dim: dim the keys are concatenated on (None for one key).
         gather_dtype: dtype the tensor is cast to before gathering.
         key_dtypes: dtype each covered key is written in.
+        bound_local_shape: the local shape with every cut at group rank 0: the largest any rank holds, which sizes
+            the schedule identically everywhere.
+        trim_bound_numel: elements of the largest copy any rank makes to trim FP8 tails off its output (0: no rank
+            copies; a trim that is a contiguous view copies nothing).
     """
 
     name: str
@@ -105,6 +109,8 @@ class HFSavePlan:
     fused_dim: int | None
     gather_dtype: torch.dtype
     key_dtypes: tuple[torch.dtype, ...]
+    bound_local_shape: tuple[int, ...]
+    trim_bound_numel: int
 
     @property
     def pending(self) -> tuple[SaveShardStep, ...]:
@@ -219,6 +225,7 @@ def plan_hf_save(
             preserved=keep[i], bound_before=_shape(spec.global_shape, [(c, w, 0) for c, w, _ in cuts], applied),
         ))
     cur = list(_shape(spec.global_shape, cuts, [True] * len(cuts)))
+    bound_local = _shape(spec.global_shape, [(c, w, 0) for c, w, _ in cuts], [True] * len(cuts))
     _check_order(spec, steps, policy)
     kept = [s for s in steps if s.preserved]
     segments = _segments(spec, kept)
@@ -231,7 +238,8 @@ def plan_hf_save(
     return HFSavePlan(
         name=spec.name, rank=rank, policy=policy, steps=tuple(steps), local_shape=tuple(cur),
         runtime_output_shape=runtime_out, output_shape=output, hf_keys=tuple(keys), fused_dim=spec.fused_dim,
-        gather_dtype=gather_dtype(key_dtypes, runtime_dtype), key_dtypes=key_dtypes,
+        gather_dtype=gather_dtype(key_dtypes, runtime_dtype), key_dtypes=key_dtypes, bound_local_shape=bound_local,
+        trim_bound_numel=_trim_bound(spec, kept),
     )
 
 
@@ -255,6 +263,41 @@ def _shape(global_shape: Sequence[int], cuts: Sequence[tuple[ShardDescriptor, in
         if on:
             shape[d.dim] = sum(b - a for a, b in d.local_intervals(shape[d.dim], world, index))
     return tuple(shape)
+
+
+def _trim_bound(spec: LoadSpec, kept: Sequence[SaveShardStep]) -> int:
+    """Elements of the largest trimmed copy any rank makes: the largest over every rank's (runtime output,
+    output) extents, which the kept cuts of each dim set independently."""
+    if spec.visible_shape == spec.global_shape:
+        return 0
+    per_dim = [
+        _dim_extents(length, visible, tuple((s.descriptor, s.world) for s in kept if s.descriptor.dim == dim))
+        for dim, (length, visible) in enumerate(zip(spec.global_shape, spec.visible_shape))
+    ]
+    return max(_trim_numel(tuple(r for r, _ in cells), tuple(o for _, o in cells))
+               for cells in itertools.product(*per_dim))
+
+
+@functools.lru_cache(maxsize=4096)
+def _dim_extents(
+    length: int, visible: int, cuts: tuple[tuple[ShardDescriptor, int], ...]
+) -> frozenset[tuple[int, int]]:
+    """Every (runtime length, visible length) a rank's output has on one dim, over the kept cuts' group ranks."""
+    out = set()
+    for index in itertools.product(*(range(world) for _, world in cuts)):
+        segments = dim_segments(length, [(d, world, i) for (d, world), i in zip(cuts, index)])
+        out.add((sum(n for _, n in segments), sum(max(0, min(g + n, visible) - g) for g, n in segments)))
+    return frozenset(out)
+
+
+@functools.lru_cache(maxsize=4096)
+def _trim_numel(runtime_shape: tuple[int, ...], output_shape: tuple[int, ...]) -> int:
+    """Elements of the copy that trims a ``runtime_shape`` tensor to ``output_shape`` (0: none, or the trimmed
+    view is contiguous)."""
+    if output_shape == runtime_shape:
+        return 0
+    view = torch.empty(runtime_shape, device="meta")[tuple(slice(0, s) for s in output_shape)]
+    return 0 if view.is_contiguous() else math.prod(output_shape)
 
 
 def _key_aligned_prefix(spec: LoadSpec) -> tuple[bool, ...]:

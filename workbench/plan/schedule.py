@@ -14,8 +14,9 @@ A save undoes each tensor's pending shard steps (inner first). The scheduler
    0 to 50% of the budget for this, and the packing with the fewest calls is kept.
 
 Every byte count that decides the batching is rank-independent (the largest chunk any rank of the group
-sends), so every rank computes the same calls in the same order: the SPMD contract that keeps
-collectives from hanging. ``check_schedules`` verifies it across ranks.
+sends, the largest local tensor and trimmed copy any rank holds), so every rank, planning alone, computes the
+same calls in the same order: the SPMD contract that keeps collectives from hanging. ``check_schedules``
+verifies it across ranks.
 
 Memory model, per rank: every allocation the executor (``run.executor``) makes, in its order, under the
 drivers (``drive``, ``drive_guarded``), which keep the last gathered buffer until the executor's next
@@ -25,8 +26,9 @@ the send buffer, merges each tensor into one new buffer (a single contiguous dim
 view of the receive buffer), then the receive buffer goes with the next request. A wave's outputs (trimmed
 of FP8 tails: a copy unless the trim is a contiguous view) are handed out at its end and freed when the
 executor resumes, except what the writer queue keeps (``queued_bytes``, at most the outputs handed out so
-far). Byte counts use each step's largest chunk on any rank, so the model is exact on the rank holding the
-largest chunks and an upper bound elsewhere.
+far). Byte counts use each step's largest chunk on any rank, and each tensor's largest local tensor and
+trimmed copy on any rank (``HFSavePlan.bound_local_shape``, ``trim_bound_numel``), so the model is exact on the
+rank holding the largest pieces and an upper bound elsewhere.
 """
 
 from __future__ import annotations
@@ -108,7 +110,8 @@ class UnshardSchedule:
         calls: every call in execution order.
         waves: tensor names of each wave, in order.
         budget_bytes: the memory budget it was built for (None: unbounded).
-        peak_bytes: predicted peak of the memory the save allocates on this rank (the writer queue included).
+        peak_bytes: predicted peak of the memory the save allocates on this rank (the writer queue included): an
+            upper bound, sized by the largest pieces of any rank.
         bytes_moved: bytes this rank receives from other ranks.
         early: ``{name: wave}`` of the tensors whose first step is gathered ahead, by an earlier wave's call
             (look-ahead); their intermediate output is kept until their own wave.
@@ -418,21 +421,22 @@ class _Tensor:
     name: str
     dtype: torch.dtype
     runtime_dtype: torch.dtype
-    local_numel: int
+    local_numel: int  # of the largest local tensor any rank holds (rank-independent)
     output_numel: int
     items: tuple[tuple[MeshDimRef, int, GatherItem], ...]  # (mesh dim, world, item) per pending step
-    trim_bytes: int = 0  # bytes of the trimmed copy ``finalize`` makes (FP8 tail off a dim > 0), else 0
+    trim_bytes: int = 0  # bytes of the largest trimmed copy any rank's ``finalize`` makes (FP8 tails), else 0
 
     @property
     def cast_bytes(self) -> int:
-        """Bytes of the copy in the gather dtype (0: the local tensor is sent as it is)."""
+        """Bytes of the largest copy in the gather dtype any rank makes (0: the local tensor is sent as it is)."""
         return self.local_numel * self.dtype.itemsize if self.dtype != self.runtime_dtype else 0
 
     @classmethod
     def of(cls, plan: HFSavePlan, runtime_dtype: torch.dtype, memo: dict[tuple, tuple] | None = None) -> _Tensor:
-        """The scheduler's view of a plan; ``memo`` shares step math between plans with the same steps."""
+        """The scheduler's view of a plan, sized by its rank-independent bounds; ``memo`` shares step math between
+        plans with the same steps."""
         memo = {} if memo is None else memo
-        key = (id(plan.steps), plan.local_shape, plan.runtime_output_shape)  # () is shared by unsharded plans
+        key = (id(plan.steps), plan.bound_local_shape, plan.runtime_output_shape, plan.trim_bound_numel)
         shared = memo.get(key)
         if shared is None or shared[0] is not plan.steps:
             steps = tuple(
@@ -440,8 +444,8 @@ class _Tensor:
                  s.shape_before, math.prod(s.gathered_of(s.bound_before or s.shape_before)))
                 for s in plan.pending
             )
-            shared = memo[key] = (plan.steps, steps, math.prod(plan.local_shape),
-                                  math.prod(plan.runtime_output_shape), _trim_numel(plan))
+            shared = memo[key] = (plan.steps, steps, math.prod(plan.bound_local_shape),
+                                  math.prod(plan.runtime_output_shape), plan.trim_bound_numel)
         _, steps, local_numel, output_numel, trim_numel = shared
         items = tuple(
             (ref, world, GatherItem(name=plan.name, step=k, dim=dim, interleave_factor=factor, padded_shape=padded,
@@ -454,14 +458,6 @@ class _Tensor:
     def signature(self) -> tuple:
         """What the calls depend on: dtype and the (mesh dim, group size) of every pending step."""
         return (self.dtype, tuple((ref, world) for ref, world, _ in self.items))
-
-
-def _trim_numel(plan: HFSavePlan) -> int:
-    """Elements of the copy ``finalize`` makes to trim FP8 tails (0: none, or the trimmed view is contiguous)."""
-    if plan.output_shape == plan.runtime_output_shape:
-        return 0
-    view = torch.empty(plan.runtime_output_shape, device="meta")[tuple(slice(0, s) for s in plan.output_shape)]
-    return 0 if view.is_contiguous() else math.prod(plan.output_shape)
 
 
 class _State:
