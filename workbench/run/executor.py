@@ -114,10 +114,11 @@ def unshard(
             alone = merge_in_place(gathered, call.items[0], call.world) if len(call.items) == 1 else None
             if alone is not None:  # the gathered buffer is the tensor: no copy
                 work[call.items[0].name] = alone
+                del gathered, alone  # held by ``work`` alone: freed with the wave, as the memory model says
                 continue
             for item, item_chunks in zip(call.items, unpack(gathered, call.items, call.world)):
                 work[item.name] = merge(item_chunks, item)
-            del gathered, item_chunks
+            del gathered, item_chunks, alone
         out = WaveOutput(w, {name: finalize(work.pop(name), by_name[name]) for name in names})
         yield out
         out.tensors.clear()

@@ -365,8 +365,9 @@ def check_agreement(
         lines.append(_describe_writers({r: d[1] for r, d in enumerate(detail)}, writer_sets))
     problem = RankProblem(comm.rank, "checking that the ranks agree on the plan", "; ".join(lines))
     raise SaveFailed(
-        f"{what} refused before any data moved: the ranks' plans differ (the same call arguments on every rank, "
-        "and the same layout, are needed):\n  " + "\n  ".join(lines),
+        f"{what} refused before any data moved: the ranks' plans differ (every rank must pass the same call "
+        "arguments and the same layout; if they did, this is a planner defect: please report it):\n  "
+        + "\n  ".join(lines),
         [problem],
     )
 
