@@ -283,3 +283,24 @@ def test_a_local_rank_whose_process_ends_mid_cell_ends_the_cell_naming_it(tmp_pa
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=True)
+
+
+def test_after_a_rank_fails_its_peers_collectives_among_themselves_go_on(tmp_path: Path) -> None:
+    # the kernel looks every 2 s for ranks left waiting on the failed one; collectives of a group without it must
+    # not be taken for that (they were released, and every process group re-created, in the middle of the loop)
+    from jupyter_client.manager import start_new_kernel
+
+    install_kernel(nprocs=3, backend="gloo", name="wb-test-3", prefix=str(tmp_path))
+    with jupyter_path(tmp_path):
+        manager, client = start_new_kernel(kernel_name="wb-test-3", startup_timeout=120)
+    try:
+        code = ("import time\ng = dist.new_group([0, 1])\nif rank == 2:\n    raise ValueError('rank 2 fails')\n"
+                "time.sleep(3)\nx = torch.ones(4_000_000)\nfor n in range(300):\n    dist.all_reduce(x, group=g)\n"
+                "print('done', n)")
+        out = execute(client, code, timeout=60, total=90)
+        assert out.reply["ename"] == "ValueError" and out.reply["evalue"] == "[rank 2] rank 2 fails", out.reply
+        assert out.streams["stdout"] == "[0,1] done 299\n", out.streams  # folded: the same line on both
+        assert "wait in a collective that the other ranks left" not in out.streams["stderr"], out.streams["stderr"]
+    finally:
+        client.stop_channels()
+        manager.shutdown_kernel(now=True)

@@ -117,6 +117,7 @@ class _Cell:
     hang_reported: bool = False
     check_at: float | None = None  # when to look again for ranks left in a collective (None: the grace after trouble)
     told_outside: bool = False  # the ranks outside any collective after a rank's error were named once
+    last_calls: dict[int, tuple] = field(default_factory=dict)  # rank -> the collective it was in at the last look
     release: bool = False
     released_at: float | None = None
     stuck: tuple[int, ...] = ()
@@ -130,6 +131,26 @@ class _Cell:
     finished: dict[int, float] = field(default_factory=dict)  # rank -> seconds from the start to its "done"
     live_id: str = ""  # the live view's display_id once shown
     live_at: float = 0.0  # when it was last drawn
+
+
+def _call_key(report: dict[str, Any]) -> tuple:
+    """What a rank was doing at a look: its line and the ledger's call (group and call number)."""
+    call = report.get("call") or {}
+    return (report.get("where"), call.get("group"), call.get("seq"))
+
+
+def _group_ranks(call: dict[str, Any] | None) -> set[int] | None:
+    """The ranks of a ledger call's group ("default (ranks 0-3)", "5 (ranks 0,2)"), or None where the label does not
+    list them all."""
+    label = (call or {}).get("group") or ""
+    found = re.search(r"\(ranks ([0-9,\-]+)\)$", label)
+    if found is None:
+        return None
+    text = found.group(1)
+    if "-" in text:
+        first, last = text.split("-", 1)
+        return set(range(int(first), int(last) + 1))
+    return {int(r) for r in text.split(",") if r}
 
 
 class SPMDKernel(Kernel):
@@ -813,7 +834,13 @@ class SPMDKernel(Kernel):
         """After an interrupt or a rank's error: free ranks left waiting in a collective for a rank that left it."""
         running = sorted(cell.pending)
         stacks = self._stacks(cell, running)
-        stuck = [r for r in running if r in stacks and stacks[r]["in_collective"]]
+        inside = [r for r in running if r in stacks and stacks[r]["in_collective"]]
+        # after an interrupt every collective is to be left; after a rank's error only those that wait for it
+        stuck = inside if cell.interrupted_at is not None else [
+            r for r in inside if self._waits_for_a_rank_that_left(cell, r, stacks[r])]
+        cell.last_calls = {r: _call_key(stacks[r]) for r in inside}
+        if len(stuck) < len(inside):  # collectives among ranks still in the cell: they go on, and so do we
+            return
         elsewhere = [r for r in running if r not in stuck]
         if elsewhere:
             where = "; ".join(
@@ -849,6 +876,17 @@ class SPMDKernel(Kernel):
             self._released.clear()
             cell.released_at = time.monotonic()
             self.rankset.broadcast({"op": "release", "close_sockets": self.config_.close_sockets})
+
+    @staticmethod
+    def _waits_for_a_rank_that_left(cell: _Cell, rank: int, report: dict[str, Any]) -> bool:
+        """Whether ``rank``'s collective cannot end: its group (from the ledger) holds a rank that left the cell; where
+        the group is not known, whether it is the very call it was in at the last look (no progress), or the first
+        look."""
+        members = _group_ranks(report.get("call"))
+        if members is not None:
+            return bool(members & set(cell.done))
+        previous = cell.last_calls.get(rank)
+        return previous is None or previous == _call_key(report)
 
     @staticmethod
     def _left_how(cell: _Cell, rank: int) -> str:
