@@ -61,3 +61,32 @@ def test_the_kernel_treats_a_rank_as_local_only_in_its_own_pid_space(tmp_path: P
     finally:
         rankset.close()
         context.destroy(linger=0)
+
+
+def test_where_no_side_names_its_pid_space_the_host_name_decides(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A kernel without /proc (or one that hides the PID namespace): this process's own markers and its own
+    ranks stay its own, as before spaces were recorded; a space recorded elsewhere is still not this one."""
+    from workbench import pid_space
+
+    monkeypatch.setattr(pid_space, "this_pid_space", lambda: PidSpace())
+    assert in_this_pid_space(socket.gethostname(), PidSpace())
+    assert not in_this_pid_space(socket.gethostname(), PidSpace(BOOT, "pid:[1]"))
+    assert not in_this_pid_space(socket.gethostname() + "-other", PidSpace())
+
+
+def test_a_marker_left_by_this_process_is_stale_where_no_pid_space_is_named(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    from workbench import pid_space
+    from workbench.io.files import ownership
+    from workbench.io.files.publish import AtomicRenamePublisher
+
+    monkeypatch.setattr(pid_space, "this_pid_space", lambda: PidSpace())
+    monkeypatch.setattr(ownership, "this_pid_space", lambda: PidSpace())
+    leftover = tmp_path / ".ckpt.incomplete"
+    leftover.mkdir()
+    ownership.write_owner(leftover)  # an earlier attempt of this process that failed: no save holds it
+    save = ownership.incomplete_save(leftover)
+    assert not save.live and save.reason.startswith("left by this process"), save
+    publisher = AtomicRenamePublisher(tmp_path / "ckpt")
+    assert publisher.prepare() == leftover  # replaced at once, not refused for five minutes
+    publisher.abort()

@@ -43,5 +43,12 @@ def this_pid_space() -> PidSpace:
 
 
 def in_this_pid_space(host: str, space: PidSpace) -> bool:
-    """True when a pid reported from ``host`` in ``space`` names a process this one can look up and signal."""
-    return space.known and host == socket.gethostname() and space == this_pid_space()
+    """True when a pid reported from ``host`` in ``space`` names a process this one can look up and signal: the same
+    host name, boot and PID namespace. Where neither side names its PID space (a kernel without ``/proc``), the host
+    name is all there is to go by, as it was before spaces were recorded."""
+    if host != socket.gethostname():
+        return False
+    here = this_pid_space()
+    if not space.known and not here.known:
+        return True
+    return space.known and space == here

@@ -532,3 +532,27 @@ def test_a_single_file_checkpoint_is_replaced(tmp_path: Path) -> None:
     assert sorted(p.name for p in path.iterdir()) == sorted(["config.json", INDEX_NAME, LAYOUT_FILE_NAME,
                                                              "model-00001-of-00001.safetensors"])
     assert torch.equal(_everything(path)["w"], torch.full((4,), 3.0))
+
+
+def test_a_checkpoint_with_its_weights_in_another_layout_beside_them_is_replaced(tmp_path: Path) -> None:
+    # Mistral's folders hold consolidated.safetensors beside the HF shards: the same weights, replaced with them
+    path = tmp_path / "mistral"
+    path.mkdir()
+    save_file({"old": torch.ones(2)}, str(path / "model.safetensors"))
+    save_file({"old": torch.ones(2)}, str(path / "consolidated.safetensors"))
+    (path / "params.json").write_text("{}")
+    wb.save_hf({"w": torch.full((4,), 3.0)}, path)
+    assert sorted(p.name for p in path.iterdir()) == sorted([INDEX_NAME, LAYOUT_FILE_NAME, "params.json",
+                                                             "model-00001-of-00001.safetensors"])
+    assert torch.equal(_everything(path)["w"], torch.full((4,), 3.0))
+
+
+def test_a_folder_of_another_models_safetensors_is_refused_naming_them(tmp_path: Path) -> None:
+    path = tmp_path / "unet"
+    path.mkdir()
+    save_file({"w": torch.ones(2)}, str(path / "diffusion_pytorch_model.safetensors"))
+    (path / "config.json").write_text("{}")
+    with pytest.raises(wb.SaveFailed, match=r"\(diffusion_pytorch_model\.safetensors: a PEFT adapter's, another "
+                       r"model's or another variant's\), which a save would delete"):
+        wb.save_hf({"w": torch.full((4,), 3.0)}, path)
+    assert sorted(p.name for p in path.iterdir()) == ["config.json", "diffusion_pytorch_model.safetensors"]

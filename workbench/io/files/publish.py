@@ -63,6 +63,7 @@ _WEIGHTS = re.compile(r".*\.safetensors|.*\.index\.json|pytorch_model.*\.bin|con
                       r"|flax_model.*\.msgpack")
 
 
+_ADAPTER_CONFIG = "adapter_config.json"  # a PEFT adapter's folder: its weights are never a checkpoint's to replace
 _MODEL_WEIGHTS = re.compile(r"model(-\d+-of-\d+)?\.safetensors")  # what a save writes (and HF names a model's)
 _SAFETENSORS = re.compile(r".*\.safetensors(\.index\.json)?")
 
@@ -72,8 +73,10 @@ def not_a_checkpoint(path: Path) -> str | None:
 
     It may when it is empty, or a model folder of files only (no directory, which the save would delete): one with
     the index or ``model*.safetensors`` weights (a checkpoint), or with a ``config.json`` and no weights of another
-    format (HF's folder before its weights). Safetensors files of other names (``adapter_model.safetensors``, a PEFT
-    adapter's; another model's) are never taken for a checkpoint's: the save would delete them. The folder's other
+    format (HF's folder before its weights). Safetensors files of other names make a folder no checkpoint of its own
+    (``diffusion_pytorch_model.safetensors``, another model's) and are never replaced in a PEFT adapter's folder
+    (``adapter_config.json``, ``adapter_model.safetensors``); beside a checkpoint's own weights they are those weights
+    in another layout (Mistral's ``consolidated.safetensors``) and are replaced with them. The folder's other
     files are kept beside the new weights (``AtomicRenamePublisher._carry_other_files``)."""
     names, folders = [], []
     with os.scandir(path) as entries:
@@ -81,11 +84,13 @@ def not_a_checkpoint(path: Path) -> str | None:
             (folders if entry.is_dir(follow_symlinks=False) else names).append(entry.name)
     if folders:
         return f"it holds directories, which a save would delete: {_shown(f'{n}/' for n in folders)}"
+    checkpoint = INDEX_NAME in names or any(_MODEL_WEIGHTS.fullmatch(n) for n in names)
     foreign = [n for n in names if _SAFETENSORS.fullmatch(n) and not (n == INDEX_NAME or _MODEL_WEIGHTS.fullmatch(n))]
-    if foreign:
+    adapter = _ADAPTER_CONFIG in names or any(n.startswith("adapter_model") for n in foreign)
+    if foreign and (adapter or not checkpoint):  # beside a checkpoint: its weights in another layout, replaced too
         return (f"it holds safetensors files that are not a checkpoint's model weights ({_shown(foreign)}: a PEFT "
-                f"adapter's, or another model's), which a save would delete")
-    if not names or INDEX_NAME in names or any(_MODEL_WEIGHTS.fullmatch(n) for n in names):
+                f"adapter's, another model's or another variant's), which a save would delete")
+    if not names or checkpoint:
         return None
     if _CONFIG in names:  # a model folder: taken when it holds no weights a save would delete
         others = [n for n in names if _WEIGHTS.fullmatch(n)]
