@@ -24,7 +24,7 @@ class PidSpace:
 
     @property
     def known(self) -> bool:
-        """Whether both are recorded: an unknown space matches none, not even another unknown one."""
+        """Whether both are recorded (an unknown space matches no known one; see ``in_this_pid_space``)."""
         return bool(self.boot) and bool(self.namespace)
 
 

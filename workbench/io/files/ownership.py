@@ -7,7 +7,8 @@ modification time is a heartbeat its writer refreshes every ``period`` seconds w
 
 A pid in a marker is looked up only when the marker's host, boot id and PID namespace are all this process's
 (``Owner.in_this_pid_space``, see ``workbench.pid_space``): containers sharing a host name have pids of their own.
-Any other marker, and one written by an older workbench that recorded neither, is judged by its heartbeat alone.
+Any other marker, and one written by an older workbench that recorded neither, is judged by its heartbeat alone
+(where this kernel names no PID space either, a host without ``/proc``, the host name decides, as it did before).
 
 Liveness, one rule for ``clean_incomplete``, ``latest_checkpoint`` and ``AtomicRenamePublisher.prepare``:
 
@@ -147,7 +148,8 @@ class Owner:
 
     def in_this_pid_space(self) -> bool:
         """True when the marker's pid names a process this one can look up: the same host, the same boot of its
-        kernel and the same PID namespace (a marker that does not record them is never in it)."""
+        kernel and the same PID namespace (``pid_space.in_this_pid_space``; a marker that does not record them is in
+        it only where this process's kernel names no PID space either)."""
         return in_this_pid_space(self.host, PidSpace(self.boot, self.pid_namespace))
 
     def is_this_process(self) -> bool:
