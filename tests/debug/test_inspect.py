@@ -150,3 +150,15 @@ def test_dcp_pickle_needs_opt_in(tmp_path) -> None:
 def test_tiny_files(tmp_path, n_keys) -> None:
     save_file({f"k{i}": torch.zeros(0) for i in range(n_keys)}, str(tmp_path / "t.safetensors"))
     assert inspect_checkpoint(tmp_path / "t.safetensors").ok
+
+
+def test_inspect_of_the_current_directory_reads_it(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # "workbench inspect ." failed with "PosixPath('.') has an empty name" (the temporary-path look-up)
+    from safetensors.torch import save_file
+
+    import workbench as wb
+
+    save_file({"w": torch.ones(4, 4)}, str(tmp_path / "model.safetensors"))
+    monkeypatch.chdir(tmp_path)
+    here, there = wb.inspect_checkpoint("."), wb.inspect_checkpoint(tmp_path)
+    assert (here.error, here.num_keys, here.findings) == ("", 1, there.findings) == ("", there.num_keys, ())

@@ -82,6 +82,7 @@ def _escaping(directory: Path, files: set[str]) -> list[str]:
 
 
 def _siblings(path: Path) -> list[Finding]:
+    path = path.absolute()  # "." has no name to look beside
     out = []
     if is_temporary_path(path):
         out.append(Finding("incomplete_checkpoint", "", {"path": str(path)},
