@@ -47,3 +47,21 @@ def test_a_bad_stage_index_stops_the_merge_naming_the_stage(tmp_path: Path, body
     assert sorted(p.name for p in publisher.temporary.iterdir()) == [MARKER_NAME, "stage0"]  # nothing moved
     publisher.abort()  # as save_hf_pipeline does after a failed merge
     assert sorted(p.name for p in tmp_path.iterdir()) == ["outside.safetensors"]
+
+
+@pytest.mark.parametrize("name", [INDEX_NAME, MARKER_NAME, "workbench_layout.toml", "extra.safetensors"])
+def test_config_files_may_not_take_the_name_of_a_file_the_save_writes(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch, name: str
+) -> None:
+    import torch.distributed as dist
+
+    from workbench.io.pipeline.save import _check_arguments
+
+    config = tmp_path / name
+    config.write_text("{}")
+    monkeypatch.setattr(dist, "get_world_size", lambda: 1)  # the one-rank world of _one_stage's mesh
+    with pytest.raises(CheckpointError, match=rf"config file\(s\) \['{tmp_path}/{name}'\] would overwrite"):
+        _check_arguments(_one_stage(), [config], {})
+    fine = tmp_path / "config.json"
+    fine.write_text("{}")
+    _check_arguments(_one_stage(), [fine], {})  # a config file of its own name is copied

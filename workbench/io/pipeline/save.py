@@ -43,6 +43,7 @@ from workbench.io.files.file_plan import FilePlan, FileSpec, file_name
 from workbench.io.files.index import INDEX_NAME, read_index, write_index
 from workbench.io.files.publish import AtomicRenamePublisher
 from workbench.io.files.publish_types import temporary_path
+from workbench.io.hf.save_planning import RESERVED_NAMES
 from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
 from workbench.layout.pipeline import PipelineLayout
 from workbench.mesh import MeshDimRef, format_mesh_dim
@@ -267,9 +268,10 @@ def _check_arguments(pipeline: PipelineLayout, config_files: Sequence[str | Path
     missing = [str(c) for c in config_files if not Path(c).is_file()]
     if missing:
         raise CheckpointError(f"config file(s) to copy do not exist: {missing}")
-    clash = [str(c) for c in config_files if Path(c).name == INDEX_NAME or Path(c).name.endswith(".safetensors")]
+    clash = [str(c) for c in config_files if Path(c).name in RESERVED_NAMES or Path(c).name.endswith(".safetensors")]
     if clash:
-        raise CheckpointError(f"config file(s) {clash} would overwrite the index or weight files of the checkpoint")
+        raise CheckpointError(f"config file(s) {clash} would overwrite the index, layout, owner marker or weight files "
+                              "of the checkpoint; rename them or leave them out of config_files")
 
 
 def _stage_problem(exc: BaseException, pipeline: PipelineLayout, rank: int) -> RankProblem:
