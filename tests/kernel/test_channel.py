@@ -238,13 +238,34 @@ def test_a_second_hello_for_an_admitted_rank_is_refused_while_the_first_is_alive
         second.send(hello(0))
         assert pump(rankset, 0.3) == []
     assert "rank 0 is already admitted on another connection" in caplog.text
+    [refused] = [second.link.open(frames) for frames in second.received()]  # told, so it does not wait forever
+    assert refused["op"] == "refused" and "already admitted on another connection" in refused["reason"]
+    assert refused["retry_after"] == 1.0  # half the time a silent rank keeps its place: say hello again then
     rankset.send(0, {"op": "execute", "code": "a"})
     assert second.received() == [] and len(first.received()) == 1
     time.sleep(2.2)  # the first one fell silent: a new hello may take its place
     second.send(hello(0))
     assert [m["op"] for _, m in pump(rankset)] == ["hello"]
     rankset.send(0, {"op": "execute", "code": "b"})
-    assert first.received() == [] and len(second.received()) == 1
+    assert first.received() == []
+    [execute] = second.received()  # numbered above the refusal it had: the rank's link accepts it
+    assert second.link.open(execute) == {"op": "execute", "code": "b"}
+
+
+def test_a_hello_refused_for_good_is_told_why_and_not_asked_again(kernel: tuple[RankSet, bytes],
+                                                                  context: zmq.Context) -> None:
+    rankset, key = kernel
+    join(rankset, Peer(context, rankset.address, key, 0), 0)  # the kernel's world is now 2 ranks
+    for bad, why in ((hello(1, world_size=4), "says world size 4, this kernel's world size is 2"),
+                     ({**hello(1), "pid": "none"}, "lacks invalid literal")):
+        late = Peer(context, rankset.address, key, 1)
+        late.send(bad)
+        assert pump(rankset, 0.3) == []
+        [refused] = [late.link.open(frames) for frames in late.received()]
+        assert refused["op"] == "refused" and why in refused["reason"] and "retry_after" not in refused
+    stranger = Peer(context, rankset.address, b"0" * 64, 1)  # no token: told nothing at all
+    stranger.send(hello(1))
+    assert pump(rankset, 0.3) == [] and stranger.received() == []
 
 
 def _listening(port: int) -> set[str]:

@@ -20,8 +20,8 @@ import pytest
 import zmq
 
 from tests.kernel.support import execute, jupyter_path
-from workbench.kernel.protocol import ENV_SILENCE, Link, Rejected, write_token_file
-from workbench.kernel.ranks import LOST_EXIT_CODE
+from workbench.kernel.protocol import ENV_SILENCE, Link, Rejected, encode, write_token_file
+from workbench.kernel.ranks import LOST_EXIT_CODE, REFUSED_EXIT_CODE
 from workbench.kernel.spec import install_kernel
 from workbench.kernel.worker import _KernelWatch, _silence_limit
 
@@ -142,13 +142,18 @@ def test_a_rank_waiting_on_a_connected_kernel_stays_and_leaves_once_the_connecti
 
 def _hello(kernel: Any, token: str, timeout: float) -> dict[str, Any]:
     """The first signed message a rank sends the fake kernel."""
+    return _hello_from(kernel, token, timeout)[1]
+
+
+def _hello_from(kernel: Any, token: str, timeout: float) -> tuple[bytes, dict[str, Any]]:
+    """The first signed message a rank sends the fake kernel, and the rank's ZMQ identity."""
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
         if kernel.poll(500):
             identity, *frames = kernel.recv_multipart()
             link = Link(token.encode(), me="kernel", rank=None, identity=identity.decode())
             with contextlib.suppress(Rejected):
-                return link.open(frames)
+                return identity, link.open(frames)
     raise AssertionError(f"no hello within {timeout} s")
 
 
@@ -174,3 +179,35 @@ def test_the_limit_parses_seconds_or_off_and_refuses_less_than_a_few_pings() -> 
     for bad in ("1", "-5", "soon"):
         with pytest.raises(Exception, match="WORKBENCH_KERNEL_SILENCE_S"):
             _silence_limit(bad)
+
+
+@pytest.mark.slow
+def test_a_rank_the_kernel_refuses_says_why_and_exits(tmp_path: Path) -> None:
+    """A fake kernel refuses the rank's hello (as a kernel of another world size does): the rank used to wait for it
+    forever, connected; it now prints the kernel's reason and exits with REFUSED_EXIT_CODE at once."""
+    token = "t" * 64
+    token_file = write_token_file(tmp_path / "token", token)
+    context = zmq.Context()
+    kernel = context.socket(zmq.ROUTER)
+    kernel.setsockopt(zmq.LINGER, 0)
+    port = kernel.bind_to_random_port("tcp://127.0.0.1")
+    log = tmp_path / "agent.log"
+    agent = _agent(_torchrun(["torchrun", "--nnodes", "NNODES", "--nproc-per-node", "NPROC", "--rdzv-backend", "c10d",
+                              "--rdzv-endpoint", "HOST:29400", "-m", "workbench.kernel.worker", "--backend", "gloo",
+                              "--connect", f"tcp://127.0.0.1:{port}", "--token-file", str(token_file)]),
+                   log, 60)
+    try:
+        identity, hello = _hello_from(kernel, token, timeout=90)
+        assert hello["op"] == "hello" and agent.poll() is None, log.read_text()
+        link = Link(token.encode(), me="kernel", rank=0, identity=identity.decode())
+        reason = "hello of rank 0 says world size 1, this kernel's world size is 2"
+        kernel.send_multipart([identity, *link.seal(encode({"op": "refused", "reason": reason}))])
+        code = agent.wait(timeout=30)
+    finally:
+        if agent.poll() is None:
+            _kill_tree(agent)
+        context.destroy(linger=0)
+    text = log.read_text(errors="replace")
+    assert code != 0, text
+    assert (f"workbench rank 0: the kernel at tcp://127.0.0.1:{port} refused this rank: {reason}; exiting with code "
+            f"{REFUSED_EXIT_CODE}") in text, text

@@ -14,7 +14,8 @@ kernel -> rank: ``execute`` (code, ranks shown), ``stacks``, ``interrupt``, ``re
 connections and destroy the groups, so peers stuck in a collective get an error), ``reinit`` (new process
 groups), ``query`` (completion, inspection, history or comms of the rank's shell), ``comm``, ``ping``, ``exit``
 (with an exit code: nonzero when the kernel ended a job that lost ranks), ``dump_peer`` (read the stack of a rank of
-the same host that cannot answer).
+the same host that cannot answer), ``refused`` (a signed hello not admitted: the reason, and ``retry_after`` seconds
+when the same hello may pass later).
 rank -> kernel: ``hello``, ``stream``, ``display``, ``clear_output``, ``comm``, ``done`` (with the shell's payloads:
 the pager's text), ``stacks``, ``answer``, ``peer_dump``, ``released``, ``reinit_done``, ``pong``.
 """

@@ -41,7 +41,7 @@ from workbench.kernel.protocol import (
 from workbench.pid_space import PidSpace, in_this_pid_space
 from workbench.run.private_store import PrivateStore
 
-__all__ = ["LOST_EXIT_CODE", "RankInfo", "RankSet", "RanksStopped"]
+__all__ = ["LOST_EXIT_CODE", "REFUSED_EXIT_CODE", "RankInfo", "RankSet", "RanksStopped"]
 
 _ALIVE = 10.0  # seconds: a rank heard from more recently than this keeps its place against a second hello
 _HEARTBEAT_IVL_MS = 1000  # ZMTP heartbeats on every rank connection, answered by libzmq's own thread (no GIL):
@@ -49,6 +49,7 @@ _HEARTBEAT_TIMEOUT_MS = 5000  # a connection whose peer answers none for this lo
 _QUIET_AT_SHUTDOWN = 5.0  # seconds: a rank silent this long at shutdown may be gone (see stop)
 _EXITED_AFTER = 2.0  # seconds a local rank's process has ended before the kernel calls it gone (see exited)
 LOST_EXIT_CODE = 3  # ranks told to exit because their job lost ranks exit with this (torch's agent then stops)
+REFUSED_EXIT_CODE = 4  # a rank whose hello the kernel refused for good (another world size, a rank out of range)
 _LOGGED_DROPS = 20  # log every dropped message up to this many, then every 100th
 
 
@@ -70,6 +71,14 @@ class RankInfo:
     ledger_file: str = ""  # the collective it is in (ledger)
     thread: int = 0  # its main thread's ident, as faulthandler's dump names it
     pid_space: PidSpace = field(default_factory=PidSpace)  # where its pid names it (signalled only from there)
+
+
+@dataclass(frozen=True)
+class _Refusal:
+    """Why a signed hello was not admitted; ``retry``: the same hello may pass later (its rank's place frees up)."""
+
+    reason: str
+    retry: bool = False
 
 
 class RankSet:
@@ -96,6 +105,7 @@ class RankSet:
         self._token = new_token()
         self._key = self._token.encode()
         self._links: dict[bytes, Link] = {}  # identity -> link, kept after a rank leaves (its sequence numbers)
+        self._refusals: dict[bytes, Link] = {}  # identity whose hello was refused -> the link its refusals went on
         self._identity: dict[int, bytes] = {}  # admitted rank -> its identity
         self._heard: dict[int, float] = {}  # admitted rank -> when a valid message of it last arrived
         self._unreachable: dict[int, float] = {}  # rank -> since when ZMQ says its connection is gone
@@ -346,24 +356,43 @@ class RankSet:
         if identity in self._tombstones:  # a rank of a job the kernel ended (a frozen host that came back)
             self._send_to(identity, {"op": "exit", "code": LOST_EXIT_CODE})
             return self._drop(identity, f"rank {rank} belongs to a job this kernel ended; told it to exit")
-        if op == "hello":
-            problem = self._admit(identity, rank, message)
-        elif self._identity.get(rank) != identity:
-            problem = "from a connection that never passed hello (or left)"
-        else:
-            problem = None
-        if problem:
+        refusal = self._admit(identity, rank, message) if op == "hello" else None
+        if refusal is not None:
             link.seq_in, link.rank = seq_before, rank_before  # nothing of a refused message sticks
-            return self._drop(identity, problem)
+            self._refuse(identity, rank, refusal)  # it holds the token: told, it does not wait for the kernel forever
+            return self._drop(identity, refusal.reason)
+        if op != "hello" and self._identity.get(rank) != identity:
+            link.seq_in, link.rank = seq_before, rank_before
+            return self._drop(identity, "from a connection that never passed hello (or left)")
         if not known:
+            refused = self._refusals.pop(identity, None)
+            if refused is not None:  # the rank has seen the refusals' sequence numbers: go on above them
+                link.seq_out = refused.seq_out
             self._links[identity] = link
         self._heard[rank] = time.monotonic()
         return None if op == "pong" else (rank, message)
 
-    def _admit(self, identity: bytes, rank: int, hello: dict[str, Any]) -> str | None:
+    def _refuse(self, identity: bytes, rank: int, refusal: _Refusal) -> None:
+        """Tell a rank whose signed hello was refused why: it exits (``REFUSED_EXIT_CODE``), or says hello again
+        after ``retry_after`` seconds when its place may free up (another connection of its rank fell silent)."""
+        link = self._links.get(identity) or self._refusals.get(identity)
+        if link is None:
+            if len(self._refusals) >= 1024:  # a flood of refused connections keeps no more than this
+                self._refusals.clear()
+            link = self._refusals[identity] = Link(self._key, me="kernel", rank=rank,
+                                                   identity=identity.decode(errors="replace"))
+        message: dict[str, Any] = {"op": "refused", "reason": refusal.reason}
+        if refusal.retry:
+            message["retry_after"] = _ALIVE / 2
+        import zmq
+
+        with self._lock, contextlib.suppress(zmq.ZMQError):  # its connection is gone already: nobody waits
+            self._socket.send_multipart([identity, *link.seal(encode(message))], flags=zmq.NOBLOCK)
+
+    def _admit(self, identity: bytes, rank: int, hello: dict[str, Any]) -> _Refusal | None:
         """Admit a rank whose hello verified; say why not otherwise."""
         if hello.get("rank") != rank:
-            return f"hello names rank {hello.get('rank')!r} but is signed for rank {rank}"
+            return _Refusal(f"hello names rank {hello.get('rank')!r} but is signed for rank {rank}")
         try:
             world = int(hello["world_size"])
             info = RankInfo(rank=rank, world_size=world, local_rank=int(hello["local_rank"]),
@@ -372,19 +401,21 @@ class RankSet:
                             thread=int(hello.get("thread", 0)),
                             pid_space=PidSpace(str(hello.get("boot", "")), str(hello.get("pid_namespace", ""))))
         except (KeyError, TypeError, ValueError) as exc:
-            return f"hello of rank {rank} lacks {exc}"
+            return _Refusal(f"hello of rank {rank} lacks {exc}")
         if self.world_size is not None and world != self.world_size:
-            return f"hello of rank {rank} says world size {world}, this kernel's world size is {self.world_size}"
+            return _Refusal(f"hello of rank {rank} says world size {world}, this kernel's world size is "
+                            f"{self.world_size}")
         if not 0 <= rank < world:
-            return f"hello names rank {rank}, outside world size {world}"
+            return _Refusal(f"hello names rank {rank}, outside world size {world}")
         current = self._identity.get(rank)
         if current == identity:
-            return f"rank {rank} said hello twice on one connection"
+            return _Refusal(f"rank {rank} said hello twice on one connection")
         if current is not None:
             quiet = time.monotonic() - self._heard.get(rank, 0.0)
             if quiet < _ALIVE:
-                return (f"rank {rank} is already admitted on another connection, heard {quiet:.1f} s ago "
-                        f"(a second rank {rank}? a new hello is accepted once it is silent for {_ALIVE:g} s)")
+                return _Refusal(f"rank {rank} is already admitted on another connection, heard {quiet:.1f} s ago "
+                                f"(a second rank {rank}? a new hello is accepted once it is silent for {_ALIVE:g} s)",
+                                retry=True)
             self._log.warning("workbench kernel: rank %d rejoins on a new connection (the old one was silent for "
                               "%.0f s)", rank, quiet)
         if self.world_size is None:

@@ -13,7 +13,9 @@ them in an IPython shell whose namespace holds ``dist``, ``rank``, ``world_size`
 
 A rank does not outlive its kernel: a local rank exits when the kernel's process is gone; any rank exits with
 ``LOST_EXIT_CODE`` (so torch's agent stops) once no valid kernel message came for ``--kernel-silence`` seconds
-(``$WORKBENCH_KERNEL_SILENCE_S``, 30) while its connection did not hold (``_KernelWatch``).
+(``$WORKBENCH_KERNEL_SILENCE_S``, 30) while its connection did not hold (``_KernelWatch``). A rank whose hello the
+kernel refuses (another world size, a rank number already taken by a live rank) says why on stderr and exits with
+``REFUSED_EXIT_CODE``; while its rank's place is taken it says hello again for up to ``REFUSED_RETRY_S`` first.
 """
 
 from __future__ import annotations
@@ -48,7 +50,7 @@ from workbench.kernel.protocol import (
     new_identity,
     read_token,
 )
-from workbench.kernel.ranks import LOST_EXIT_CODE
+from workbench.kernel.ranks import LOST_EXIT_CODE, REFUSED_EXIT_CODE
 from workbench.pid_space import this_pid_space
 from workbench.run.private_store import connect_store, store_path
 
@@ -57,6 +59,7 @@ __all__ = ["main", "private_folder", "stack_report"]
 SILENCE_DEFAULT = 30.0  # seconds without a word from a kernel whose connection went before a rank exits (as
 # the kernel's --dead-after for ranks: both sides give up on a network partition alike)
 _SILENCE_MIN = 3.0  # the kernel pings every second: a shorter limit would mistake a slow kernel for a gone one
+REFUSED_RETRY_S = 60.0  # seconds a rank refused while its place is taken says hello again before it exits
 _HEARTBEAT_IVL_MS = 1000  # ZMTP heartbeats from the rank too: a kernel host that vanished drops the connection
 _HEARTBEAT_TIMEOUT_MS = 5000  # after this long without an answer (as the kernel's side does)
 
@@ -116,6 +119,8 @@ class _Worker:
         self.identity = new_identity(self.rank)
         self._link = Link(token.encode(), me="rank", rank=self.rank, identity=self.identity)
         self.dropped = 0
+        self._hello: dict[str, Any] = {}  # what this rank told the kernel when it joined (said again after a refusal)
+        self._first_refusal: float | None = None
         self.generation = 0
         self.main_ident = threading.main_thread().ident
         self.busy = False
@@ -299,6 +304,8 @@ class _Worker:
         elif op == "release":
             self._release_now(message)
             self.tasks.put(message)
+        elif op == "refused":
+            self._refused(message)
         elif op == "exit":
             self.exit_code = int(message.get("code", 0))
             self.tasks.put(message)
@@ -307,6 +314,24 @@ class _Worker:
         else:
             self.tasks.put(message)
         return False
+
+    def _refused(self, message: dict[str, Any]) -> None:
+        """I/O thread: the kernel refused this rank's hello. Say hello again once its place may be free (the kernel
+        says when), for up to ``REFUSED_RETRY_S`` after the first refusal; else say why and exit: a refused rank never
+        waits for the kernel forever."""
+        now = time.monotonic()
+        if self._first_refusal is None:
+            self._first_refusal = now
+        retry = message.get("retry_after")
+        if isinstance(retry, int | float) and now + retry - self._first_refusal <= REFUSED_RETRY_S:
+            again = threading.Timer(float(retry), self.send, args=(self._hello,))
+            again.daemon = True
+            again.start()
+            return
+        print(f"workbench rank {self.rank}: the kernel at {self.address} refused this rank: {message.get('reason')}; "
+              f"exiting with code {REFUSED_EXIT_CODE}", file=sys.__stderr__, flush=True)
+        self.cleanup()
+        os._exit(REFUSED_EXIT_CODE)
 
     def _exit_later(self, grace: float = 10.0) -> None:
         """After ``exit``: a main thread that has not ended within ``grace`` seconds (stuck in a collective whose
@@ -402,12 +427,13 @@ class _Worker:
         import torch
 
         space = this_pid_space()
-        self.send({"op": "hello", "rank": self.rank, "world_size": self.world_size,
-                   "local_rank": self.local_rank, "host": os.environ.get(ENV_HOST) or socket.gethostname(),
-                   "pid": os.getpid(), "boot": space.boot, "pid_namespace": space.namespace,
-                   "backend": self.backend, "torch": torch.__version__, "generation": self.generation,
-                   "stack_file": self.stack_file, "ledger_file": self.ledger.path if self.ledger else "",
-                   "thread": self.main_ident})
+        self._hello = {"op": "hello", "rank": self.rank, "world_size": self.world_size,
+                       "local_rank": self.local_rank, "host": os.environ.get(ENV_HOST) or socket.gethostname(),
+                       "pid": os.getpid(), "boot": space.boot, "pid_namespace": space.namespace,
+                       "backend": self.backend, "torch": torch.__version__, "generation": self.generation,
+                       "stack_file": self.stack_file, "ledger_file": self.ledger.path if self.ledger else "",
+                       "thread": self.main_ident}
+        self.send(self._hello)
         while True:
             try:
                 message = self.tasks.get()
