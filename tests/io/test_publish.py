@@ -203,6 +203,20 @@ def test_finalize_fsyncs_every_file_and_directory(tmp_path, monkeypatch) -> None
     assert dirs[-1] == str(tmp_path)  # the parent, after the rename
 
 
+def test_a_failed_prepare_leaves_no_directory_that_looks_live(tmp_path, monkeypatch) -> None:
+    """The rename made ``.ckpt.incomplete`` (with this process's live marker), then the parent's fsync failed: the
+    directory used to stay, and every other process's save to the path was refused as "in progress" for 5 minutes."""
+    def broken_fsync(path) -> None:
+        raise OSError(5, "Input/output error")
+
+    monkeypatch.setattr(publish_module, "fsync_dir", broken_fsync)
+    with pytest.raises(CheckpointError, match=r"cannot create the temporary directory .*Input/output error"):
+        AtomicRenamePublisher(tmp_path / "ckpt").prepare()
+    assert siblings(tmp_path) == []
+    monkeypatch.undo()
+    assert AtomicRenamePublisher(tmp_path / "ckpt").prepare() == tmp_path / ".ckpt.incomplete"
+
+
 CRASH = textwrap.dedent(
     """
     import os, sys, torch

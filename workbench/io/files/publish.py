@@ -297,6 +297,7 @@ class AtomicRenamePublisher:
                     f"({read_owner(temporary) or 'no owner marker yet'}); try again once it has finished"
                 )
         staging = parent / f".{final.name}{INCOMPLETE_SUFFIX}.{os.getpid()}-{id(self):x}.staging"
+        renamed = False
         try:
             _remove(staging)
             staging.mkdir()
@@ -310,9 +311,15 @@ class AtomicRenamePublisher:
                     f"cannot save to {final}: another save created {temporary} while this one prepared "
                     f"({read_owner(temporary) or 'no owner marker yet'}); try again once it has finished"
                 ) from None
+            renamed = True
             fsync_dir(parent)
-        except OSError as exc:
-            raise CheckpointError(f"cannot create the temporary directory {temporary}: {exc}") from exc
+        except BaseException as exc:
+            if renamed:  # ours, claimed and unpublished: its marker must not make a dead save look live to others
+                with contextlib.suppress(OSError):
+                    _remove(temporary)
+            if isinstance(exc, OSError):
+                raise CheckpointError(f"cannot create the temporary directory {temporary}: {exc}") from exc
+            raise
         finally:
             with contextlib.suppress(OSError):  # gone after the rename; left only when a step before it failed
                 _remove(staging)
