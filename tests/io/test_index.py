@@ -194,6 +194,14 @@ CORRUPTIONS = [
         lambda d: edit_index(d, lambda b: b["weight_map"].update({"model.ghost.weight": FIRST})),
         [FIRST, "key 'model.ghost.weight' is listed in the weight_map", "not in this file's header"],
     ),
+    *(
+        (
+            f"__metadata__ is {bad!r}",  # safetensors refuses every one: only an object (or null) is metadata
+            lambda d, bad=bad: set_header(d / FIRST, lambda h: h.update(__metadata__=bad)),
+            [FIRST, "corrupt header", "__metadata__ must map str to str"],
+        )
+        for bad in ([], "", 0, False)
+    ),
     (
         "data_offsets beyond the file end",
         lambda d: set_header(d / FIRST, lambda h: h["model.embed_tokens.weight"].update(data_offsets=[200, 264])),

@@ -264,8 +264,10 @@ def _read_header(path: Path) -> tuple[dict[str, KeyInfo], dict[str, str], list[s
     if not isinstance(header, dict):
         return {}, {}, [f"{path}: corrupt header: expected a JSON object, got {type(header).__name__}"], identity
 
-    metadata = header.pop("__metadata__", None) or {}
-    if not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
+    metadata = header.pop("__metadata__", None)
+    if metadata is None:  # absent or null: what safetensors writes for no metadata
+        metadata = {}
+    elif not isinstance(metadata, dict) or not all(isinstance(v, str) for v in metadata.values()):
         problems.append(f"{path}: corrupt header: __metadata__ must map str to str, got {metadata!r:.200}")
         metadata = {}
     data_len = size - 8 - n
