@@ -202,9 +202,10 @@ def test_demo_removes_its_temporary_folder(monkeypatch: pytest.MonkeyPatch) -> N
     assert seen and not seen[0].exists()
 
 
-def test_console_script_runs() -> None:
-    exe = Path(sys.executable).with_name("workbench")
-    result = subprocess.run([str(exe), "layout", str(TOY), "--rank", "0"], capture_output=True, text=True, check=False)
+@pytest.mark.parametrize("command", [[str(Path(sys.executable).with_name("workbench"))],
+                                     [sys.executable, "-m", "workbench"]], ids=["script", "python -m"])
+def test_console_script_runs(command: list[str]) -> None:
+    result = subprocess.run([*command, "layout", str(TOY), "--rank", "0"], capture_output=True, text=True, check=False)
     assert result.returncode == 0, result.stderr
     assert "rank 0  (fsdp=0, ep=0, tp=0)" in result.stdout
 
