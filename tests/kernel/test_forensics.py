@@ -14,7 +14,7 @@ import pytest
 import torch
 import torch.distributed as dist
 
-from workbench.kernel.ledger import Ledger, read_ledger, track
+from workbench.kernel.ledger import Ledger, member_ranks, read_ledger, track
 from workbench.kernel.stackdump import Frame, dump, format_frames, parse, summarize
 
 ROOT = Path(__file__).resolve().parents[2]
@@ -97,6 +97,7 @@ def test_track_writes_each_collective_in_and_out(world: None, tmp_path: Path) ->
         after = read_ledger(ledger.path)
         assert after["state"] == "out" and after["last"]["op"] == "all_reduce" and after["last"]["seq"] == 1
         assert after["last"]["group"] == "default (ranks 0)"
+        assert member_ranks(after["last"]) == {0}  # the kernel reads who is in the group from here, not the label
         group = dist.new_group([0])
         dist.all_reduce(t, group=group)
         dist.all_reduce(t, group=group)
@@ -167,3 +168,16 @@ def test_a_ranks_folder_is_made_private_or_refused(tmp_path: Path) -> None:
         os.chown(theirs, 12345, 12345)
         with pytest.raises(RuntimeError, match=r"belongs to uid 12345, not to this user"):
             private_folder(str(theirs))
+
+
+def test_a_call_records_its_groups_ranks_whatever_their_number() -> None:
+    from workbench.kernel.ledger import _members
+
+    stepped = _members(list(range(3, 1024, 8)))  # one mesh dim of 1,024 ranks: 128 ranks, 8 apart
+    assert stepped == {"first": 3, "last": 1019, "step": 8}
+    assert member_ranks({"members": stepped}) == set(range(3, 1024, 8))
+    assert member_ranks({"members": _members([5, 1, 2])}) == {1, 2, 5}  # uneven: listed
+    assert _members([*range(100), 200]) is None  # uneven and long: not recorded (the kernel falls back)
+    for unknown in (None, {}, {"group": "default (ranks 0-3)"}, {"members": {"first": 0}}, {"members": 7},
+                    {"members": {"first": 0, "last": 3, "step": 0}}):
+        assert member_ranks(unknown) is None

@@ -37,6 +37,7 @@ from typing import Any
 from ipykernel.kernelbase import Kernel
 
 from workbench.kernel.fold import Folder, format_ranks
+from workbench.kernel.ledger import member_ranks, read_ledger
 from workbench.kernel.magics import MagicError, parse_cell
 from workbench.kernel.protocol import ENV_TOKEN, ENV_TOKEN_FILE
 from workbench.kernel.ranks import RankSet
@@ -137,20 +138,6 @@ def _call_key(report: dict[str, Any]) -> tuple:
     """What a rank was doing at a look: its line and the ledger's call (group and call number)."""
     call = report.get("call") or {}
     return (report.get("where"), call.get("group"), call.get("seq"))
-
-
-def _group_ranks(call: dict[str, Any] | None) -> set[int] | None:
-    """The ranks of a ledger call's group ("default (ranks 0-3)", "5 (ranks 0,2)"), or None where the label does not
-    list them all."""
-    label = (call or {}).get("group") or ""
-    found = re.search(r"\(ranks ([0-9,\-]+)\)$", label)
-    if found is None:
-        return None
-    text = found.group(1)
-    if "-" in text:
-        first, last = text.split("-", 1)
-        return set(range(int(first), int(last) + 1))
-    return {int(r) for r in text.split(",") if r}
 
 
 class SPMDKernel(Kernel):
@@ -598,8 +585,6 @@ class SPMDKernel(Kernel):
 
     def _local_ledger(self, rank: int) -> dict[str, Any] | None:
         """The collective a rank of this host is in, read from its ledger file (no message, nothing asked of it)."""
-        from workbench.kernel.ledger import read_ledger
-
         info = self.rankset.ranks.get(rank)
         if info is None or not info.ledger_file or not self.rankset.on_this_host(rank):
             return None
@@ -699,7 +684,6 @@ class SPMDKernel(Kernel):
         return answers
 
     def _native_stacks(self, cell: _Cell | None, ranks: list[int], answered: list[int]) -> dict[int, dict[str, Any]]:
-        from workbench.kernel.ledger import read_ledger
         from workbench.kernel.stackdump import Frame, dump_all, parse
 
         infos = {r: self.rankset.ranks[r] for r in ranks if r in self.rankset.ranks}
@@ -882,7 +866,7 @@ class SPMDKernel(Kernel):
         """Whether ``rank``'s collective cannot end: its group (from the ledger) holds a rank that left the cell; where
         the group is not known, whether it is the very call it was in at the last look (no progress), or the first
         look."""
-        members = _group_ranks(report.get("call"))
+        members = member_ranks(report.get("call"))
         if members is not None:
             return bool(members & set(cell.done))
         previous = cell.last_calls.get(rank)

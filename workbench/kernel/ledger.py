@@ -27,9 +27,10 @@ import time
 from collections.abc import Callable
 from typing import Any
 
-__all__ = ["COLLECTIVES", "Ledger", "read_ledger", "track"]
+__all__ = ["COLLECTIVES", "Ledger", "member_ranks", "read_ledger", "track"]
 
 SIZE = 4096  # bytes of the file: a version, a length, then the record as JSON
+_LISTED_MEMBERS = 64  # an uneven group of more ranks than this is not listed in a call (its record would not fit)
 _HEAD = struct.Struct("<QI")
 
 # the collectives of torch.distributed that ranks call and wait in (object collectives call these inside)
@@ -56,7 +57,7 @@ class Ledger:
         self._lock = threading.Lock()
         self._inside: list[tuple[str, dict[str, Any]]] = []  # (group name, call): an object collective nests
         self._seq: dict[str, int] = {}  # group name -> calls so far on it
-        self._groups: dict[str, str] = {}  # group name -> "default (ranks 0-3)"
+        self._groups: dict[str, tuple[str, dict[str, Any] | None]] = {}  # group name -> label, members
         self._last: dict[str, dict[str, Any]] = {}  # group name -> the last call on it (NCCL: with its event)
         self._write({"state": "idle"})
 
@@ -69,10 +70,12 @@ class Ledger:
 
     def enter(self, op: str, group: Any) -> dict[str, Any]:
         """A collective starts on this rank: write it down (called by ``track``'s wrappers)."""
-        name, label = self._group(group)
+        name, label, members = self._group(group)
         seq = self._seq.get(name, 0) + 1
         self._seq[name] = seq
         call = {"op": op, "group": label, "seq": seq, "since": time.time()}
+        if members is not None:
+            call["members"] = members
         if self._inside:
             call["within"] = self._inside[0][1]["op"]
         self._inside.append((name, call))
@@ -106,19 +109,20 @@ class Ledger:
                     out.append({k: v for k, v in last.items() if k != "event"})
         return out
 
-    def _group(self, group: Any) -> tuple[str, str]:
+    def _group(self, group: Any) -> tuple[str, str, dict[str, Any] | None]:
+        """The group's name, its label for people and its members (``members``' form), looked up once per group."""
         import torch.distributed as dist
 
         pg = group if group is not None else dist.group.WORLD
         name = "default" if pg is None or pg is dist.group.WORLD else str(getattr(pg, "group_name", id(pg)))
-        label = self._groups.get(name)
-        if label is None:
+        known = self._groups.get(name)
+        if known is None:
             ranks: list[int] = []
             with contextlib.suppress(Exception):
                 ranks = list(dist.get_process_group_ranks(pg))
             label = f"{name} (ranks {_span(ranks)})" if ranks else name
-            self._groups[name] = label
-        return name, label
+            known = self._groups[name] = (label, _members(ranks) if ranks else None)
+        return name, *known
 
     def _write(self, record: dict[str, Any]) -> None:
         body = json.dumps(record, separators=(",", ":"), default=str).encode()[: SIZE - _HEAD.size]
@@ -218,6 +222,26 @@ def _cuda_event() -> Any:
         event = torch.cuda.Event()
         event.record()
         return event
+    return None
+
+
+def _members(ranks: list[int]) -> dict[str, Any] | None:
+    """A group's global ranks as a call records them: ``{"first", "last", "step"}`` when they step evenly (a device
+    mesh's groups: any size fits), else ``{"ranks": [...]}`` when short; None when they would not fit the record."""
+    ordered = sorted(ranks)
+    step = ordered[1] - ordered[0] if len(ordered) > 1 else 1
+    if step > 0 and ordered == list(range(ordered[0], ordered[-1] + 1, step)):
+        return {"first": ordered[0], "last": ordered[-1], "step": step}
+    return {"ranks": ordered} if len(ordered) <= _LISTED_MEMBERS else None
+
+
+def member_ranks(call: dict[str, Any] | None) -> set[int] | None:
+    """The global ranks of a ledger call's group (its ``members``), or None where the ledger does not know them."""
+    members = (call or {}).get("members")
+    with contextlib.suppress(KeyError, TypeError, ValueError):
+        if "ranks" in members:
+            return {int(r) for r in members["ranks"]}
+        return set(range(int(members["first"]), int(members["last"]) + 1, int(members["step"])))
     return None
 
 
