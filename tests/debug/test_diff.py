@@ -311,3 +311,28 @@ def test_stacked_slices_stored_transposed_are_named(tmp_path, shape) -> None:
     off.view(-1)[0] += 1  # one element off: no transform holds
     (finding,) = diff_checkpoints(tmp_path / "ref", write(tmp_path / "off", {"experts.w": off})).findings
     assert finding.transform != "last two dims transposed"
+
+
+def test_reorders_of_a_3d_tensors_trailing_dims_are_named(tmp_path) -> None:
+    # stacked experts [E, H, 2I]: the old check indexed the stored 3-d tensor with a mask over its trailing dims
+    # flattened (as the signatures count them) and crashed with IndexError (exit 3)
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    w = torch.randn(4, 8, 16, generator=torch.Generator().manual_seed(5)).bfloat16()
+    gate, up = w.chunk(2, dim=2)
+    ranks_concatenated = torch.cat([gate[..., :4], up[..., :4], gate[..., 4:], up[..., 4:]], dim=2)  # IS(2,2), tp=2
+    ref = write(tmp_path / "ref", {key: w})
+    (finding,) = diff_checkpoints(ref, write(tmp_path / "last", {key: ranks_concatenated})).findings
+    assert finding.kind == "permuted" and finding.evidence["verified"] == "bit for bit"
+    assert finding.transform == "interleaved shard gathered as contiguous (IS(2,2) over 2 ranks)"
+    assert (finding.evidence["dim"], finding.evidence["order"]) == (2, [0, 2, 1, 3])
+    down = "model.layers.0.mlp.experts.down_proj"
+    reversed_rows = torch.cat([w[:, 4:], w[:, :4]], dim=1)  # dim 1 in reverse rank order over 2
+    ref = write(tmp_path / "ref_down", {down: w})
+    (finding,) = diff_checkpoints(ref, write(tmp_path / "dim1", {down: reversed_rows})).findings
+    assert finding.kind == "permuted" and finding.transform == "rank order reversed (S(1) over 2 ranks)"
+    assert (finding.evidence["dim"], finding.evidence["order"]) == (1, [1, 0])
+    moved = w.clone()  # two trailing slices swapped in every expert: no named transform, recovered, never a crash
+    moved[:, 0, 0], moved[:, 1, 3] = w[:, 1, 3], w[:, 0, 0]
+    (finding,) = diff_checkpoints(ref, write(tmp_path / "any", {down: moved})).findings
+    assert finding.kind == "permuted" and finding.evidence["verified"] == "bit for bit"
+    assert finding.transform.startswith("slices reordered on dims 1-2 flattened in blocks of 1")

@@ -10,7 +10,7 @@ what differs (shapes, max abs diff, how many elements) so a person can look furt
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Iterator, Sequence
 from typing import Any
 
 import torch
@@ -22,6 +22,7 @@ from workbench.debug.transforms import (
     Hint,
     joined_on,
     joined_words,
+    on_dim,
     resized_candidates,
     same_length_candidates,
     signature_holds,
@@ -119,7 +120,7 @@ def block_order(src: torch.Tensor) -> tuple[int, list[int]] | None:
 
 def _finding(c: Candidate, key: str, evidence: dict[str, Any], extra: dict[str, Any] | None = None) -> Finding:
     ev = {**evidence, "transform": c.transform, **{k: v for k, v in c.details if v is not None}, **(extra or {})}
-    if c.kind in ("permuted", "partial_shard") and len(c.src) == _length(evidence, c.dim):
+    if "dim" not in ev and c.kind in ("permuted", "partial_shard") and len(c.src) == _length(evidence, c.dim):
         found = block_order(c.src)
         if found is not None and found[1] != sorted(found[1]):
             ev.update(dim=c.dim, block_rows=found[0], order=found[1])
@@ -198,12 +199,10 @@ def _resized(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes) -> F
 
 
 def _permuted(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes) -> Finding | None:
-    dims = [0] + ([1] if sig_ref.s1 is not None and len(ref.shape) >= 2 else [])
+    dims = [0] + ([*range(1, len(ref.shape))] if sig_ref.s1 is not None else [])
     dims.sort(key=lambda d: 0 if any(h.dim == d for h in hints) else 1)
     for dim in dims:
-        s_ref = sig_ref.s0 if dim == 0 else sig_ref.s1
-        s_act = sig_act.s0 if dim == 0 else sig_act.s1
-        found = _try(same_length_candidates(ref.shape[dim], dim, hints, key, s_ref, s_act),
+        found = _try(_candidates(ref.shape, dim, hints, key, sig_ref, sig_act),
                      ref, act, sig_ref, sig_act, key, evidence, block_bytes)
         if found is not None:
             return found
@@ -222,6 +221,20 @@ def _permuted(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes) -> 
     return None
 
 
+def _candidates(shape: Sequence[int], dim: int, hints: Sequence[Hint], key: str, sig_ref: Signatures,
+                sig_act: Signatures) -> Iterator[Candidate]:
+    """The same-length maps along ``dim``; past dim 1 of a >= 3-d tensor, as maps along its trailing dims flattened
+    (the signatures' dim 1), the evidence naming ``dim`` and its block order."""
+    if dim == 0 or len(shape) == 2:
+        s_ref, s_act = (sig_ref.s0, sig_act.s0) if dim == 0 else (sig_ref.s1, sig_act.s1)
+        yield from same_length_candidates(shape[dim], dim, hints, key, s_ref, s_act)
+        return
+    for c in same_length_candidates(shape[dim], dim, hints, key):
+        found = block_order(c.src)
+        named = (("block_rows", found[0]), ("order", found[1])) if found and found[1] != sorted(found[1]) else ()
+        yield on_dim(c, shape, (("dim", dim), *named))
+
+
 def _any_permutation(ref, act, sig_ref, sig_act, dim, key, evidence, block_bytes) -> Finding | None:
     """A reordering of slices no named transform explains: recover it from signatures, name its blocks."""
     s_ref = sig_ref.s0 if dim == 0 else sig_ref.s1
@@ -236,7 +249,8 @@ def _any_permutation(ref, act, sig_ref, sig_act, dim, key, evidence, block_bytes
     starts = [0] + [i for i in range(1, n) if int(src[i]) != int(src[i - 1]) + 1]
     block = math.gcd(*starts, n) if len(starts) > 1 else n
     order = (src[::block] // block).tolist()
-    c = Candidate("permuted", dim, src, f"slices reordered on dim {dim} in blocks of {block}: block order {order[:16]}"
+    on = f"dim {dim}" if dim == 0 or len(ref.shape) == 2 else f"dims 1-{len(ref.shape) - 1} flattened"
+    c = Candidate("permuted", dim, src, f"slices reordered on {on} in blocks of {block}: block order {order[:16]}"
                   + (" ..." if len(order) > 16 else ""),
                   "the shards were reassembled in another order than they were cut: compare the block order with "
                   "the mesh's rank order for this parameter (a wrong mesh dim order, or a wrong interleave)",

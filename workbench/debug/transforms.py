@@ -34,14 +34,14 @@ from __future__ import annotations
 import math
 import re
 from collections.abc import Iterator, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 
 import torch
 
 from workbench.debug.signatures import Signatures
 from workbench.debug.views import TensorView, bits
 
-__all__ = ["Candidate", "Hint", "chunk_shard", "resized_candidates", "same_length_candidates", "verify_map",
+__all__ = ["Candidate", "Hint", "chunk_shard", "on_dim", "resized_candidates", "same_length_candidates", "verify_map",
            "verify_transpose"]
 
 SMALL_W = (2, 3, 4, 6, 8, 16, 32, 64)
@@ -370,6 +370,15 @@ def _partial(dim: int, src: torch.Tensor, what: str, rank: int | None, world: in
                      (("rank", rank), ("world", world)))
 
 
+def on_dim(c: Candidate, shape: Sequence[int], details: tuple[tuple[str, object], ...] = ()) -> Candidate:
+    """``c``, a map along its dim (>= 1) of ``shape``, the same in every slice: a map along the trailing dims
+    flattened (dim 1, as the signatures count them), with ``details`` added."""
+    n, outer, inner = shape[c.dim], math.prod(shape[1 : c.dim]), math.prod(shape[c.dim + 1 :])
+    src = (torch.arange(outer, dtype=torch.int64)[:, None, None] * (n * inner) + c.src[None, :, None] * inner
+           + torch.arange(inner, dtype=torch.int64)[None, None, :])
+    return replace(c, dim=1, src=src.reshape(-1), details=(*c.details, *details))
+
+
 def signature_holds(c: Candidate, ref: Signatures, act: Signatures) -> bool:
     """Whether ``c``'s map agrees with both signatures (a necessary condition)."""
     sig_ref = ref.s0 if c.dim == 0 else ref.s1
@@ -408,8 +417,8 @@ def verify_map(ref: TensorView, act: TensorView, c: Candidate, block_bytes: int)
                 if not torch.equal(got[valid], torch.cat(parts)):
                     return False, 0
             nonzero += int(torch.count_nonzero(got[~valid]))
-        else:
-            want = bits(ref.read_rows(a, b))
+        else:  # dim 1 is the trailing dims flattened, as the signatures count it
+            got, want = got.reshape(b - a, -1), bits(ref.read_rows(a, b)).reshape(b - a, -1)
             valid = c.src >= 0
             if not torch.equal(got[:, valid], want[:, c.src[valid]]):
                 return False, 0
