@@ -162,3 +162,18 @@ def test_inspect_of_the_current_directory_reads_it(tmp_path: Path, monkeypatch: 
     monkeypatch.chdir(tmp_path)
     here, there = wb.inspect_checkpoint("."), wb.inspect_checkpoint(tmp_path)
     assert (here.error, here.num_keys, here.findings) == ("", 1, there.findings) == ("", there.num_keys, ())
+
+
+def test_a_first_save_that_never_finished_is_not_called_the_previous_checkpoint(tmp_path) -> None:
+    # only .ck.incomplete exists: the old hint said "ck itself is the previous complete checkpoint"; there is none
+    write(tmp_path / ".ck.incomplete", model())
+    ins = inspect_checkpoint(tmp_path / "ck")
+    (finding,) = [f for f in ins.findings if f.kind == "incomplete_checkpoint"]
+    assert "the first save to ck never finished" in finding.hint and "no complete checkpoint" in finding.hint
+    assert "previous complete checkpoint" not in finding.hint and "wb.clean_incomplete" in finding.hint
+    write(tmp_path / "ck", model())  # a complete checkpoint beside it: that one is the previous one
+    (finding,) = [f for f in inspect_checkpoint(tmp_path / "ck").findings if f.kind == "incomplete_checkpoint"]
+    assert "ck itself is the previous complete checkpoint" in finding.hint
+    (tmp_path / "ck").rename(tmp_path / ".ck.old")  # a publish stopped between its renames: the aside is the one
+    hints = [f.hint for f in inspect_checkpoint(tmp_path / "ck").findings if f.kind == "incomplete_checkpoint"]
+    assert any("stopped while publishing" in h for h in hints) and not any("first save" in h for h in hints)

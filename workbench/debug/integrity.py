@@ -81,6 +81,18 @@ def _escaping(directory: Path, files: set[str]) -> list[str]:
     return bad
 
 
+def _unfinished_hint(path: Path, moved_aside: bool) -> str:
+    """What to do about an unfinished save beside ``path``: which complete checkpoint there is, if any."""
+    if path.exists():
+        return (f"a later save to {path.name} never finished; {path.name} itself is the previous complete "
+                "checkpoint. Find why that save failed, then remove the leftover (wb.clean_incomplete)")
+    if moved_aside:
+        return (f"a save to {path.name} stopped while publishing and {path.name} is missing: see the finding about "
+                "the checkpoint moved aside")
+    return (f"the first save to {path.name} never finished: there is no complete checkpoint at {path}. Find why "
+            "that save failed, re-save, and remove the leftover (wb.clean_incomplete)")
+
+
 def _siblings(path: Path) -> list[Finding]:
     path = path.absolute()  # "." has no name to look beside
     out = []
@@ -90,12 +102,10 @@ def _siblings(path: Path) -> list[Finding]:
                            "beside it instead, and delete this folder (wb.clean_incomplete)"))
         return out
     pending = temporary_path(path)
+    aside = path.with_name(f".{path.name}{OLD_SUFFIX}")
     if pending.exists():
         out.append(Finding("incomplete_checkpoint", "", {"unfinished_save": str(pending)},
-                           f"a later save to {path.name} never finished; {path.name} itself is the previous "
-                           "complete checkpoint. Find why that save failed, then remove the leftover "
-                           "(wb.clean_incomplete)"))
-    aside = path.with_name(f".{path.name}{OLD_SUFFIX}")
+                           _unfinished_hint(path, aside.exists())))
     if aside.exists():
         out.append(Finding("incomplete_checkpoint", "", {"moved_aside": str(aside)},
                            "a publish was interrupted between its two renames; the next save repairs it, or "
