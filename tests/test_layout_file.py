@@ -231,6 +231,37 @@ def test_odd_layouts_round_trip() -> None:
     assert 'for = { h = [2, 3] }' in text or 'for = { h = "2:4" }' in text  # the two biases share one table
 
 
+def test_parts_that_are_not_canonical_numbers_stay_literal() -> None:
+    # "01", "00", "07" or a non-ASCII digit are not loop numbers: written as numbers they would read back as "1",
+    # "0", "7", "3" and change names, keys and the fingerprint; canonical numbers next to them still share loops
+    from torch.distributed.tensor import Replicate
+
+    from workbench.layout.load_spec import LoadSpec
+    from workbench.layout.model_layout import Layout
+    from workbench.mesh import MeshSpec
+
+    mesh = MeshSpec((2,), ("fsdp",))
+
+    def spec(name: str, keys: list[str]) -> LoadSpec:
+        return LoadSpec.from_placements(name, keys, (4 * len(keys), 4), mesh, [Replicate()],
+                                        fused_dim=0 if len(keys) > 1 else None)
+
+    specs = [
+        *(spec(f"blocks.{i}.attn.w", [f"vision.blocks.{i}.attn.qkv.weight"]) for i in ("00", "01")),
+        spec("head.w", ["head.07.weight"]),
+        spec("blocks.\u0663.w", ["vision.blocks.\u0663.attn.qkv.weight"]),  # ARABIC-INDIC DIGIT THREE
+        *(spec(f"layers.{i}.mlp", [f"model.layers.{i}.mlp.experts.{e}.w" for e in (0, 1, 2, 3)]) for i in range(4)),
+        spec("layers.01.mlp", [f"model.layers.01.mlp.experts.{e}.w" for e in ("0", "01", "1", "\u0663")]),
+        spec("layers.5.mlp", [f"model.layers.5.mlp.experts.{e}.w" for e in ("0", "1", "07")]),
+        spec("x.00.y", ["x.0.y", "x.#.y"]),  # "#" is how key shapes blank numbers: still a literal here
+    ]
+    layout = Layout(mesh, {s.name: s for s in specs}, {s.name: "float32" for s in specs}, name="leading zeros")
+    text = layout.to_toml()
+    back = parse_layout(text)
+    _same(layout, back)
+    assert [k for s in back.specs.values() for k in s.hf_keys] == [k for s in specs for k in s.hf_keys]
+    assert 'for = { layers = 4 }' in text and 'keys_for = { experts = 4 }' in text  # 0..3 still loop
+
 def test_a_parameter_without_dtype_reads_back_as_the_format_default() -> None:
     from workbench.layout.model_layout import Layout
 

@@ -19,8 +19,14 @@ if TYPE_CHECKING:
 
 __all__ = ["layout_to_toml"]
 
-_NUMBER = re.compile(r"^\d+$")
-_COMPONENT_NUMBER = re.compile(r"(?<![^.])\d+(?![^.])")  # a dot-separated component that is a whole number
+# A dot-separated part is a loop number only when it is a number as ``str(int)`` writes it (ASCII digits, no leading
+# zero): the reader expands ``{var}`` with ``str.format``, so ``01``, ``007`` or ``٣`` must stay literal text.
+_NUMBER = re.compile(r"0|[1-9][0-9]*")
+_COMPONENT_NUMBER = re.compile(r"(?<![^.])(?:0|[1-9][0-9]*)(?![^.])")  # a dot-separated part that is such a number
+
+
+def _is_number(part: str) -> bool:
+    return _NUMBER.fullmatch(part) is not None
 
 
 def layout_to_toml(layout: Layout) -> str:
@@ -73,7 +79,7 @@ def _template(name: str, taken: set[str]) -> tuple[str, tuple[str, ...], tuple[i
     values: list[int] = []
     out = []
     for i, part in enumerate(parts):
-        if not _NUMBER.match(part):
+        if not _is_number(part):
             out.append(_escape(part))
             continue
         var = re.sub(r"\W", "_", parts[i - 1]) if i else ""
@@ -109,9 +115,13 @@ def _with_inner_loop(split: list[list[str]], t: int, count: int, variables: Mapp
         rows = [split[e * t + j] for e in range(count)]
         out = []
         for pos, part in enumerate(rows[0]):
-            if not _NUMBER.match(part):
+            if not _is_number(part):
+                if any(r[pos] != part for r in rows):  # a literal part that the shapes' blanking hid ("#" vs "3")
+                    return None
                 out.append(_escape(part))
                 continue
+            if not all(_is_number(r[pos]) for r in rows):
+                return None
             values = [int(r[pos]) for r in rows]
             before = rows[0][pos - 1] if pos else ""
             if len(set(values)) == 1:
@@ -168,7 +178,7 @@ def _entry(layout: Layout, name: str) -> tuple[str, tuple[str, ...], tuple[int, 
     before = {}
     k = 0
     for i, part in enumerate(parts):
-        if _NUMBER.match(part):
+        if _is_number(part):
             before[variables[k]] = parts[i - 1] if i else ""
             k += 1
     lines = []
