@@ -336,3 +336,20 @@ def test_reorders_of_a_3d_tensors_trailing_dims_are_named(tmp_path) -> None:
     (finding,) = diff_checkpoints(ref, write(tmp_path / "any", {down: moved})).findings
     assert finding.kind == "permuted" and finding.evidence["verified"] == "bit for bit"
     assert finding.transform.startswith("slices reordered on dims 1-2 flattened in blocks of 1")
+
+
+@pytest.mark.parametrize("stored", [(1,), (24,), (4, 6)], ids=["scalar_as_1", "flattened", "viewed"])
+def test_the_same_bytes_in_another_shape_are_a_reshape_never_a_reorder(tmp_path, stored) -> None:
+    # a scalar saved as [1] was "slices reordered on dim 0 ... block order [0]" (the identity), a flattened or
+    # re-viewed matrix "no replication, shard, padding or transpose explains the shapes"
+    g = torch.Generator().manual_seed(4)
+    good = torch.tensor(1.5) if stored == (1,) else torch.randn(6, 4, generator=g)
+    ref = write(tmp_path / "ref", {"w": good})
+    (finding,) = diff_checkpoints(ref, write(tmp_path / "bad", {"w": good.reshape(stored)})).findings
+    assert finding.kind == "shape_mismatch" and finding.transform == "same bytes, stored with another shape"
+    assert finding.evidence["actual_shape"] == list(stored) and finding.evidence["verified"] == "bit for bit"
+    assert f"save it with shape {list(good.shape)}" in finding.hint and "shards" not in finding.hint
+    off = good.reshape(stored).clone()
+    off.view(-1)[0] += 1  # other values too: no reshape claimed, and never an identity order
+    (finding,) = diff_checkpoints(ref, write(tmp_path / "off", {"w": off})).findings
+    assert finding.transform != "same bytes, stored with another shape" and "order" not in finding.evidence

@@ -65,6 +65,8 @@ def analyze_pair(ref: TensorView, act: TensorView, hints: Sequence[Hint], block_
         return _dtype(ref, act, key, evidence, block_bytes)
     if ref.numel() == 0 or act.numel() == 0:
         return Finding("shape_mismatch", key, evidence, "one side is empty: the tensor was never written")
+    if ref.stored_shape != act.stored_shape and _same_bytes(ref, act, block_bytes):
+        return _reshaped(ref, act, key, evidence)
     sig_ref, sig_act = signatures(ref, block_bytes), signatures(act, block_bytes)
     if ref.shape != act.shape:
         found = _resized(ref, act, sig_ref, sig_act, hints, key, evidence, block_bytes)
@@ -82,6 +84,22 @@ def analyze_pair(ref: TensorView, act: TensorView, hints: Sequence[Hint], block_
     if found is not None:
         return found
     return _value_mismatch(ref, act, key, evidence, block_bytes)
+
+
+def _same_bytes(ref: TensorView, act: TensorView, block_bytes: int) -> bool:
+    """Whether both views hold the same bytes (read ``block_bytes`` at a time)."""
+    if ref.nbytes != act.nbytes:
+        return False
+    return all(ref.read_raw(a, a + block_bytes) == act.read_raw(a, a + block_bytes)
+               for a in range(0, ref.nbytes, block_bytes))
+
+
+def _reshaped(ref: TensorView, act: TensorView, key: str, evidence: dict[str, Any]) -> Finding:
+    want, got = list(ref.stored_shape), list(act.stored_shape)
+    return Finding("shape_mismatch", key, {**evidence, "transform": "same bytes, stored with another shape",
+                                           "verified": "bit for bit"},
+                   f"the values are right but stored as {got} where {want} is expected (a reshape, view, squeeze or "
+                   f"flatten before saving): save it with shape {want}; nothing was reordered")
 
 
 _MAX_ORDER = 64  # block orders longer than this are not put into the evidence
@@ -246,6 +264,8 @@ def _any_permutation(ref, act, sig_ref, sig_act, dim, key, evidence, block_bytes
         where.setdefault(s, []).append(i)
     src = torch.tensor([where[s].pop(0) for s in s_act.tolist()], dtype=torch.int64)
     n = len(src)
+    if torch.equal(src, torch.arange(n)):
+        return None  # nothing moved: the difference is elsewhere
     starts = [0] + [i for i in range(1, n) if int(src[i]) != int(src[i - 1]) + 1]
     block = math.gcd(*starts, n) if len(starts) > 1 else n
     order = (src[::block] // block).tolist()

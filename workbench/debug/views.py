@@ -92,6 +92,17 @@ class TensorView:
             return torch.empty((0, *self.shape[1:]), dtype=dtype)
         return torch.cat(pieces)
 
+    def read_raw(self, start: int, stop: int) -> bytes:
+        """Bytes ``start:stop`` of the view's data (across keys when fused)."""
+        out = bytearray()
+        base = 0
+        for key, meta in zip(self.keys, self.metas):
+            lo, hi = max(start, base), min(stop, base + meta.nbytes)
+            if lo < hi:
+                out += self.source.read_raw(key, lo - base, hi - base)
+            base += meta.nbytes
+        return bytes(out)
+
     def read_box(self, rows: tuple[int, int], cols: tuple[int, int], block_bytes: int) -> torch.Tensor:
         """Rows ``rows`` and dim-1 slice ``cols`` of a >= 2-d view, reading at most ``block_bytes`` at once."""
         out = []
