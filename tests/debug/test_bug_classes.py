@@ -69,6 +69,16 @@ def _case_gate_up_plain_concat_under_tp():
     return {key: good}, {key: broken}, None, key, "permuted", "interleaved shard gathered as contiguous (IS(0,2) over 2"
 
 
+def _case_gate_up_plain_concat_under_wide_tp(w: int):
+    # the same bug under tp=4 or 8 without a layout: its map is also "contiguous shards assembled as interleaved
+    # (IS(0,w) over 2 ranks)", the inverse story, whose fix ("gather a plain Shard") is what caused it
+    key = "model.layers.0.mlp.gate_up_proj.weight"
+    good = _rand(8 * w, 6)
+    broken = torch.cat(_locals(_spec(key, (8 * w, 6), _tp(w), [InterleavedShard(0, 2)]), good))
+    words = f"interleaved shard gathered as contiguous (IS(0,2) over {w} ranks)"
+    return {key: good}, {key: broken}, None, key, "permuted", words
+
+
 def _case_qkv_plain_concat_under_tp():
     key = "model.layers.0.self_attn.qkv_proj.weight"
     good = _rand(12, 4)
@@ -161,6 +171,8 @@ CASES: dict[str, Callable] = {
     "gate_up_fused_halves_swapped": _case_gate_up_fused,
     "gate_up_keys_swapped": _case_gate_up_keys_swapped,
     "gate_up_plain_concat_under_tp": _case_gate_up_plain_concat_under_tp,
+    "gate_up_plain_concat_under_tp4": lambda: _case_gate_up_plain_concat_under_wide_tp(4),
+    "gate_up_plain_concat_under_tp8": lambda: _case_gate_up_plain_concat_under_wide_tp(8),
     "qkv_plain_concat_under_tp": _case_qkv_plain_concat_under_tp,
     "interleave_applied_twice": _case_interleave_applied_twice,
     "square_transposed": _case_square_transposed,

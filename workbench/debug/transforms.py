@@ -166,20 +166,19 @@ def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str,
         if f > 1:
             order = [j * w + r for r in range(w) for j in range(f)]
             cut = f"IS({dim},{f}){_at(mesh_dim)} over {w} ranks"
-            yield Candidate("permuted", dim, _block_map(n, order, g),
-                            f"interleaved shard gathered as contiguous ({cut}{inside})",
-                            f"the tensor is cut by an interleaved shard ({cut}) but its shards were concatenated "
-                            "as if the cut were contiguous: undo the interleave when gathering (workbench's save "
-                            "plan does), then re-save",
-                            details)
+            yield _gathered_as_contiguous(n, dim, w, f, mesh_dim, g)
             inverse = [0] * (w * f)
             for q, src in enumerate(order):
                 inverse[src] = q
-            yield Candidate("permuted", dim, _block_map(n, inverse, g),
-                            f"contiguous shards assembled as interleaved ({cut}{inside})",
-                            f"the tensor was cut contiguously but reassembled as if interleaved ({cut}): gather "
-                            "a plain Shard with plain concatenation",
-                            details)
+            if fusedish and w == 2 and f > 2 and not mesh_dim:
+                # the same map as f ranks' [gate_r; up_r] gathered as rows: for a fused gate/up that is the bug
+                yield _gathered_as_contiguous(n, dim, f, 2, mesh_dim, g)
+            else:
+                yield Candidate("permuted", dim, _block_map(n, inverse, g),
+                                f"contiguous shards assembled as interleaved ({cut}{inside})",
+                                f"the tensor was cut contiguously but reassembled as if interleaved ({cut}): gather "
+                                "a plain Shard with plain concatenation",
+                                details)
             for twice, how in (([order[o] for o in order], "gathered as contiguous"),
                                ([inverse[o] for o in inverse], "undone")):
                 if twice not in (list(range(w * f)), order, inverse):
@@ -222,6 +221,19 @@ def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str,
     for k in (1, 2, 4, 8, 16, 32, 64, 128, 256):
         if n % (2 * k) == 0 and not (k == 1 and fusedish):
             yield _halves(n, dim, k)
+
+
+def _gathered_as_contiguous(n: int, dim: int, w: int, f: int, mesh_dim: str, g: int) -> Candidate:
+    """An interleaved shard IS(dim, f) over ``w`` ranks (in each of ``g`` outer pieces) concatenated as rows."""
+    order = [j * w + r for r in range(w) for j in range(f)]
+    cut = f"IS({dim},{f}){_at(mesh_dim)} over {w} ranks"
+    inside = f" inside each of {g} outer shards" if g > 1 else ""
+    return Candidate("permuted", dim, _block_map(n, order, g),
+                     f"interleaved shard gathered as contiguous ({cut}{inside})",
+                     f"the tensor is cut by an interleaved shard ({cut}) but its shards were concatenated "
+                     "as if the cut were contiguous: undo the interleave when gathering (workbench's save "
+                     "plan does), then re-save",
+                     (("world", w), ("factor", f), ("outer_shards", g)))
 
 
 _QKV_KEY = re.compile(r"(qkv|query_key_value|W_pack|c_attn|in_proj)")
