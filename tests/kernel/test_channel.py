@@ -263,6 +263,10 @@ def test_a_hello_refused_for_good_is_told_why_and_not_asked_again(kernel: tuple[
         assert pump(rankset, 0.3) == []
         [refused] = [late.link.open(frames) for frames in late.received()]
         assert refused["op"] == "refused" and why in refused["reason"] and "retry_after" not in refused
+    admitted = Peer(context, rankset.address, key, 1)
+    join(rankset, admitted, 1)
+    admitted.send(hello(1))  # a second hello on its own connection: dropped, and the admitted rank is not told to go
+    assert pump(rankset, 0.3) == [] and admitted.received() == []
     stranger = Peer(context, rankset.address, b"0" * 64, 1)  # no token: told nothing at all
     stranger.send(hello(1))
     assert pump(rankset, 0.3) == [] and stranger.received() == []

@@ -75,10 +75,12 @@ class RankInfo:
 
 @dataclass(frozen=True)
 class _Refusal:
-    """Why a signed hello was not admitted; ``retry``: the same hello may pass later (its rank's place frees up)."""
+    """Why a signed hello was not admitted; ``retry``: the same hello may pass later (its rank's place frees up);
+    ``tell``: the sender is told (not when it is the admitted rank itself: it must not leave)."""
 
     reason: str
     retry: bool = False
+    tell: bool = True
 
 
 class RankSet:
@@ -359,7 +361,8 @@ class RankSet:
         refusal = self._admit(identity, rank, message) if op == "hello" else None
         if refusal is not None:
             link.seq_in, link.rank = seq_before, rank_before  # nothing of a refused message sticks
-            self._refuse(identity, rank, refusal)  # it holds the token: told, it does not wait for the kernel forever
+            if refusal.tell:  # it holds the token: told, it does not wait for the kernel forever
+                self._refuse(identity, rank, refusal)
             return self._drop(identity, refusal.reason)
         if op != "hello" and self._identity.get(rank) != identity:
             link.seq_in, link.rank = seq_before, rank_before
@@ -409,7 +412,7 @@ class RankSet:
             return _Refusal(f"hello names rank {rank}, outside world size {world}")
         current = self._identity.get(rank)
         if current == identity:
-            return _Refusal(f"rank {rank} said hello twice on one connection")
+            return _Refusal(f"rank {rank} said hello twice on one connection", tell=False)
         if current is not None:
             quiet = time.monotonic() - self._heard.get(rank, 0.0)
             if quiet < _ALIVE:
