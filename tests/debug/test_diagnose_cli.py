@@ -159,6 +159,20 @@ def test_against_a_layout_a_fused_key_is_named_by_shape_not_dropped(tmp_path) ->
     assert set(missing) == {gate, up} and all(f"half of {fused}" in h for h in missing.values())
 
 
+def test_against_a_layout_three_keys_fused_are_named_by_shape_not_dropped(tmp_path) -> None:
+    # three keys of one module under one key: only two equal halves were tried, so the report said "drop it"
+    tensors = _toy_tensors()
+    parts = [f"model.layers.0.mlp.experts.0.{p}_proj.weight" for p in ("gate", "up", "down")]
+    fused = "model.layers.0.mlp.experts.0.gate_up_down.weight"
+    tensors[fused] = torch.cat([tensors.pop(p) for p in parts])
+    report = diagnose(write(tmp_path / "ck", tensors), str(TOY))
+    (unexpected,) = [f for f in report.findings if f.kind == "unexpected_key"]
+    assert f"{parts[0]}, {parts[1]} and {parts[2]} fused on dim 0" in unexpected.hint
+    assert "do not drop it" in unexpected.hint
+    missing = {f.key: f.hint for f in report.findings if f.kind == "missing_key"}
+    assert set(missing) == set(parts) and all(f"part of {fused}" in h for h in missing.values())
+
+
 def test_no_findings_against_a_layout_says_the_values_were_not_compared(tmp_path) -> None:
     # an all-zero (or all-NaN) checkpoint against a layout printed "healthy: no findings"
     zeros = {k: torch.zeros_like(v) for k, v in _toy_tensors().items()}

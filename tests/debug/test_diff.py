@@ -353,3 +353,26 @@ def test_the_same_bytes_in_another_shape_are_a_reshape_never_a_reorder(tmp_path,
     off.view(-1)[0] += 1  # other values too: no reshape claimed, and never an identity order
     (finding,) = diff_checkpoints(ref, write(tmp_path / "off", {"w": off})).findings
     assert finding.transform != "same bytes, stored with another shape" and "order" not in finding.evidence
+
+
+@pytest.mark.parametrize("rows", [(16, 8, 8), (8, 8, 8)], ids=["gqa", "mha"])
+def test_q_k_v_fused_under_one_key_are_named_not_dropped(tmp_path, rows) -> None:
+    # q, k, v saved as one qkv_proj: only two equal halves were tried, so the report said 3 missing keys and one
+    # unexpected key to "drop it"
+    g = torch.Generator().manual_seed(6)
+    q, k, v = (f"model.layers.0.self_attn.{p}_proj.weight" for p in "qkv")
+    fused = "model.layers.0.self_attn.qkv_proj.weight"
+    good = {name: torch.randn(r, 8, generator=g).bfloat16() for name, r in zip((q, k, v), rows)}
+    ref = write(tmp_path / "ref", good)
+    for name, order in (("qkv", (q, k, v)), ("kqv", (k, q, v)), ("vkq", (v, k, q))):
+        bad = write(tmp_path / name, {fused: torch.cat([good[p] for p in order])})
+        (finding,) = diff_checkpoints(ref, bad).findings
+        assert (finding.kind, finding.key) == ("renamed_key", fused), finding
+        assert finding.evidence["expected_keys"] == list(order) and "three expected keys" in finding.hint
+        assert finding.evidence["verified"] == "by content hash" and "drop" not in finding.hint
+    other = write(tmp_path / "other", {fused: torch.cat([good[q], good[k], good[v] + 1])})  # not their bytes
+    report = diff_checkpoints(ref, other)
+    (unexpected,) = [f for f in report.findings if f.kind == "unexpected_key"]
+    assert f"{q}, {k} and {v} fused on dim 0" in unexpected.hint and "do not drop it" in unexpected.hint
+    missing = [f for f in report.findings if f.kind == "missing_key"]
+    assert len(missing) == 3 and all(f"part of {fused}" in f.hint for f in missing)

@@ -10,7 +10,7 @@ from typing import Any
 import torch
 
 from workbench.debug.damage import damaged_keys
-from workbench.debug.diff import compare_sources, diff_checkpoints, open_checkpoint
+from workbench.debug.diff import compare_sources, diff_checkpoints, fused_by_shape, listing, open_checkpoint
 from workbench.debug.findings import VALUES_NOT_COMPARED, Finding, Report
 from workbench.debug.provenance import held_by
 from workbench.debug.renames import find_renames, rename_hint
@@ -153,25 +153,26 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
             out.append(Finding("renamed_key", r.actual, {"expected_key": r.expected, "transform": f"rename {r.rule}"},
                                rename_hint([r])))
         done = set(renamed.values())
-        fused = _fused_by_shape([k for k in unexpected if k not in done],
-                                [k for k in missing if k not in renamed], metas, expected)
+        fused = {k: sets[0] for k, sets in fused_by_shape({k: metas[k].shape for k in unexpected if k not in done},
+                                                          {k: expected[k][0] for k in missing if k not in renamed}
+                                                          ).items()}
         inside = {part: k for k, parts in fused.items() for part in parts}
         for k in missing:
             if k not in renamed:
                 hint = ("the layout has this key but the checkpoint does not: re-save with it (keys of other EP or PP "
                         "ranks dropped while consolidating?)")
                 if k in inside:
-                    hint = (f"by shape it may be half of {inside[k]} (fused on dim 0 with a sibling key): split that "
-                            "key in the key map, or save unfused")
+                    share = "half" if len(fused[inside[k]]) == 2 else "part"
+                    hint = (f"by shape it may be {share} of {inside[k]} (fused on dim 0 with sibling keys): split "
+                            "that key in the key map, or save unfused")
                 out.append(Finding("missing_key", k, {"expected_shape": list(expected[k][0]),
                                                       "parameter": expected[k][2], **held_by(layout, k)}, hint))
         for k in unexpected:
             if k not in done:
                 hint = "the layout has no such key: add it to the key map, or drop it once you know it is not needed"
                 if k in fused:
-                    a, b = fused[k]
-                    hint = (f"by shape it may be {a} and {b} fused on dim 0 (the layout expects them apart): split "
-                            "it in the key map, or save unfused; do not drop it, it may hold their weights")
+                    hint = (f"by shape it may be {listing(fused[k])} fused on dim 0 (the layout expects them apart): "
+                            "split it in the key map, or save unfused; do not drop it, it may hold their weights")
                 out.append(Finding("unexpected_key", k, {"shape": list(metas[k].shape), "dtype": metas[k].dtype},
                                    hint))
         for key, (shape, dtype, name) in expected.items():
@@ -205,20 +206,3 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
     finally:
         act.close()
 
-
-def _fused_by_shape(unexpected: list[str], missing: list[str], metas: Mapping[str, Any],
-                    expected: Mapping[str, tuple]) -> dict[str, tuple[str, str]]:
-    """Unexpected keys shaped like two missing keys of the same module concatenated on dim 0 (``gate_up_proj``
-    where ``gate_proj`` and ``up_proj`` are expected): ``{key: (first, second)}``, by names and shapes only."""
-    by_module: dict[tuple[str, tuple[int, ...]], list[str]] = {}
-    for m in sorted(missing):
-        by_module.setdefault((m.rsplit(".", 2)[0], tuple(expected[m][0])), []).append(m)
-    out = {}
-    for k in unexpected:
-        shape = tuple(metas[k].shape)
-        if not shape or shape[0] % 2:
-            continue
-        parts = by_module.get((k.rsplit(".", 2)[0], (shape[0] // 2, *shape[1:])), [])
-        if len(parts) == 2:
-            out[k] = (parts[0], parts[1])
-    return out

@@ -11,7 +11,8 @@ fused parameters are analyzed as one tensor (a gather bug moves rows across HF k
 from __future__ import annotations
 
 import hashlib
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
+from itertools import combinations, permutations
 from pathlib import Path
 from typing import Any
 
@@ -30,7 +31,8 @@ from workbench.layout.model_layout import Layout
 from workbench.layout.pipeline import PipelineLayout, read_checkpoint_pipeline_layout
 from workbench.mesh import format_mesh_dim
 
-__all__ = ["check_block_bytes", "compare_sources", "diff_checkpoints", "layout_hints", "open_checkpoint"]
+__all__ = ["check_block_bytes", "compare_sources", "diff_checkpoints", "fused_by_shape", "layout_hints", "listing",
+           "open_checkpoint"]
 
 
 def check_block_bytes(block_bytes: int) -> int:
@@ -180,6 +182,82 @@ def _fused(missing: set[str], unexpected: list[str], ref_metas: Mapping[str, Key
             found.append((u, (first, second)))
             taken.update((first, second))
     return found
+
+
+_MAX_POOL = 8  # missing keys of one module tried as the parts of a fused key
+_MAX_PARTS = 4  # parts of one fused key (q, k, v; gate, up)
+
+
+def _stem(key: str) -> str:
+    """A key's own module name without ``_proj``: ``q`` for ``...self_attn.q_proj.weight``."""
+    parts = key.rsplit(".", 2)
+    return parts[-2].removesuffix("_proj") if len(parts) == 3 else key
+
+
+def _in_name_order(fused: str, parts: Sequence[str]) -> tuple[str, ...]:
+    """``parts`` in the order the fused key's name lists them (``qkv``: q, k, v), the others after, by name."""
+    name = _stem(fused)
+    return tuple(sorted(parts, key=lambda m: (name.find(_stem(m)) if _stem(m) in name else len(name), m)))
+
+
+def fused_by_shape(unexpected: Mapping[str, Sequence[int]], missing: Mapping[str, Sequence[int]]
+                   ) -> dict[str, list[tuple[str, ...]]]:
+    """For each unexpected key, the sets of 2 to 4 missing keys of its module whose dim-0 lengths add up to its own,
+    trailing dims equal (``qkv_proj`` where ``q_proj``, ``k_proj``, ``v_proj`` are expected), by names and shapes
+    only: the sets its name lists most parts of first, each in the name's order."""
+    by_module: dict[tuple[str, tuple[int, ...]], list[str]] = {}
+    for m in sorted(missing):
+        if missing[m]:
+            by_module.setdefault((m.rsplit(".", 2)[0], tuple(missing[m][1:])), []).append(m)
+    out = {}
+    for u, shape in unexpected.items():
+        pool = by_module.get((u.rsplit(".", 2)[0], tuple(shape[1:])), [])[:_MAX_POOL] if shape else []
+        sets = [_in_name_order(u, c) for r in range(2, min(len(pool), _MAX_PARTS) + 1)
+                for c in combinations(pool, r) if sum(missing[m][0] for m in c) == shape[0]]
+        if sets:
+            out[u] = sorted(sets, key=lambda c: (-sum(_stem(m) in _stem(u) for m in c), len(c)))
+    return out
+
+
+def listing(keys: Sequence[str]) -> str:
+    """``a, b and c``."""
+    return keys[0] if len(keys) == 1 else f"{', '.join(keys[:-1])} and {keys[-1]}"
+
+
+def _fused_order(u: str, sets: list[tuple[str, ...]], ref_fp: _Fingerprints, act_fp: _Fingerprints
+                 ) -> tuple[str, ...] | None:
+    """The parts (one of ``sets``, in the order found) whose bytes ``act[u]`` holds cut at their row counts, the
+    name's order tried first; each piece and each part is hashed once."""
+    meta, block = act_fp.metas[u], act_fp.block_bytes
+    pieces: dict[tuple[int, int], bytes] = {}
+    wholes: dict[str, bytes] = {}
+    for parts in sets:
+        if any(ref_fp.metas[m].dtype != meta.dtype for m in parts):
+            continue
+        for order in (parts, *(p for p in permutations(parts) if p != parts)):
+            start = 0
+            for m in order:
+                stop = start + ref_fp.metas[m].nbytes
+                if (start, stop) not in pieces:
+                    pieces[start, stop] = _digest(act_fp.source, u, start, stop, block)
+                if m not in wholes:
+                    wholes[m] = _digest(ref_fp.source, m, 0, ref_fp.metas[m].nbytes, block)
+                if pieces[start, stop] != wholes[m]:
+                    break
+                start = stop
+            else:
+                return order
+    return None
+
+
+def _fused_finding(u: str, parts: Sequence[str]) -> Finding:
+    count = {2: "two", 3: "three", 4: "four"}[len(parts)]
+    return Finding("renamed_key", u, {"expected_keys": list(parts),
+                                      "transform": f"{listing(parts)} fused on dim 0, in that order",
+                                      "verified": "by content hash"},
+                   f"the checkpoint holds {count} expected keys concatenated on dim 0 under one key (a fused "
+                   "gate_up_proj or qkv_proj, say): split it into its keys in the key map or the conversion, or "
+                   "save them unfused; the weights are all there")
 
 
 def _all_zero(source: Source, key: str, nbytes: int, block: int = DEFAULT_BLOCK_BYTES) -> bool:
@@ -344,27 +422,38 @@ def compare_sources(
     for u, parts in _fused(left_missing - renamed, rest_unexpected, ref_metas, act_metas, ref_fp, act_fp):
         renamed.update(parts)
         rest_unexpected.remove(u)
-        fused_how = f"{parts[0]} and {parts[1]} fused on dim 0, in that order"
-        out.append(Finding("renamed_key", u, {"expected_keys": list(parts), "transform": fused_how,
-                                              "verified": "by content hash"},
-                           "the checkpoint holds two expected keys concatenated on dim 0 under one key (a fused "
-                           "gate_up_proj, say): split it into its keys in the key map or the conversion, or save "
-                           "them unfused; the weights are all there"))
+        out.append(_fused_finding(u, parts))
+    for u in list(rest_unexpected):
+        sets = fused_by_shape({u: act_metas[u].shape}, {m: ref_metas[m].shape for m in left_missing - renamed})
+        parts = _fused_order(u, sets.get(u, []), ref_fp, act_fp)
+        if parts is not None:
+            renamed.update(parts)
+            rest_unexpected.remove(u)
+            out.append(_fused_finding(u, parts))
+    maybe = fused_by_shape({u: act_metas[u].shape for u in rest_unexpected},
+                           {m: ref_metas[m].shape for m in missing if m not in renamed})
+    inside = {part: u for u, sets in maybe.items() for part in sets[0]}
     for m in missing:
         if m not in renamed:
             meta = ref_metas[m]
             evidence = {"expected_shape": list(meta.shape), "expected_dtype": meta.dtype}
             if provenance is not None:
                 evidence.update(held_by(provenance, m))
-            out.append(Finding("missing_key", m, evidence,
-                               "the checkpoint lacks this key: was it filtered out by the key map, dropped while "
-                               "consolidating (keys of other EP or PP ranks), or did its writer rank fail? Re-save "
-                               "with it"))
+            hint = ("the checkpoint lacks this key: was it filtered out by the key map, dropped while consolidating "
+                    "(keys of other EP or PP ranks), or did its writer rank fail? Re-save with it")
+            if m in inside:
+                hint = (f"by shape it may be part of {inside[m]} (fused on dim 0 with sibling keys), whose pieces do "
+                        "not hold this key's bytes: split that key and compare the pieces")
+            out.append(Finding("missing_key", m, evidence, hint))
     for u in rest_unexpected:
         meta = act_metas[u]
-        out.append(Finding("unexpected_key", u, {"shape": list(meta.shape), "dtype": meta.dtype},
-                           "the reference has no such key: an extra buffer, a key from another model, or a "
-                           "rename the key map misses; drop it or map it"))
+        hint = ("the reference has no such key: an extra buffer, a key from another model, or a rename the key map "
+                "misses; drop it or map it")
+        if u in maybe:
+            hint = (f"by shape it may be {listing(maybe[u][0])} fused on dim 0, but its pieces hold other bytes (in "
+                    "every order): split it in the key map and compare the pieces; do not drop it, it may hold "
+                    "their weights")
+        out.append(Finding("unexpected_key", u, {"shape": list(meta.shape), "dtype": meta.dtype}, hint))
 
     hints = layout_hints(one_mesh)
     mismatched: list[tuple[str, str]] = []
