@@ -21,12 +21,16 @@ from workbench.display import html_of
 from workbench.errors import LayoutError
 
 _T = TypeVar("_T")
-_PER_DEVICE_MESH: dict[int, tuple[Any, dict[str, Any]]] = {}  # id(DeviceMesh) -> (weak ref to it, {what: value})
+_PER_DEVICE_MESH: dict[int, tuple[Any, dict[Any, Any]]] = {}  # id(DeviceMesh) -> (weak ref, {(what, rank): value})
 
 
 def per_device_mesh(mesh: Any, what: str, compute: Callable[[], _T]) -> _T:
-    """``compute()`` once per DeviceMesh object and ``what`` (a DeviceMesh never changes; reading its rank tensor
-    or this process's rank in it is most of the cost of reading a model's layout, once per parameter)."""
+    """``compute()`` once per DeviceMesh object, ``what`` and this process's global rank now.
+
+    A DeviceMesh's answers are fixed for one rank (reading its rank tensor is most of the cost of reading a model's
+    layout, once per parameter), but not across ranks: a sliced mesh's ``.mesh`` is the slice through the current
+    rank, and a process that plays rank after rank on a fake process group (planning a job on a laptop) is handed
+    the very same DeviceMesh object again by torch (FSDP2's cached meshes)."""
     known = _PER_DEVICE_MESH.get(id(mesh))
     if known is None or known[0]() is not mesh:
         try:
@@ -35,10 +39,12 @@ def per_device_mesh(mesh: Any, what: str, compute: Callable[[], _T]) -> _T:
             return compute()
         known = _PER_DEVICE_MESH[id(mesh)] = (ref, {})
         weakref.finalize(mesh, _PER_DEVICE_MESH.pop, id(mesh), None)
+    get_rank = getattr(mesh, "get_rank", None)
+    key = (what, get_rank() if callable(get_rank) else None)
     values = known[1]
-    if what not in values:
-        values[what] = compute()
-    return values[what]
+    if key not in values:
+        values[key] = compute()
+    return values[key]
 
 __all__ = ["MeshDimRef", "MeshSpec", "format_mesh_dim"]
 

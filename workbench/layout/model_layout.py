@@ -17,7 +17,7 @@ from workbench.layout.key_map import KeyMap, clean_name, resolve_key_map
 from workbench.layout.layout_toml import layout_to_toml
 from workbench.layout.load_spec import LoadSpec
 from workbench.memo import LRU
-from workbench.mesh import MeshDimRef, MeshSpec, per_device_mesh
+from workbench.mesh import MeshDimRef, MeshSpec
 
 __all__ = ["Layout", "layout_and_locals", "local_tensors", "sub_mesh_refs"]
 
@@ -241,7 +241,7 @@ def local_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor], layout: L
     writes into the model).
 
     Raises:
-        LayoutError: the layout names a parameter the model does not have.
+        LayoutError: the layout names a parameter the model does not have, or a tensor is on the meta device.
     """
     return _locals_of(_named_tensors(model), layout)
 
@@ -310,6 +310,10 @@ def layout_and_locals(
     same shapes, dtypes and placements (checked on every call; weak references, so no module is kept alive), and
     the key map is the same: a training loop's repeat save walks the module once and derives nothing. Resharding
     (FSDP2's unshard, a ``redistribute``) installs new tensor objects, so a changed layout is a miss.
+
+    Raises:
+        LayoutError: as ``Layout.from_model``; or a local tensor is on the meta device (a model built under
+            ``torch.device("meta")`` and never materialized: it has no data to save, nor room to load into).
     """
     tensors = _named_tensors(model)
     if layout is not None:
@@ -321,10 +325,12 @@ def layout_and_locals(
     if hit is not None and hit[0]() is model:
         locals_ = hit[1].locals_if_same(key_map, tensors)
         if locals_ is not None:
+            _refuse_meta(locals_)  # never remembered with a meta tensor; checked anyway (one flag per tensor)
             return hit[1].layout, locals_
     layout = Layout.from_model(model, key_map)
+    locals_ = _locals_of(tensors, layout)  # checked before it is remembered: no meta model is remembered
     _MODEL_LAYOUTS.put(id(model), (weakref.ref(model), _Remembered.of(key_map, tensors, layout)))
-    return layout, _locals_of(tensors, layout)
+    return layout, locals_
 
 
 def remembered_locals(model: Any, layout: Layout) -> dict[str, torch.Tensor] | None:
@@ -341,7 +347,7 @@ def remembered_locals(model: Any, layout: Layout) -> dict[str, torch.Tensor] | N
         if name is None:
             continue
         tensor = ref()
-        if tensor is None:
+        if tensor is None or tensor.is_meta:
             return None
         out[name] = (dtensor_local(tensor) if meta[2] is not None else tensor).detach()
     return out
@@ -359,7 +365,20 @@ def _locals_of(tensors: Mapping[str, torch.Tensor], layout: Layout) -> dict[str,
     missing = [n for n in layout.specs if n not in out]
     if missing:
         raise LayoutError(f"the layout names {len(missing)} parameter(s) the model does not have: {missing[:5]}")
+    _refuse_meta(out)
     return out
+
+
+def _refuse_meta(locals_: Mapping[str, torch.Tensor]) -> None:
+    """Raise a LayoutError naming the tensors on the meta device (they have no data to save and no memory to load
+    into; a save of one otherwise fails late, naming no parameter)."""
+    meta = [name for name, tensor in locals_.items() if tensor.is_meta]
+    if meta:
+        more = f" and {len(meta) - 5} more" if len(meta) > 5 else ""
+        raise LayoutError(
+            f"{len(meta)} parameter(s) are on the meta device (no data): {meta[:5]}{more}; materialize the model "
+            "first (module.to_empty(device=...), then load or initialize its weights)"
+        )
 
 
 def _root_mesh(tensors: Iterable[torch.Tensor]) -> MeshSpec:
@@ -466,7 +485,7 @@ def _spec_of(name: str, keys: Sequence[str], tensor: torch.Tensor, mesh: MeshSpe
     if _compat.is_dtensor(tensor):
         device_mesh = tensor.device_mesh
         meta: tuple[Any, ...] = (
-            MeshSpec.from_device_mesh(device_mesh), per_device_mesh(device_mesh, "rank", device_mesh.get_rank),
+            MeshSpec.from_device_mesh(device_mesh), device_mesh.get_rank(),
             tuple(tensor.placements), tuple(tensor.shape), tuple(_compat.dtensor_local(tensor).shape),
         )
     else:
@@ -499,9 +518,10 @@ def _derive_spec(
     own = MeshSpec.from_device_mesh(device_mesh)
     if set(own.dim_names) <= set(mesh.dim_names):
         return LoadSpec.from_tensor(name, keys, tensor, fused_dim=fused_dim, mesh=mesh, origin_shape=origin_shape,
-                                    fsdp_mesh_dims=fsdp_dims, rank=per_device_mesh(device_mesh, "rank",
-                                                                                   device_mesh.get_rank))
-    rank = per_device_mesh(device_mesh, "rank", device_mesh.get_rank)
+                                    fsdp_mesh_dims=fsdp_dims, rank=device_mesh.get_rank())
+    # not remembered per DeviceMesh: one process playing rank after rank on a fake process group gets the same
+    # DeviceMesh object back for every rank (and get_rank costs no more than a lookup)
+    rank = device_mesh.get_rank()
     refs = sub_mesh_refs(mesh, own, rank)
     if refs is None:
         raise LayoutError(
