@@ -603,3 +603,26 @@ def test_the_schedule_records_whether_its_peaks_count_a_scratch_buffer(scratch: 
     else:
         assert with_flag.peak_bytes == plain.peak_bytes
     assert schedule_unshard([], runtime, 4096, gather_scratch=scratch).gather_scratch is scratch
+
+
+def test_ranks_whose_kept_experts_gather_in_other_dtypes_pack_the_same_waves() -> None:
+    # minimal keeps the EP cut of the fused experts: EP rank 0's experts (one key float32) gather in float32, EP
+    # rank 1's in bfloat16. Waves packed from each rank's own sizes split embed and head apart on EP rank 0 only,
+    # and the EP group's calls disagreed (save_hf refused the save as a planner defect).
+    mesh = MeshSpec((2, 2), ("ep", "fsdp"))
+    layout = layout_of(
+        mesh,
+        spec("experts", [f"experts.{e}.w" for e in range(4)], (256, 64), mesh, [Shard(0), Shard(1)], fused_dim=0),
+        spec("embed", "embed", (128, 64), mesh, [Shard(0), Shard(0)]),
+        spec("head", "head", (128, 64), mesh, [Shard(0), Shard(0)]),
+        dtypes={n: "bfloat16" for n in ("experts", "embed", "head")},
+    )
+    for budget in range(4096, 200_000, 2048):
+        schedules = _each_rank_alone(layout, SavePolicy.minimal(), budget_bytes=budget, gather_scratch=True,
+                                     fp32_keys_pattern=r"experts\.0\.w", queued_bytes=budget)
+        check_schedules(schedules, mesh)
+        assert len({(s.waves, tuple(s.early.items())) for s in schedules.values()}) == 1, budget
+        # each rank gathers its experts in its own keys' dtype: float32 on EP rank 0 only
+        for rank, s in schedules.items():
+            dtypes = {c.dtype for c in s.calls if any(i.name == "experts" for i in c.items)}
+            assert dtypes == {F32 if mesh.coordinate(rank)[0] == 0 else BF16}, (budget, rank, dtypes)

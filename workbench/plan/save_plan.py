@@ -19,7 +19,8 @@ from workbench.layout.load_spec import LoadSpec
 from workbench.layout.runs import Segment, dim_segments
 from workbench.plan.policy import SavePolicy
 
-__all__ = ["HFSavePlan", "SaveShardStep", "gather_dtype", "plan_hf_save", "save_dtypes"]
+__all__ = ["HFSavePlan", "SaveShardStep", "gather_dtype", "gather_dtype_bounds", "plan_hf_save", "save_dtypes",
+           "splits_keys"]
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -96,6 +97,9 @@ class HFSavePlan:
             the schedule identically everywhere.
         trim_bound_numel: elements of the largest copy any rank makes to trim FP8 tails off its output (0: no rank
             copies; a trim that is a contiguous view copies nothing).
+        gather_dtype_bounds: every gather dtype a rank of the parameter may have, the widest first (rank-independent:
+            a kept cut on the fused dim leaves each rank some keys, whose save dtypes may differ from another
+            rank's); empty means ``(gather_dtype,)``. Sizes the schedule identically everywhere.
     """
 
     name: str
@@ -111,6 +115,12 @@ class HFSavePlan:
     key_dtypes: tuple[torch.dtype, ...]
     bound_local_shape: tuple[int, ...]
     trim_bound_numel: int
+    gather_dtype_bounds: tuple[torch.dtype, ...] = ()
+
+    @property
+    def widest_gather_dtype(self) -> torch.dtype:
+        """The widest gather dtype any rank of the parameter may have (rank-independent)."""
+        return self.gather_dtype_bounds[0] if self.gather_dtype_bounds else self.gather_dtype
 
     @property
     def pending(self) -> tuple[SaveShardStep, ...]:
@@ -240,7 +250,30 @@ def plan_hf_save(
         runtime_output_shape=runtime_out, output_shape=output, hf_keys=tuple(keys), fused_dim=spec.fused_dim,
         gather_dtype=gather_dtype(key_dtypes, runtime_dtype), key_dtypes=key_dtypes, bound_local_shape=bound_local,
         trim_bound_numel=_trim_bound(spec, kept),
+        gather_dtype_bounds=gather_dtype_bounds(
+            save_dtypes(spec.hf_keys, runtime_dtype, dtype=dtype, fp32_keys_pattern=fp32_keys_pattern),
+            runtime_dtype, splits_keys(policy, steps, spec.fused_dim),
+        ),
     )
+
+
+def splits_keys(policy: SavePolicy, steps: Sequence[SaveShardStep], fused_dim: int | None) -> bool:
+    """Whether ``policy`` leaves each rank some of the keys only: it follows the keys (``preserve``, ``minimal``)
+    and keeps a cut of more than one rank on the fused dim."""
+    return policy.mode in ("preserve", "minimal") and any(
+        s.preserved and s.world > 1 and s.descriptor.dim == fused_dim for s in steps
+    )
+
+
+def gather_dtype_bounds(
+    all_key_dtypes: Sequence[torch.dtype], runtime_dtype: torch.dtype, partial: bool
+) -> tuple[torch.dtype, ...]:
+    """Every gather dtype a rank of a parameter may have, the widest first: the gather dtype of all its keys
+    (``all_key_dtypes``) and, when a kept cut leaves each rank some of the keys only (``partial``), each key's own
+    dtype too (a rank whose keys share one dtype gathers in it). The first sizes every rank's gathers."""
+    whole = gather_dtype(all_key_dtypes, runtime_dtype)
+    possible = {whole, *all_key_dtypes} if partial else {whole}
+    return tuple(sorted(possible, key=lambda d: (-d.itemsize, d != whole, str(d))))
 
 
 def gather_dtype(key_dtypes: Sequence[torch.dtype], runtime_dtype: torch.dtype) -> torch.dtype:

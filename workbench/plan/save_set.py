@@ -33,7 +33,14 @@ from workbench.memo import LRU, remember_while_same
 from workbench.mesh import MeshDimRef
 from workbench.plan.load_plan import expected_key_shape
 from workbench.plan.policy import SavePolicy
-from workbench.plan.save_plan import HFSavePlan, gather_dtype, plan_hf_save, save_dtypes
+from workbench.plan.save_plan import (
+    HFSavePlan,
+    gather_dtype,
+    gather_dtype_bounds,
+    plan_hf_save,
+    save_dtypes,
+    splits_keys,
+)
 from workbench.plan.schedule import UnshardSchedule, check_schedules, schedule_unshard
 from workbench.plan.writers import assign_writers, writer_pool
 
@@ -470,6 +477,9 @@ def _expand(
                 indices = memo[template.hf_keys] = tuple(position[k] for k in template.hf_keys)
             keys = tuple(spec.hf_keys[i] for i in indices)
         key_dtypes = save_dtypes(keys, runtime[name], dtype=dtype, fp32_keys_pattern=patterns)
+        bounds = gather_dtype_bounds(save_dtypes(spec.hf_keys, runtime[name], dtype=dtype, fp32_keys_pattern=patterns),
+                                     runtime[name], splits_keys(template.policy, template.steps, template.fused_dim))
         out.append(dataclasses.replace(template, name=name, hf_keys=keys, key_dtypes=key_dtypes,
-                                       gather_dtype=gather_dtype(key_dtypes, runtime[name])))
+                                       gather_dtype=gather_dtype(key_dtypes, runtime[name]),
+                                       gather_dtype_bounds=bounds))
     return tuple(out)

@@ -14,8 +14,11 @@ A save undoes each tensor's pending shard steps (inner first). The scheduler
    0 to 50% of the budget for this, and the packing with the fewest calls is kept.
 
 Every byte count that decides the batching is rank-independent (the largest chunk any rank of the group
-sends, the largest local tensor and trimmed copy any rank holds), so every rank, planning alone, computes the
-same calls in the same order: the SPMD contract that keeps collectives from hanging. ``check_schedules``
+sends, the largest local tensor and trimmed copy any rank holds, the widest gather dtype any rank may have:
+``HFSavePlan.gather_dtype_bounds``), so every rank, planning alone, computes the same waves and look-ahead: the
+SPMD contract that keeps collectives from hanging. Calls are batched per (mesh dim, widest gather dtype), the same
+on every rank; a rank whose kept keys gather in another dtype (an EP rank's experts, one key saved float32) splits
+such a call by its own dtypes, as every member of its groups does (they hold the same keys). ``check_schedules``
 verifies it across ranks.
 
 Memory model, per rank: every allocation the executor (``run.executor``) makes, in its order, under the
@@ -225,9 +228,18 @@ def schedule_unshard(
     if len({p.name for p in save_plans}) != len(save_plans):
         raise PlanError("schedule_unshard: save plans repeat a parameter name")
     memo: dict[tuple, tuple] = {}
-    tensors = [_Tensor.of(p, (dtypes or {}).get(p.name, p.gather_dtype), memo) for p in save_plans]
+    runtime = dtypes or {}
+    tensors = [_Tensor.of(p, runtime.get(p.name, p.gather_dtype), memo) for p in save_plans]
     if reference is None:
-        waves, early = _pack(tensors, budget_bytes, lookahead, gather_scratch)
+        # packed with every tensor at the widest gather dtype any rank may have (a kept cut on the fused dim can
+        # leave this rank's keys in another dtype than a peer's): the waves and look-ahead are rank-independent
+        if any(p.gather_dtype_bounds not in ((), (p.gather_dtype,)) for p in save_plans):
+            bounds = [_Tensor.of(p, runtime.get(p.name), memo, bound=True) for p in save_plans]
+            packed, early = _pack(bounds, budget_bytes, lookahead, gather_scratch)
+            own = {t.name: t for t in tensors}
+            waves = [[own[t.name] for t in wave] for wave in packed]
+        else:
+            waves, early = _pack(tensors, budget_bytes, lookahead, gather_scratch)
     else:
         waves, early = _reuse_waves(tensors, reference), dict(reference.early)
     state = _State()
@@ -419,22 +431,20 @@ def check_schedules(schedules: Mapping[int, UnshardSchedule], mesh: MeshSpec) ->
 @dataclass(frozen=True, slots=True, kw_only=True)
 class _Tensor:
     name: str
-    dtype: torch.dtype
-    runtime_dtype: torch.dtype
+    dtype: torch.dtype  # this rank's gather dtype
+    group_dtype: torch.dtype  # the widest gather dtype of any rank (rank-independent): which calls it joins
     local_numel: int  # of the largest local tensor any rank holds (rank-independent)
     output_numel: int
     items: tuple[tuple[MeshDimRef, int, GatherItem], ...]  # (mesh dim, world, item) per pending step
     trim_bytes: int = 0  # bytes of the largest trimmed copy any rank's ``finalize`` makes (FP8 tails), else 0
-
-    @property
-    def cast_bytes(self) -> int:
-        """Bytes of the largest copy in the gather dtype any rank makes (0: the local tensor is sent as it is)."""
-        return self.local_numel * self.dtype.itemsize if self.dtype != self.runtime_dtype else 0
+    cast_bytes: int = 0  # bytes of the largest copy in the gather dtype any rank makes (0: sent as it is)
 
     @classmethod
-    def of(cls, plan: HFSavePlan, runtime_dtype: torch.dtype, memo: dict[tuple, tuple] | None = None) -> _Tensor:
+    def of(cls, plan: HFSavePlan, runtime_dtype: torch.dtype | None, memo: dict[tuple, tuple] | None = None, *,
+           bound: bool = False) -> _Tensor:
         """The scheduler's view of a plan, sized by its rank-independent bounds; ``memo`` shares step math between
-        plans with the same steps."""
+        plans with the same steps. ``runtime_dtype`` None: no cast. ``bound``: at the widest gather dtype any rank
+        may have, casting as much as any rank may (what packs waves alike on every rank)."""
         memo = {} if memo is None else memo
         key = (id(plan.steps), plan.bound_local_shape, plan.runtime_output_shape, plan.trim_bound_numel)
         shared = memo.get(key)
@@ -452,12 +462,21 @@ class _Tensor:
                                     merged_shape=before, bound_numel=bound))
             for k, (ref, world, dim, factor, padded, before, bound) in enumerate(steps)
         )
-        return cls(name=plan.name, dtype=plan.gather_dtype, runtime_dtype=runtime_dtype, local_numel=local_numel,
-                   output_numel=output_numel, items=items, trim_bytes=trim_numel * plan.gather_dtype.itemsize)
+        group = plan.widest_gather_dtype
+        if bound:
+            dtype = group
+            cast = max((d.itemsize for d in plan.gather_dtype_bounds or (plan.gather_dtype,)
+                        if runtime_dtype is not None and d != runtime_dtype), default=0)
+        else:
+            dtype = plan.gather_dtype
+            cast = dtype.itemsize if runtime_dtype is not None and dtype != runtime_dtype else 0
+        return cls(name=plan.name, dtype=dtype, group_dtype=group, local_numel=local_numel, output_numel=output_numel,
+                   items=items, trim_bytes=trim_numel * dtype.itemsize, cast_bytes=local_numel * cast)
 
     def signature(self) -> tuple:
-        """What the calls depend on: dtype and the (mesh dim, group size) of every pending step."""
-        return (self.dtype, tuple((ref, world) for ref, world, _ in self.items))
+        """What the calls depend on: the call dtype (rank-independent) and the (mesh dim, group size) of every
+        pending step."""
+        return (self.group_dtype, tuple((ref, world) for ref, world, _ in self.items))
 
 
 class _State:
@@ -530,14 +549,17 @@ def _run(
         foreign = pulled.get(w, [])
         depth = max((len(t.items) for t in wave), default=0)
         for rnd in range(depth):
-            batches: dict[tuple[MeshDimRef, torch.dtype], list[tuple[_Tensor, int, GatherItem]]] = {}
+            # one call per (mesh dim, widest dtype) on every rank, split by this rank's dtypes (the members of a
+            # group, whose covered keys are the same, split alike)
+            slots: dict[tuple[MeshDimRef, torch.dtype], dict[torch.dtype, list[tuple[_Tensor, int, GatherItem]]]] = {}
             members = [t for t in wave if rnd < len(t.items) and not (rnd == 0 and t.name in early)]
             if rnd == 0:
                 members += foreign
             for t in members:
                 ref, world, item = t.items[rnd]
-                batches.setdefault((ref, t.dtype), []).append((t, world, item))
-            for (ref, dtype), batch in batches.items():
+                slots.setdefault((ref, t.group_dtype), {}).setdefault(t.dtype, []).append((t, world, item))
+            batches = [((ref, dtype), batch) for (ref, _), split in slots.items() for dtype, batch in split.items()]
+            for (ref, dtype), batch in batches:
                 world = batch[0][1]
                 items = tuple(item for _, _, item in batch)
                 for t, _, _ in batch:  # look-ahead tensors are cast when their call packs them
