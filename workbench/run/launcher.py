@@ -422,8 +422,10 @@ def _silent_failure(rank: int, pid: int, log_dir: str, nprocs: int) -> RankFailu
 
 
 def _failures(crashes: Mapping[Any, Any], log_dir: str, watched: Sequence[RankFailure] = ()) -> list[RankFailure]:
-    """Every rank's story, root cause first: the ranks the watch found, then the earliest error, or the ranks that
-    hung outside a collective. ``crashes``: torch's failures by rank (exit code, pid, time)."""
+    """Every rank's story, root cause first: the ranks the watch found; the errors ranks recorded and the ranks that
+    hung outside a collective, earliest first; ranks that crashed without a record (a signal, a native abort,
+    ``os._exit``); ranks that timed out waiting in a collective; last, errors that are a symptom of a peer's death
+    (its connection closed). ``crashes``: torch's failures by rank (exit code, pid, time)."""
     import json
 
     records = {}
@@ -451,7 +453,7 @@ def _failures(crashes: Mapping[Any, Any], log_dir: str, watched: Sequence[RankFa
             state = f"waiting in a collective, called at {where}" if record["waiting_in_collective"] else (
                 f"stuck outside any collective at {where}")
             message = f"TimeoutError: rank {rank} timed out, {state}\n{record['traceback']}"
-            out.append((0 if not record["waiting_in_collective"] else 1, record["time"],
+            out.append((0 if not record["waiting_in_collective"] else 2, record["time"],
                         RankFailure(rank, exit_codes.get(rank, _TIMEOUT_EXIT), message, True)))
         else:
             message = f"{record['message']}\n{record['traceback']}"
@@ -460,10 +462,13 @@ def _failures(crashes: Mapping[Any, Any], log_dir: str, watched: Sequence[RankFa
                            f"{record.get('hint', '')}\n{record['traceback']}")
             secondary = any(s in record["message"] for s in _PEER_FAILURE)  # a symptom of another rank's death
             code = record.get("exitcode", exit_codes.get(rank, 1))
-            out.append((2 if secondary else 0, record["time"], RankFailure(rank, code, message, False)))
-    for rank, failure in crashes.items():  # crashes that left no record (a signal, os._exit)
+            out.append((3 if secondary else 0, record["time"], RankFailure(rank, code, message, False)))
+    # crashes that left no record (a signal, os._exit): a root cause, named before the peers that lost their
+    # connection to it; after the errors ranks recorded, whose time is exact (torch counts a crash in whole seconds,
+    # once it noticed), and of which a native abort in a peer may be the consequence
+    for rank, failure in crashes.items():
         if int(rank) not in records and int(rank) not in seen:
-            out.append((3, failure.timestamp, RankFailure(int(rank), int(failure.exitcode), _crash(failure, log_dir),
+            out.append((1, failure.timestamp, RankFailure(int(rank), int(failure.exitcode), _crash(failure, log_dir),
                                                            False)))
     return [f for _, _, f in sorted(out, key=lambda item: (item[0], item[1]))]
 
