@@ -626,3 +626,16 @@ def test_ranks_whose_kept_experts_gather_in_other_dtypes_pack_the_same_waves() -
         for rank, s in schedules.items():
             dtypes = {c.dtype for c in s.calls if any(i.name == "experts" for i in c.items)}
             assert dtypes == {F32 if mesh.coordinate(rank)[0] == 0 else BF16}, (budget, rank, dtypes)
+
+
+def test_the_writer_queue_term_counts_an_output_larger_than_the_queue_bound() -> None:
+    # the writer queue takes an output over its bound alone (waiting for every older write first) and holds it while
+    # the next wave gathers; the peak counted only queued_bytes of it. Hand count: a and b, (8, 4) float32 cut on rows
+    # over 2 ranks, one wave each at a 200 B budget; a wave sends 64 B and receives 128 B in place: 192 B. Wave 1
+    # gathers while the queue may hold wave 0's whole 128 B output: 192 + 128 = 320 B (not 192 + 64).
+    mesh = MeshSpec((2,), ("fsdp",))
+    plans = [plan_hf_save(spec(k, k, (8, 4), mesh, [Shard(0)]), 0) for k in "ab"]
+    schedule = schedule_unshard(plans, budget_bytes=200, queued_bytes=64)
+    assert schedule.waves == (("a",), ("b",)) and schedule.wave_peaks == (192, 192)
+    assert schedule.peak_bytes == 192 + 128
+    assert schedule_unshard(plans, budget_bytes=200, queued_bytes=0).peak_bytes == 192  # outputs copied elsewhere

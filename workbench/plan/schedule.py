@@ -28,10 +28,11 @@ flat send buffer (inputs and the previous reply still alive), drops its inputs, 
 the send buffer, merges each tensor into one new buffer (a single contiguous dim-0 gather merges in place: a
 view of the receive buffer), then the receive buffer goes with the next request. A wave's outputs (trimmed
 of FP8 tails: a copy unless the trim is a contiguous view) are handed out at its end and freed when the
-executor resumes, except what the writer queue keeps (``queued_bytes``, at most the outputs handed out so
-far). Byte counts use each step's largest chunk on any rank, and each tensor's largest local tensor and
-trimmed copy on any rank (``HFSavePlan.bound_local_shape``, ``trim_bound_numel``), so the model is exact on the
-rank holding the largest pieces and an upper bound elsewhere.
+executor resumes, except what the writer queue keeps: at most the outputs handed out so far, and at most
+``queued_bytes`` or the largest of those outputs, which the queue takes alone (it charges the whole storage a
+queued key keeps alive: a key of a fused output keeps the output). Byte counts use each step's largest chunk on
+any rank, and each tensor's largest local tensor and trimmed copy on any rank (``HFSavePlan.bound_local_shape``,
+``trim_bound_numel``), so the model is exact on the rank holding the largest pieces and an upper bound elsewhere.
 """
 
 from __future__ import annotations
@@ -250,10 +251,12 @@ def schedule_unshard(
     if oversized_waves:
         calls = [_replace_oversized(c) if c.wave in oversized_waves else c for c in calls]
     done = 0  # bytes of outputs handed out before each wave: what the writer queue may still hold
+    largest = 0  # the largest output handed out so far: the queue takes one over its bound alone
     peak = 0
-    for w, handed in enumerate(state.handed):
-        peak = max(peak, peaks[w] + min(queued_bytes, done))
+    for w, (handed, biggest) in enumerate(state.handed):
+        peak = max(peak, peaks[w] + (min(max(queued_bytes, largest), done) if queued_bytes else 0))
         done += handed
+        largest = max(largest, biggest)
     moved = sum(c.bytes_out - c.bytes_in for c in calls)
     signatures = {t.name: t.signature() for t in tensors}
     if reference is not None:
@@ -488,7 +491,8 @@ class _State:
         self.live = 0
         self.held: dict[str, int] = {}
         self.reply = 0  # the driver keeps the last gathered buffer until the executor asks for the next call
-        self.handed: list[int] = []  # bytes of outputs each wave hands out (allocated by the save)
+        self.handed: list[tuple[int, int]] = []  # bytes of the outputs each wave hands out (allocated by the save),
+        # and of the largest of them
 
     def copy(self) -> _State:
         out = _State()
@@ -586,11 +590,12 @@ def _run(
                 peak = max(peak, state.live + state.reply + t.trim_bytes)
                 state.live += t.trim_bytes - held[t.name]
                 held[t.name] = t.trim_bytes
-        handed = 0
+        handed = biggest = 0
         for t in wave:
             handed += held[t.name]
+            biggest = max(biggest, held[t.name])
             state.live -= held.pop(t.name)
-        state.handed.append(handed)
+        state.handed.append((handed, biggest))
         if budget is not None and peak > budget:
             return [], calls
         peaks.append(peak)

@@ -245,6 +245,7 @@ class SaveSession:
         except BaseException as exc:
             failed = self._caught(exc, "writing its own pieces" if self.direct else "creating its files")
         file_of = {k: f.name for f in file_plan.files_of(self.rank) for k in f.keys}
+        own = {_storage_id(t) for t in tensors.values()}  # the rank's tensors (alive anyway): charged their bytes
 
         def on_wave(wave: WaveOutput) -> None:
             for name, tensor in wave.tensors.items():
@@ -260,7 +261,11 @@ class SaveSession:
                         shape = tuple(value.shape)
                         whole = KeyRegion(key, (0,) * len(shape), shape, (0,) * len(shape))
                         job = partial(write_piece, self.checkpoint_files, whole, copy)
-                    self.writers.queue(copy.nbytes, job, copy, key)
+                    storage = None
+                    pinned = _storage_id(copy.host)
+                    if copy.buffer is None and pinned not in own:  # a view of the save's output: it keeps it all
+                        storage = (pinned, copy.host.untyped_storage().nbytes())
+                    self.writers.queue(copy.nbytes, job, copy, key, storage=storage)
 
         program = unshard(schedule, plan_set.plans[self.rank], tensors)
         self.problem = drive_guarded(schedule, program, self.comm, on_wave, poll=self._poll, failed=failed,
@@ -460,3 +465,8 @@ class SaveSession:
 
 def _write_key(writer: StreamWriter, key: str, copy: HostCopy) -> int:
     return writer.write(key, copy.wait())
+
+
+def _storage_id(tensor: torch.Tensor) -> int:
+    """The address of the storage behind ``tensor`` (views of one tensor share it)."""
+    return tensor.untyped_storage().data_ptr()

@@ -2,7 +2,9 @@
 
 ``WriterQueue`` runs each write job on a thread pool. Jobs wait at a *gate* (an async save opens it once its
 snapshot is agreed on, a sync save at once) and for their copy to land in host memory; past ``in_flight_bytes``
-queued, the caller waits for the oldest job first, so the host memory a save holds stays bounded. Consecutive
+queued, the caller waits for the oldest job first, so the host memory a save holds stays bounded. A queued value that
+is a view (a key of a fused output) keeps its whole storage alive: the queue charges that storage, once however many
+queued values share it, until the last of them leaves the queue. Consecutive
 small direct writes share one job (``WriteBatch``). A job's failure is recorded as the rank's ``write_problem``
 (the gathers poll it, the status exchange reports it), never raised in the writer thread.
 """
@@ -77,6 +79,8 @@ class WriterQueue:
         self._caught = caught
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="workbench-write")
         self.pending: list[tuple[futures.Future[int], int, HostCopy | WriteBatch]] = []  # (job, bytes, its copies)
+        self._storage_of: list[int | None] = []  # each pending job's storage charged once (see queue), else None
+        self._storages: dict[int, list[int]] = {}  # storage -> [bytes, pending jobs holding it]
         self.queued_bytes = 0
         self.write_problem: RankProblem | None = None
         self.stopped = False  # the save failed or ended: queued writes are skipped
@@ -104,16 +108,40 @@ class WriterQueue:
         self.batch.discard()
         self.batch = WriteBatch()
 
-    def queue(self, nbytes: int, job: Any, copy: HostCopy | WriteBatch, key: str) -> None:
-        """Hand ``job`` to a writer thread; past ``in_flight_bytes`` queued, wait for the oldest writes first."""
-        while self.pending and self.queued_bytes + nbytes > self.in_flight_bytes:
+    def queue(self, nbytes: int, job: Any, copy: HostCopy | WriteBatch, key: str, *,
+              storage: tuple[int, int] | None = None) -> None:
+        """Hand ``job`` to a writer thread; past ``in_flight_bytes`` queued, wait for the oldest writes first.
+
+        ``storage``: ``(id, bytes)`` of the storage ``copy`` keeps alive (a view of a larger tensor): charged instead of
+        ``nbytes``, once while any queued job holds it."""
+        def charge() -> int:
+            if storage is None:
+                return nbytes
+            return 0 if storage[0] in self._storages else storage[1]
+
+        while self.pending and self.queued_bytes + charge() > self.in_flight_bytes:
             self.gate.set()
             future, size, _ = self.pending.pop(0)
+            held = self._storage_of.pop(0)
             with self.clock.measure("queue_wait"):
                 futures.wait([future])
             self.queued_bytes -= size
-        self.queued_bytes += nbytes
-        self.pending.append((self._pool.submit(self._run, job, copy, key), nbytes, copy))
+            if held is not None:
+                entry = self._storages[held]
+                entry[1] -= 1
+                if not entry[1]:
+                    self.queued_bytes -= entry[0]
+                    del self._storages[held]
+        if storage is None:
+            self.queued_bytes += nbytes
+        else:
+            entry = self._storages.get(storage[0])
+            if entry is None:
+                entry = self._storages[storage[0]] = [storage[1], 0]
+                self.queued_bytes += storage[1]
+            entry[1] += 1
+        self._storage_of.append(None if storage is None else storage[0])
+        self.pending.append((self._pool.submit(self._run, job, copy, key), 0 if storage else nbytes, copy))
 
     def busy(self) -> bool:
         """True while a queued write has not finished (and so not given its buffers back)."""
@@ -135,6 +163,8 @@ class WriterQueue:
                 problem = problem or self._caught(exc, "writing its files")
                 self.stopped = True  # the writes still queued are skipped
         self.pending.clear()
+        self._storage_of.clear()
+        self._storages.clear()
         self.queued_bytes = 0
         return problem or self.write_problem
 
