@@ -7,9 +7,12 @@ from __future__ import annotations
 
 import json
 import signal
-from dataclasses import dataclass
+from dataclasses import dataclass, make_dataclass
 from pathlib import Path
 
+import pytest
+
+from workbench import LaunchError, launch
 from workbench.run.launcher import _failures
 
 
@@ -44,3 +47,43 @@ def test_a_crash_without_a_record_comes_after_a_rank_that_raised(tmp_path: Path)
     _record(tmp_path, 1, 1000.9, "ValueError: a bad batch")
     crash = _TorchFailure(local_rank=0, pid=100, exitcode=-signal.SIGABRT, timestamp=1000)
     assert [f.rank for f in _failures({0: crash}, str(tmp_path))] == [1, 0]
+
+
+# a class as a notebook cell defines it: in its __main__, which in a rank is not the notebook's
+_Point = make_dataclass("Point", [("x", int)], namespace={"__module__": "__main__"})
+
+
+def _a_point() -> object:
+    import torch.distributed as dist
+
+    return _Point(dist.get_rank())
+
+
+@pytest.mark.slow
+def test_a_result_that_does_not_pickle_is_named_with_its_type_and_the_pickling_error() -> None:
+    # the rank pickled its result after its log was closed: "exit code 1, no error recorded; its stderr log is empty"
+    with pytest.raises(LaunchError) as info:
+        launch(_a_point, nprocs=2, timeout=60)
+    first = info.value.failures[0]  # the other rank may have been stopped before it recorded its own
+    assert not first.timed_out and first.exitcode == 1
+    assert first.message.startswith(f"rank {first.rank} returned a __main__.Point from "
+                                    f"tests.run.test_launcher._a_point, which cannot be sent back to the launching "
+                                    f"process (results travel by pickle): PicklingError: "), first.message
+    assert "a class defined in a notebook" in first.message and "importable module" in first.message
+    assert "no error recorded" not in str(info.value)
+
+
+def test_the_pickling_probe_leaves_tensors_unshared(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # pickling a tensor for another process moves it to shared memory (a CUDA one: an IPC reference the receiver
+    # must release); the probe must leave that to torch's one real pickling
+    import torch
+
+    from workbench.run.launcher import _RECORDS_ENV, _refuse_a_result_that_does_not_pickle
+
+    monkeypatch.setenv(_RECORDS_ENV, str(tmp_path))
+    tensor = torch.ones(4)
+    _refuse_a_result_that_does_not_pickle(0, "f", {"t": tensor, "p": torch.nn.Parameter(torch.ones(2)), "n": [1, "a"]})
+    assert not tensor.is_shared() and list(tmp_path.iterdir()) == []
+    with pytest.raises(TypeError, match=r"rank 0 returned a list from f, which cannot be sent back.*_thread\.lock"):
+        _refuse_a_result_that_does_not_pickle(0, "f", [tensor, __import__("threading").Lock()])
+    assert [p.name for p in tmp_path.iterdir()] == ["failure-rank0.json"] and not tensor.is_shared()

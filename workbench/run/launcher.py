@@ -14,6 +14,8 @@ initializes the default process group in each, runs ``fn(*args)`` and returns ``
   in a collective. A rank that outlives its own watchdogs is stopped by the launching process.
 * A rank whose process ends with code 0 without returning a result (``os._exit(0)``, ``sys.exit(0)``) is a failure
   too: torch's agent alone waited for its result forever.
+* A result that does not pickle (a lock; an instance of a class a notebook cell defined) fails its rank with an error
+  naming the result's type and the pickling error: torch pickled it after the rank's log closed, and said nothing.
 * Multi-node: pass ``nnodes``, ``node_rank`` and ``rdzv_endpoint`` like torchrun.
 """
 
@@ -32,6 +34,7 @@ import traceback
 import uuid
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
+from multiprocessing.reduction import ForkingPickler
 from pathlib import Path
 from typing import Any, NoReturn
 
@@ -248,8 +251,62 @@ def _run(payload: bytes, backend: str, timeout: float | None, name: str = "the f
         if exc.code not in (0, None):
             raise
         _exit_without_result(rank, name, exc)
+    _refuse_a_result_that_does_not_pickle(rank, name, result)
     mark(os.environ.get(_RECORDS_ENV), rank, "returned")
     return result
+
+
+def _refuse_a_result_that_does_not_pickle(rank: int, name: str, result: Any) -> None:
+    """Pickle the result as torch's agent will, while the rank's log is still open: torch pickles it after its
+    redirect ends, so a result that does not pickle (a lock, an instance of a class a notebook defined) left the rank
+    with exit code 1, no record and an empty log. Record and raise what failed instead."""
+    try:
+        _ProbePickler(_Discard()).dump(result)
+    except Exception as exc:
+        kind = type(result)
+        what = kind.__qualname__ if kind.__module__ == "builtins" else f"{kind.__module__}.{kind.__qualname__}"
+        cause = f"{type(exc).__name__}: {exc}"
+        message = (f"rank {rank} returned a {what} from {name}, which cannot be sent back to the launching process "
+                   f"(results travel by pickle): {cause}")
+        notebook = "__main__" in f"{what} {exc}" or "__mp_main__" in f"{what} {exc}"
+        plain = "return plain types (dicts, lists, numbers, strings, tensors)"
+        hint = (f"\n(a class defined in a notebook or in the launching script (its __main__) reaches the ranks by "
+                f"value, inside the function, and its instances cannot be pickled back by its name: {plain}, or "
+                f"define the class in an importable module)" if notebook else f"\n({plain})")
+        text = traceback.format_exc()
+        _write_record(rank, {"kind": "error", "message": f"{message}{hint}", "traceback": text})
+        print(f"{message}{hint}\n{text.rstrip()}", file=sys.stderr, flush=True)
+        raise TypeError(f"{message}{hint}") from exc
+
+
+class _Discard:
+    """A file that keeps nothing: the probe pickles a result only to see that it can."""
+
+    def write(self, data: Any) -> int:
+        return len(data)
+
+
+class _ProbePickler(ForkingPickler):
+    """Pickles as torch's agent does (multiprocessing's pickler), but takes tensors, storages and CUDA events as
+    they are: pickling those shares them with the receiving process (shared memory, a CUDA IPC reference the receiver
+    must release), so the probe leaves them to the one real pickling."""
+
+    def __init__(self, file: Any) -> None:
+        super().__init__(file)
+        self._shared = _shared_by_torch()
+
+    def reducer_override(self, obj: Any) -> Any:  # not called for plain ints, strs, lists, dicts: cheap
+        return (int, ()) if isinstance(obj, self._shared) else NotImplemented
+
+
+def _shared_by_torch() -> tuple[type, ...]:
+    torch = sys.modules.get("torch")
+    if torch is None:
+        return ()
+    kinds: list[type] = [torch.Tensor, torch.UntypedStorage, torch.storage.TypedStorage]
+    with contextlib.suppress(AttributeError):
+        kinds.append(torch.cuda.Event)
+    return tuple(kinds)
 
 
 def _exit_without_result(rank: int, name: str, exc: SystemExit) -> NoReturn:
