@@ -33,6 +33,7 @@ MARK = "INJECTED-BY-AN-INTRUDER"
 class Joined:
     client: Any
     early: CellOutput  # a cell run before any rank joined
+    early_subset: CellOutput  # a %%ranks cell run then (the world size is not known yet)
     help_text: str  # what %ranks_connect printed then
     joined: str  # what it printed once both ranks joined
 
@@ -62,6 +63,7 @@ def joined(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Joined]:
     token_file = None
     try:
         early = execute(client, "1 + 1", timeout=30)  # no ranks yet: a clear answer, not a hang
+        early_subset = execute(client, "%%ranks 1\nrank", timeout=30)
         help_text = execute(client, "%ranks_connect").streams["stdout"]
         token_file = Path(re.search(r"--token-file (\S+)", help_text).group(1))
         log = prefix / "torchrun.log"
@@ -76,7 +78,7 @@ def joined(tmp_path_factory: pytest.TempPathFactory) -> Iterator[Joined]:
             now = execute(client, "%ranks_connect").streams["stdout"]
             time.sleep(0.5)
         assert "ranks joined: 0,1 (world size 2)" in now, log.read_text()
-        yield Joined(client, early, help_text, now)
+        yield Joined(client, early, early_subset, help_text, now)
     finally:
         client.stop_channels()
         manager.shutdown_kernel(now=False)  # tells the ranks to exit
@@ -93,6 +95,8 @@ def test_ranks_connect_prints_a_command_without_the_token(joined: Joined) -> Non
     assert joined.early.reply["ename"] == "RanksNotReady"
     assert "no rank joined within 2 s" in joined.early.reply["evalue"]
     assert "Start ranks that join this kernel with:\n  torchrun " in joined.early.reply["evalue"]
+    # %%ranks 1 waits for the ranks like any cell: it was refused, checked against a world size of 1
+    assert joined.early_subset.reply["ename"] == "RanksNotReady", joined.early_subset.reply
     token_file = Path(re.search(r"--token-file (\S+)", joined.help_text).group(1))
     assert token_file.stat().st_mode & 0o777 == 0o600
     token = token_file.read_text().strip()
@@ -110,6 +114,10 @@ def test_ranks_joined_with_the_printed_command_run_a_collective(joined: Joined) 
     assert out.streams["stdout"] == ("[0] rank 0 of 2 started by torchrun: True\n"
                                      "[1] rank 1 of 2 started by torchrun: True\n")
     assert out.result == "3.0"  # 1 + 2: the collective ran across the joined ranks
+    assert execute(joined.client, "%%ranks 1\nrank").result == "1"
+    out = execute(joined.client, "%%ranks 1-2\nrank")
+    assert out.reply["ename"] == "MagicError" and "rank(s) [2] out of range; this kernel has world_size 2" in (
+        out.reply["evalue"]), out.reply
 
 
 def _iopub(client: Any, seconds: float) -> list[dict[str, Any]]:

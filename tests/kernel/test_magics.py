@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from workbench.kernel.magics import MagicError, parse_cell, parse_ranks
+from workbench.kernel.magics import MagicError, check_ranks, parse_cell, parse_ranks
 
 
 @pytest.mark.parametrize(
@@ -58,3 +58,11 @@ def test_ipython_magics_are_left_to_the_ranks() -> None:
 def test_magic_errors(cell: str, message: str) -> None:
     with pytest.raises(MagicError, match=message):
         parse_cell(cell, 2)
+
+
+def test_ranks_are_checked_once_the_world_size_is_known() -> None:
+    # a cluster kernel before its ranks joined (or after it ended a job) does not know its world size yet
+    assert parse_cell("%%ranks 1,3\nx", None).ranks == (1, 3)
+    with pytest.raises(MagicError, match=r"rank\(s\) \[3\] out of range; this kernel has world_size 2 \(ranks 0-1\)"):
+        check_ranks(parse_cell("%%ranks 1,3\nx", None).ranks, 2)
+    assert check_ranks((0, 1), 2) == (0, 1)

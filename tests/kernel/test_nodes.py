@@ -151,10 +151,11 @@ def test_the_first_cell_waits_for_every_rank_then_a_lost_node_ends_the_cell_and_
 
     rejoin = time.monotonic()
     second_job = cluster.start_job()  # the same command again: the kernel was never restarted
-    again = execute(client, "('t' in globals(), world_size)\n", timeout=120)
+    # the ended job's world size is forgotten: %%ranks 1 waits for the new ranks (it was checked against size 1)
+    again = execute(client, "%%ranks 1\n('t' in globals(), world_size, rank)\n", timeout=120)
     print(f"a new job's ranks joined and ran a cell {time.monotonic() - rejoin:.1f} s after their agents started")
     assert again.reply["status"] == "ok", again.error_text
-    assert again.result == "(False, 2)"  # a new job: fresh ranks
+    assert again.result == "(False, 2, 1)"  # a new job: fresh ranks
     assert "all 2 ranks joined" in again.streams["stdout"]
     out = execute(client, "t = torch.ones(1) * (rank + 1)\ndist.all_reduce(t)\nt.item()", timeout=60)
     assert out.result == "3.0", out.error_text

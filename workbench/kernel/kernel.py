@@ -38,7 +38,7 @@ from ipykernel.kernelbase import Kernel
 
 from workbench.kernel.fold import Folder, format_ranks
 from workbench.kernel.ledger import member_ranks, read_ledger
-from workbench.kernel.magics import MagicError, parse_cell
+from workbench.kernel.magics import MagicError, check_ranks, parse_cell
 from workbench.kernel.protocol import ENV_TOKEN, ENV_TOKEN_FILE
 from workbench.kernel.ranks import RankSet
 from workbench.pid_space import PidSpace
@@ -218,11 +218,11 @@ class SPMDKernel(Kernel):
             return self._fail("RanksStopped", message, [message], silent)
 
     def _execute(self, code: str, silent: bool, store_history: bool) -> dict:
-        world = self.rankset.world_size or 1
         if self._warnings:
             self._stream("stderr", self._warnings, silent)
             self._warnings = []
-        directives = parse_cell(code, world)
+        # a cluster kernel learns its world size when its first rank joins: %%ranks is checked once they joined
+        directives = parse_cell(code, self.rankset.world_size)
         if directives.output is not None:
             self.output_mode = directives.output
             self._stream("stdout", f"rank output: {self.output_mode}\n", silent)
@@ -259,7 +259,8 @@ class SPMDKernel(Kernel):
         problem = self._wait_for_ranks(silent) or self._check_abandoned()
         if problem:
             return self._fail("RanksNotReady", problem, [problem], silent)
-        ranks = directives.ranks or tuple(range(self.rankset.world_size or 0))
+        ranks = (check_ranks(directives.ranks, self.rankset.world_size) if directives.ranks
+                 else tuple(range(self.rankset.world_size or 0)))
         self._cell_code[self.execution_count] = body
         self._cell_code.pop(self.execution_count - 100, None)
         cell = _Cell(id=uuid.uuid4().hex, ranks=ranks, primary=min(ranks), mode=self.output_mode, silent=silent)

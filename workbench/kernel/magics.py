@@ -20,7 +20,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-__all__ = ["OUTPUT_MODES", "CellDirectives", "MagicError", "parse_cell", "parse_ranks"]
+__all__ = ["OUTPUT_MODES", "CellDirectives", "MagicError", "check_ranks", "parse_cell", "parse_ranks"]
 
 OUTPUT_MODES = ("folded", "0", "all")
 
@@ -45,8 +45,9 @@ class CellDirectives:
     flight_recorder: bool | None = None
 
 
-def parse_ranks(text: str, world_size: int) -> tuple[int, ...]:
-    """``"0,2"`` / ``"0-3"`` / ``"1,4-7"`` -> sorted ranks, each checked against ``world_size``."""
+def parse_ranks(text: str, world_size: int | None) -> tuple[int, ...]:
+    """``"0,2"`` / ``"0-3"`` / ``"1,4-7"`` -> sorted ranks, each checked against ``world_size`` (``None``: not known
+    yet, before a cluster kernel's ranks joined; only negative ranks are refused, see ``check_ranks``)."""
     ranks: set[int] = set()
     for part in (p.strip() for p in text.replace(" ", ",").split(",")):
         if not part:
@@ -61,15 +62,22 @@ def parse_ranks(text: str, world_size: int) -> tuple[int, ...]:
             raise MagicError(f"%%ranks: {part!r} is not a rank or a range like 0-3") from None
     if not ranks:
         raise MagicError("%%ranks needs ranks, e.g. %%ranks 0,2 or %%ranks 0-3")
-    bad = sorted(r for r in ranks if not 0 <= r < world_size)
+    return check_ranks(tuple(sorted(ranks)), world_size)
+
+
+def check_ranks(ranks: tuple[int, ...], world_size: int | None) -> tuple[int, ...]:
+    """``ranks`` if each is in ``range(world_size)``, else a MagicError naming those that are not (with
+    ``world_size`` None, not known yet, only negative ranks are refused)."""
+    bad = sorted(r for r in ranks if r < 0 or (world_size is not None and r >= world_size))
     if bad:
-        raise MagicError(f"%%ranks: rank(s) {bad} out of range; this kernel has world_size {world_size} "
-                         f"(ranks 0-{world_size - 1})")
-    return tuple(sorted(ranks))
+        size = "not known yet" if world_size is None else f"{world_size} (ranks 0-{world_size - 1})"
+        raise MagicError(f"%%ranks: rank(s) {bad} out of range; this kernel has world_size {size}")
+    return ranks
 
 
-def parse_cell(code: str, world_size: int) -> CellDirectives:
-    """Strip the kernel magics off the top of ``code`` and say what they asked for."""
+def parse_cell(code: str, world_size: int | None) -> CellDirectives:
+    """Strip the kernel magics off the top of ``code`` and say what they asked for (``world_size`` None: not known
+    yet; ``%%ranks`` are then checked once it is, see ``check_ranks``)."""
     lines = code.split("\n")
     ranks = output = action = None
     timeout: float | None = None
