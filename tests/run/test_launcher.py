@@ -87,3 +87,54 @@ def test_the_pickling_probe_leaves_tensors_unshared(tmp_path: Path, monkeypatch:
     with pytest.raises(TypeError, match=r"rank 0 returned a list from f, which cannot be sent back.*_thread\.lock"):
         _refuse_a_result_that_does_not_pickle(0, "f", [tensor, __import__("threading").Lock()])
     assert [p.name for p in tmp_path.iterdir()] == ["failure-rank0.json"] and not tensor.is_shared()
+
+
+def _one() -> int:
+    return 1
+
+
+@pytest.mark.parametrize("nprocs", [2.0, True])
+def test_an_nprocs_that_is_no_int_is_refused_naming_it(
+        nprocs: object, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # 2.0 failed deep in torch's agent ("'float' object cannot be interpreted as an integer"), its log folder left
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(TypeError, match=rf"launch: nprocs must be an int .*, got {nprocs!r} \({type(nprocs).__name__}"):
+        launch(_one, nprocs=nprocs)
+    assert list(tmp_path.iterdir()) == []
+
+
+def _agent_that_raises(error: BaseException) -> object:
+    def elastic_launch(config: object, entrypoint: object) -> object:
+        def run(*args: object) -> None:
+            raise error
+
+        return run
+
+    return elastic_launch
+
+
+def test_a_launch_interrupted_by_sigint_raises_keyboardinterrupt_and_leaves_no_log_folder(
+        tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    # torch's agent turns a SIGINT into its own SignalException (after it stopped the ranks); the launch's log folder
+    # was kept, as for a LaunchError, but no error pointed at it
+    import tempfile
+
+    import torch.distributed.launcher.api as api
+    from torch.distributed.elastic.multiprocessing.api import SignalException
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    monkeypatch.setattr(api, "elastic_launch", _agent_that_raises(SignalException("got SIGINT", signal.SIGINT)))
+    with pytest.raises(KeyboardInterrupt):
+        launch(_one, nprocs=2)
+    assert list(tmp_path.iterdir()) == []
+    sigterm = SignalException("got SIGTERM", signal.SIGTERM)
+    monkeypatch.setattr(api, "elastic_launch", _agent_that_raises(sigterm))
+    with pytest.raises(SignalException) as info:
+        launch(_one, nprocs=2)
+    assert info.value is sigterm and list(tmp_path.iterdir()) == []
+    monkeypatch.setattr(api, "elastic_launch", _agent_that_raises(RuntimeError("the agent broke")))
+    with pytest.raises(RuntimeError, match="the agent broke"):
+        launch(_one, nprocs=2)
+    assert list(tmp_path.iterdir()) == []

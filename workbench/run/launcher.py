@@ -22,6 +22,7 @@ initializes the default process group in each, runs ``fn(*args)`` and returns ``
 from __future__ import annotations
 
 import contextlib
+import operator
 import os
 import shutil
 import signal
@@ -102,13 +103,19 @@ def launch(
 
     Raises:
         LaunchError: a rank raised, hung, or exited without returning a result; names the rank(s), with the
-            traceback or stacks.
+            traceback or stacks. Its ``log_dir`` (the ranks' logs) is kept; a launch that ends any other way removes it.
+        TypeError: ``nprocs`` is not an int (``2.0``, ``True``).
+        KeyboardInterrupt: a SIGINT (a notebook's stop button) during the launch, after the ranks were stopped.
     """
     import cloudpickle
-    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, Std
+    from torch.distributed.elastic.multiprocessing import DefaultLogsSpecs, SignalException, Std
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
+    if isinstance(nprocs, bool) or not hasattr(type(nprocs), "__index__"):
+        raise TypeError(f"launch: nprocs must be an int (the number of ranks on this host), got {nprocs!r} "
+                        f"({type(nprocs).__name__})")
+    nprocs = operator.index(nprocs)
     if nprocs < 1:
         raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}")
     _refuse_in_a_rank_importing_main(_name_of(fn))
@@ -159,15 +166,22 @@ def launch(
     # torch's agent waits for every rank's result and sees only non-zero exits: the watch stops it when a rank ended
     # without a result, or outlived its watchdogs
     watch = RankWatch(log_dir, None if timeout is None else timeout + _NATIVE_GRACE + _WATCH_MARGIN)
+    keep_logs = False  # only a LaunchError, which points at them
     try:
         results = watch.run(lambda: elastic_launch(config, _worker)(payload, backend, timeout, _name_of(fn)))
         if watch.stopped is not None:
             watch.reap()
-            raise LaunchError(_failures({}, log_dir, _watched(watch, log_dir, nprocs, timeout, _name_of(fn))),
-                              log_dir)
+            failures = _failures({}, log_dir, _watched(watch, log_dir, nprocs, timeout, _name_of(fn)))
+            keep_logs = True
+            raise LaunchError(failures, log_dir)
     except ChildFailedError as exc:
-        watched = _watched(watch, log_dir, nprocs, timeout, _name_of(fn))
-        raise LaunchError(_failures(exc.failures, log_dir, watched), log_dir) from None
+        failures = _failures(exc.failures, log_dir, _watched(watch, log_dir, nprocs, timeout, _name_of(fn)))
+        keep_logs = True
+        raise LaunchError(failures, log_dir) from None
+    except SignalException as exc:  # the agent's handler turned a SIGINT (a notebook's stop button) into its own
+        if exc.sigval != signal.SIGINT:  # exception, after it stopped the ranks: raise what Python raises for one
+            raise
+        raise KeyboardInterrupt from None
     finally:
         watch.reap()
         for q, level in zip(quiet, levels):
@@ -183,7 +197,8 @@ def launch(
         if store:
             store.close()
         _flush()
-    shutil.rmtree(log_dir, ignore_errors=True)  # kept only when a rank failed (LaunchError points at it)
+        if not keep_logs:
+            shutil.rmtree(log_dir, ignore_errors=True)
     return dict(sorted(results.items()))
 
 
