@@ -101,6 +101,15 @@ def test_exception_on_one_rank_names_it_and_state_survives(kernel: tuple[Any, An
     assert execute(client, "%%ranks 1\n(x, y)").result == "(11, 1)"
 
 
+def test_exit_and_quit_ask_the_frontend_as_ipykernel_and_every_rank_goes_on(kernel: tuple[Any, Any]) -> None:
+    _, client = kernel
+    for code, keep in (("exit()", False), ("quit()", False), ("exit(keep_kernel=True)", True)):
+        out = execute(client, code, total=60)
+        assert out.reply["status"] == "ok", out.error_text  # was AttributeError: no ask_exit
+        assert out.reply["payload"] == [{"source": "ask_exit", "keepkernel": keep}], out.reply
+    assert execute(client, "t = torch.ones(1)\ndist.all_reduce(t)\n(t.item(), x)").result == "(2.0, 0)"
+
+
 def test_a_failed_rank_does_not_leave_peers_waiting_in_a_collective(kernel: tuple[Any, Any]) -> None:
     _, client = kernel
     start = time.monotonic()

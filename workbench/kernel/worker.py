@@ -598,9 +598,11 @@ def _make_shell(worker: _Worker) -> Any:
     """An IPython shell whose results, displays, tracebacks and comms go to the kernel."""
     import comm
     from comm.base_comm import BaseComm
+    from IPython.core.autocall import ExitAutocall
     from IPython.core.displayhook import DisplayHook
     from IPython.core.displaypub import DisplayPublisher
     from IPython.core.interactiveshell import InteractiveShell
+    from traitlets import default
 
     class Publisher(DisplayPublisher):
         def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs) -> None:
@@ -623,7 +625,24 @@ def _make_shell(worker: _Worker) -> Any:
         def finish_displayhook(self) -> None:
             worker._flush_streams()
 
+    class Exit(ExitAutocall):  # ``exit()`` / ``quit()``, as ipykernel's: ask the frontend, keep every rank running
+        def __call__(self, keep_kernel: bool = False) -> None:
+            self._ip.keepkernel_on_exit = keep_kernel
+            self._ip.ask_exit()
+
     class Shell(InteractiveShell):
+        keepkernel_on_exit = False
+
+        @default("exiter")
+        def _exiter_default(self) -> Exit:
+            return Exit(self)
+
+        def ask_exit(self) -> None:
+            """The ``ask_exit`` payload ipykernel sends (the cell's primary rank's reaches the frontend, which may
+            close the session); no rank exits: the job's world size is fixed, and a restart starts new ranks."""
+            self.exit_now = not self.keepkernel_on_exit
+            self.payload_manager.write_payload({"source": "ask_exit", "keepkernel": self.keepkernel_on_exit})
+
         def _showtraceback(self, etype, evalue, stb) -> None:
             worker.record_error(etype, evalue, stb)
 
