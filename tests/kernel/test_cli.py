@@ -66,6 +66,9 @@ def test_install_rejects_bad_input(tmp_path: Path, capsys: pytest.CaptureFixture
     assert "listen 'node0:http': expected HOST:PORT, :PORT or PORT" in capsys.readouterr().err
     assert _run(["kernel", "install", "--nprocs", "2", "--dead-after", "0.5", "--prefix", str(tmp_path)]) == 2
     assert "dead_after 0.5: seconds must be > 1" in capsys.readouterr().err
+    for bad in ("0", "-5", "nan"):  # 0 reported every cell; NaN never
+        assert _run(["kernel", "install", "--nprocs", "2", "--hang-timeout", bad, "--prefix", str(tmp_path)]) == 2
+        assert f"hang_timeout {float(bad)!r}: seconds must be > 0 and finite" in capsys.readouterr().err
     with pytest.raises(SystemExit):  # --user and --prefix exclude each other
         _parser().parse_args(["kernel", "install", "--nprocs", "2", "--user", "--prefix", str(tmp_path)])
 

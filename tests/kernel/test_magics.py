@@ -52,6 +52,8 @@ def test_ipython_magics_are_left_to_the_ranks() -> None:
     ("cell", "message"),
     [("%rank_output 3", "'3': use one of folded, 0, all"), ("%hang_timeout soon", "'soon': give seconds"),
      ("%hang_timeout 5 kill", "action 'kill' must be report or interrupt"), ("%hang_timeout -1", "must be > 0"),
+     ("%hang_timeout nan", "must be > 0 and finite"), ("%hang_timeout 0", "must be > 0"),
+     ("%hang_timeout inf", "must be > 0 and finite"),
      ("%join_timeout later", "%join_timeout 'later': give seconds"),
      ("%dead_after 1", "%dead_after 1: seconds must be > 1"), ("%join_timeout 0", "must be > 0")],
 )

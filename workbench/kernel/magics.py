@@ -18,6 +18,7 @@ of any cell; the lines after them run as usual.
 
 from __future__ import annotations
 
+import math
 from dataclasses import dataclass
 
 __all__ = ["OUTPUT_MODES", "CellDirectives", "MagicError", "check_ranks", "parse_cell", "parse_ranks"]
@@ -111,8 +112,8 @@ def parse_cell(code: str, world_size: int | None) -> CellDirectives:
                     timeout = float(args[0])
                 except ValueError:
                     raise MagicError(f"%hang_timeout {args[0]!r}: give seconds, e.g. %hang_timeout 30") from None
-                if timeout <= 0:
-                    raise MagicError(f"%hang_timeout {args[0]}: seconds must be > 0 (or off)")
+                if not 0 < timeout < math.inf:  # NaN too: a report that never comes
+                    raise MagicError(f"%hang_timeout {args[0]}: seconds must be > 0 and finite (or off)")
             if len(args) == 2:
                 if args[1] not in ("report", "interrupt"):
                     raise MagicError(f"%hang_timeout: action {args[1]!r} must be report or interrupt")

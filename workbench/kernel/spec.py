@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+import math
 import sys
 import tempfile
 from dataclasses import dataclass
@@ -69,6 +70,8 @@ def install_kernel(*, nprocs: int, backend: str = "gloo", name: str | None = Non
         raise ValueError(f"hang_action {hang_action!r}: use report or interrupt")
     if listen:
         parse_listen(listen)  # a bad HOST:PORT fails here, not when the kernel starts
+    if hang_timeout is not None and not 0 < hang_timeout < math.inf:  # 0 reports every cell; NaN never
+        raise ValueError(f"hang_timeout {hang_timeout!r}: seconds must be > 0 and finite (or None: off)")
     for label, value, least in (("join_timeout", join_timeout, 0.0), ("dead_after", dead_after, 1.0)):
         if value is not None and not value > least:
             raise ValueError(f"{label} {value!r}: seconds must be > {least:g}")
