@@ -38,6 +38,7 @@ any rank, and each tensor's largest local tensor and trimmed copy on any rank (`
 from __future__ import annotations
 
 import dataclasses
+import functools
 import math
 from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
@@ -255,8 +256,13 @@ def schedule_unshard(
     peak = 0
     for w, (handed, biggest) in enumerate(state.handed):
         peak = max(peak, peaks[w] + (min(max(queued_bytes, largest), done) if queued_bytes else 0))
-        done += handed
-        largest = max(largest, biggest)
+        alive, copy, copies = state.ends[w]
+        if copy:  # its keys are split one at a time, each queued (or copied off) before the next is made: the
+            # queue may hold the earlier ones (a key's copy c, made while the queue holds min(bound, done + copies - c))
+            held = min(copy + max(queued_bytes, largest, copy), done + copies) if queued_bytes else copy
+            peak = max(peak, alive + held)
+        done += handed + copies
+        largest = max(largest, biggest, copy)
     moved = sum(c.bytes_out - c.bytes_in for c in calls)
     signatures = {t.name: t.signature() for t in tensors}
     if reference is not None:
@@ -441,6 +447,7 @@ class _Tensor:
     items: tuple[tuple[MeshDimRef, int, GatherItem], ...]  # (mesh dim, world, item) per pending step
     trim_bytes: int = 0  # bytes of the largest trimmed copy any rank's ``finalize`` makes (FP8 tails), else 0
     cast_bytes: int = 0  # bytes of the largest copy in the gather dtype any rank makes (0: sent as it is)
+    split_copies: tuple[int, ...] = ()  # this rank's copies splitting its output into keys (``iter_keys``), per key
 
     @classmethod
     def of(cls, plan: HFSavePlan, runtime_dtype: torch.dtype | None, memo: dict[tuple, tuple] | None = None, *,
@@ -473,8 +480,11 @@ class _Tensor:
         else:
             dtype = plan.gather_dtype
             cast = dtype.itemsize if runtime_dtype is not None and dtype != runtime_dtype else 0
+        split = () if bound else _split_copies(plan.output_shape, plan.fused_dim, len(plan.hf_keys), plan.key_dtypes,
+                                               plan.gather_dtype)
         return cls(name=plan.name, dtype=dtype, group_dtype=group, local_numel=local_numel, output_numel=output_numel,
-                   items=items, trim_bytes=trim_numel * dtype.itemsize, cast_bytes=local_numel * cast)
+                   items=items, trim_bytes=trim_numel * dtype.itemsize, cast_bytes=local_numel * cast,
+                   split_copies=split)
 
     def signature(self) -> tuple:
         """What the calls depend on: the call dtype (rank-independent) and the (mesh dim, group size) of every
@@ -482,10 +492,27 @@ class _Tensor:
         return (self.group_dtype, tuple((ref, world) for ref, world, _ in self.items))
 
 
+@functools.lru_cache(maxsize=4096)
+def _split_copies(output_shape: tuple[int, ...], fused_dim: int | None, keys: int, key_dtypes: tuple[torch.dtype, ...],
+                  dtype: torch.dtype) -> tuple[int, ...]:
+    """Bytes of the copy ``run.unshard_ops.iter_keys`` makes of each key of an output (0: the key is a view): one in
+    another dtype than the output's, or a piece that is not contiguous (keys fused on a later dim)."""
+    if not keys:
+        return ()
+    if fused_dim is None or keys == 1:
+        pieces = (torch.empty(output_shape, dtype=dtype, device="meta"),)
+    else:
+        pieces = torch.empty(output_shape, dtype=dtype, device="meta").chunk(keys, dim=fused_dim)
+    return tuple(
+        piece.numel() * d.itemsize if d != dtype or not piece.is_contiguous() else 0
+        for piece, d in zip(pieces, key_dtypes)
+    )
+
+
 class _State:
     """What the save holds between calls: bytes alive, each started tensor's current bytes, the last reply."""
 
-    __slots__ = ("handed", "held", "live", "reply")
+    __slots__ = ("ends", "handed", "held", "live", "reply")
 
     def __init__(self) -> None:
         self.live = 0
@@ -493,6 +520,8 @@ class _State:
         self.reply = 0  # the driver keeps the last gathered buffer until the executor asks for the next call
         self.handed: list[tuple[int, int]] = []  # bytes of the outputs each wave hands out (allocated by the save),
         # and of the largest of them
+        self.ends: list[tuple[int, int, int]] = []  # per wave: bytes alive when its keys are split (outputs and the
+        # driver's reply), its largest split copy, and all of them
 
     def copy(self) -> _State:
         out = _State()
@@ -590,6 +619,8 @@ def _run(
                 peak = max(peak, state.live + state.reply + t.trim_bytes)
                 state.live += t.trim_bytes - held[t.name]
                 held[t.name] = t.trim_bytes
+        copies = [c for t in wave for c in t.split_copies]
+        state.ends.append((state.live + state.reply, max(copies, default=0), sum(copies)))
         handed = biggest = 0
         for t in wave:
             handed += held[t.name]

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Container, Iterator, Sequence
 
 import torch
 
@@ -11,7 +11,7 @@ from workbench.errors import PlanError
 from workbench.plan.save_plan import HFSavePlan
 from workbench.plan.schedule import GatherItem
 
-__all__ = ["finalize", "merge", "merge_in_place", "pack", "split_keys", "unpack"]
+__all__ = ["finalize", "iter_keys", "merge", "merge_in_place", "pack", "split_keys", "unpack"]
 
 
 def pack(tensors: Sequence[torch.Tensor], items: Sequence[GatherItem], dtype: torch.dtype) -> torch.Tensor:
@@ -105,11 +105,22 @@ def split_keys(tensor: torch.Tensor, plan: HFSavePlan) -> dict[str, torch.Tensor
 
     A rank whose output covers no key (it holds only padding under a preserving policy) writes nothing.
     """
+    return dict(iter_keys(tensor, plan))
+
+
+def iter_keys(
+    tensor: torch.Tensor, plan: HFSavePlan, keys: Container[str] | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
+    """``split_keys`` one key at a time, made when asked for, and only the keys in ``keys`` (default: every key): a
+    key whose save dtype is not the output's, or whose piece is not contiguous (a cut on a later dim), is a copy
+    (``schedule``'s model counts one at a time)."""
     if not plan.hf_keys:
-        return {}
+        return
     if plan.fused_dim is None or len(plan.hf_keys) == 1:
-        return {plan.hf_keys[0]: tensor.to(plan.key_dtypes[0]).contiguous()}
+        if keys is None or plan.hf_keys[0] in keys:
+            yield plan.hf_keys[0], tensor.to(plan.key_dtypes[0]).contiguous()
+        return
     pieces = tensor.chunk(len(plan.hf_keys), dim=plan.fused_dim)
-    return {
-        key: piece.to(dtype).contiguous() for key, piece, dtype in zip(plan.hf_keys, pieces, plan.key_dtypes)
-    }
+    for key, piece, dtype in zip(plan.hf_keys, pieces, plan.key_dtypes):
+        if keys is None or key in keys:
+            yield key, piece.to(dtype).contiguous()

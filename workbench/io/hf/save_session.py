@@ -68,7 +68,7 @@ from workbench.run.guard import (
     plan_digests,
     problem_from,
 )
-from workbench.run.unshard_ops import split_keys
+from workbench.run.unshard_ops import iter_keys
 from workbench.version import __version__
 
 __all__ = ["SaveResult", "SaveSession"]
@@ -245,13 +245,12 @@ class SaveSession:
         except BaseException as exc:
             failed = self._caught(exc, "writing its own pieces" if self.direct else "creating its files")
         file_of = {k: f.name for f in file_plan.files_of(self.rank) for k in f.keys}
+        mine = {k for k, r in writers.items() if r == self.rank}
         own = {_storage_id(t) for t in tensors.values()}  # the rank's tensors (alive anyway): charged their bytes
 
         def on_wave(wave: WaveOutput) -> None:
             for name, tensor in wave.tensors.items():
-                for key, value in split_keys(tensor, plans[name]).items():
-                    if writers.get(key) != self.rank:
-                        continue
+                for key, value in iter_keys(tensor, plans[name], mine):  # one key (a copy, maybe) at a time
                     fault_point("snapshot", self.rank)
                     copy = self.snapshot.take(value)
                     if self.checkpoint_files is None:
