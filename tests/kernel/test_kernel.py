@@ -30,9 +30,20 @@ def kernel(tmp_path_factory: pytest.TempPathFactory) -> Iterator[tuple[Any, Any]
         manager, client = start_new_kernel(kernel_name="wb-test-2", startup_timeout=120)
         try:
             yield manager, client
+            run_dir = _run_dir(client)
         finally:
             client.stop_channels()
             manager.shutdown_kernel(now=False)
+    assert not run_dir.exists(), sorted(run_dir.iterdir())  # the ranks left cleanly: their log and files go
+
+
+def _run_dir(client: Any) -> Path:
+    """The folder of the local ranks' log, stack dump and ledger files."""
+    out = execute(client, "import os\nos.environ['WORKBENCH_KERNEL_RUN_DIR']")
+    assert out.reply["status"] == "ok", out.error_text
+    path = Path(out.result.strip("'"))
+    assert path.is_dir() and (path / "ranks.log").exists()
+    return path
 
 
 def test_state_persists_and_text_is_folded(kernel: tuple[Any, Any]) -> None:
@@ -265,9 +276,12 @@ def test_an_interrupted_collective_is_freed_while_a_device_mesh_holds_the_groups
 
 def test_a_crashed_rank_is_reported_and_restart_restarts_every_rank(kernel: tuple[Any, Any]) -> None:
     manager, client = kernel
+    run_dir = _run_dir(client)
     out = execute(client, "%%ranks 1\nimport os\nos._exit(3)", timeout=120)
     assert out.reply["ename"] == "RanksStopped" and "Restart the kernel" in out.reply["evalue"]
+    assert str(run_dir / "ranks.log") in out.reply["evalue"]
     manager.restart_kernel(now=False)
+    assert (run_dir / "ranks.log").exists()  # the agent failed: its log, which the error names, is kept
     client.wait_for_ready(timeout=120)
     out = execute(client, "('x' in globals(), world_size, dist.is_initialized())")
     assert out.result == "(False, 2, True)"
@@ -310,6 +324,11 @@ def test_after_a_rank_fails_its_peers_collectives_among_themselves_go_on(tmp_pat
         assert out.reply["ename"] == "ValueError" and out.reply["evalue"] == "[rank 2] rank 2 fails", out.reply
         assert out.streams["stdout"] == "[0,1] done 299\n", out.streams  # folded: the same line on both
         assert "wait in a collective that the other ranks left" not in out.streams["stderr"], out.streams["stderr"]
+        run_dir = _run_dir(client)
     finally:
         client.stop_channels()
-        manager.shutdown_kernel(now=True)
+        manager.shutdown_kernel(now=True)  # SIGKILL: the ranks see the kernel's pid gone within a second
+    deadline = time.monotonic() + 15
+    while time.monotonic() < deadline and sorted(run_dir.glob("rank*")):
+        time.sleep(0.2)
+    assert sorted(p.name for p in run_dir.iterdir()) == ["ranks.log"]  # each rank removed its stack and ledger files

@@ -13,6 +13,7 @@ import contextlib
 import logging
 import os
 import shlex
+import shutil
 import signal
 import socket
 import subprocess
@@ -148,6 +149,7 @@ class RankSet:
         for warning in self.warnings:
             self._log.warning(warning)
         self.log_path: Path | None = None
+        self._run_dir: Path | None = None  # the local ranks' log, stack dump and ledger files
         self._agent: subprocess.Popen[bytes] | None = None
         self._store: PrivateStore | None = None
         if nprocs:
@@ -155,7 +157,7 @@ class RankSet:
 
     # -- local ranks ------------------------------------------------------------------------------------------
     def _start_local(self) -> None:
-        log_dir = Path(tempfile.mkdtemp(prefix="workbench-kernel-"))
+        log_dir = self._run_dir = Path(tempfile.mkdtemp(prefix="workbench-kernel-"))
         self.log_path = log_dir / "ranks.log"
         # the agent and the ranks meet through files only this user can open: the agent's own stores would listen
         # on every interface, and unpickle what anyone writes there
@@ -190,7 +192,8 @@ class RankSet:
 
     def stop(self, grace: float = 3.0) -> None:
         """Stop the local ranks (and their agent), politely first; remote ranks get ``exit``. The token file
-        goes too: no rank can join a kernel that is stopping.
+        goes too: no rank can join a kernel that is stopping; so does the local ranks' folder (their log) once their
+        agent exited with code 0.
 
         Remote ranks exit with code 0 only while every rank of their job is heard from: torch's agent waits (up to
         300 s) at its exit barrier for every other agent of a job whose ranks succeeded, so when a rank may be gone
@@ -216,6 +219,11 @@ class RankSet:
         if self._store is not None:
             self._store.close()
             self._store = None
+        if self._run_dir is not None and self._agent is not None and self._agent.poll() == 0:
+            # the ranks left cleanly: nothing to look at; an agent that failed (or had to be killed) keeps its log,
+            # which the kernel's error messages name
+            shutil.rmtree(self._run_dir, ignore_errors=True)
+            self._run_dir = None
         self.ranks.clear()
         self._identity.clear()
 

@@ -259,6 +259,9 @@ class _Worker:
                 try:
                     os.kill(kernel_pid, 0)
                 except ProcessLookupError:  # the kernel died without telling us: do not linger
+                    print(f"workbench rank {self.rank}: the kernel (pid {kernel_pid}) is gone; exiting",
+                          file=sys.__stderr__, flush=True)
+                    self.cleanup()
                     os._exit(0)
                 except PermissionError:
                     pass
