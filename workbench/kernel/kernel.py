@@ -166,6 +166,7 @@ class SPMDKernel(Kernel):
         self.flight_recorder = self.config_.flight_recorder
         self._last_where: dict[int, str] = {}  # rank -> the last line it was seen on (stack polls while cells run)
         self._lost_note: str | None = None  # ranks lost between cells: the next cell says so
+        self._job_ended: str | None = None  # why the kernel ended its local ranks' job (see _lose), until a restart
         self.generation = 0
         self.rankset = RankSet(nprocs=self.config_.nprocs, backend=self.config_.backend, listen=self.config_.listen,
                                token_file=self.config_.token_file, log=self.log)
@@ -212,9 +213,12 @@ class SPMDKernel(Kernel):
         except MagicError as exc:
             return self._fail("MagicError", str(exc), [f"MagicError: {exc}"], silent)
         except _RanksGone as exc:
-            message = (f"the ranks stopped: torch's elastic agent exited with code {exc.args[0]} (a rank crashed or "
-                       f"was killed, and the agent stopped the others). Restart the kernel. Their log "
-                       f"({self.rankset.log_path}) ends:\n{self.rankset.log_tail()}")
+            cause = self.rankset.root_cause()
+            what = (f"rank {cause[0]} {cause[1]}, and torch's elastic agent stopped the others (its exit code "
+                    f"{exc.args[0]})" if cause else f"torch's elastic agent exited with code {exc.args[0]} (a rank "
+                    "crashed or was killed, and the agent stopped the others)")
+            message = (f"the ranks stopped: {what}. Restart the kernel. Their log ({self.rankset.log_path}) "
+                       f"ends:\n{self.rankset.log_tail()}")
             return self._fail("RanksStopped", message, [message], silent)
 
     def _execute(self, code: str, silent: bool, store_history: bool) -> dict:
@@ -267,6 +271,7 @@ class SPMDKernel(Kernel):
         cell.pending = set(ranks)
         cell.folders = {name: Folder(ranks) for name in ("stdout", "stderr")}
         for rank in ranks:
+            self._last_where[rank] = f"running cell {self.execution_count} (no stack seen yet)"
             self.rankset.send(rank, {
                 "op": "execute", "id": cell.id, "code": body, "execution_count": self.execution_count,
                 "silent": silent, "store_history": store_history,
@@ -357,6 +362,9 @@ class SPMDKernel(Kernel):
         if self.rankset.ready:
             return None
         local = self.config_.nprocs > 0
+        if local and self._job_ended is not None:  # only a restart starts new local ranks
+            return (f"this kernel's ranks are gone: it ended their job after {self._job_ended}; an earlier cell "
+                    "said so. Restart the kernel (Kernel > Restart Kernel) to start new ranks.")
         deadline = time.monotonic() + self.join_timeout
         shown = None
         while not self.rankset.ready and time.monotonic() < deadline:
@@ -925,6 +933,8 @@ class SPMDKernel(Kernel):
                          + (f" (rank(s) {format_ranks(back)} came back)" if back else ""))
         command = self.rankset.torchrun_command() if self.rankset.token_file is not None else None
         self.rankset.end_job()
+        if self.rankset.nprocs:
+            self._job_ended = f"rank(s) {format_ranks(lost)} were lost: {why}"
         self._abandoned, self.generation = None, 0
         self._released.clear()
         self._last_where.clear()

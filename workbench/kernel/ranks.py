@@ -12,6 +12,7 @@ from __future__ import annotations
 import contextlib
 import logging
 import os
+import re
 import shlex
 import shutil
 import signal
@@ -189,6 +190,26 @@ class RankSet:
             return ""
         text = self.log_path.read_text(errors="replace").splitlines()
         return "\n".join(text[-lines:])
+
+    def root_cause(self) -> tuple[int, str] | None:
+        """The local rank whose failure stopped the agent, and how it ended ("exit code 3", "signal SIGKILL"), from
+        the "Root Cause (first observed failure)" torch's agent writes to the ranks' log; None where it says none."""
+        text = self.log_tail(200)
+        _, found, cause = text.rpartition("Root Cause (first observed failure):")
+        rank = re.search(r"^\s*rank\s*:\s*(\d+)", cause, re.MULTILINE) if found else None
+        if rank is None:
+            return None
+        code = re.search(r"^\s*exitcode\s*:\s*(-?\d+)", cause, re.MULTILINE)
+        how = "ended"
+        if code is not None:
+            value = int(code.group(1))
+            how = f"exited with code {value}"
+            if value < 0:
+                try:
+                    how = f"was killed by signal {signal.Signals(-value).name}"
+                except ValueError:
+                    how = f"was killed by signal {-value}"
+        return int(rank.group(1)), how
 
     def stop(self, grace: float = 3.0) -> None:
         """Stop the local ranks (and their agent), politely first; remote ranks get ``exit``. The token file
