@@ -338,6 +338,26 @@ def test_reorders_of_a_3d_tensors_trailing_dims_are_named(tmp_path) -> None:
     assert finding.transform.startswith("slices reordered on dims 1-2 flattened in blocks of 1")
 
 
+def test_a_value_change_in_a_3d_tensor_builds_no_map_of_its_trailing_dims(tmp_path, monkeypatch) -> None:
+    # each candidate reorder of dims 1.. was expanded into a map of every trailing element before its signature was
+    # checked: a diff of one changed value in stacked experts took 25-57x as long (minutes per key at GPT-OSS sizes)
+    from workbench.debug import analyze
+
+    built = []
+    real = analyze.on_dim
+    monkeypatch.setattr(analyze, "on_dim", lambda *a, **k: built.append(a[0].transform) or real(*a, **k))
+    key = "model.layers.0.mlp.experts.gate_up_proj"
+    w = torch.randn(4, 24, 64, generator=torch.Generator().manual_seed(6)).bfloat16()
+    changed = w.clone()
+    changed[3, 5, 7] += 1
+    (finding,) = diff_checkpoints(write(tmp_path / "ref", {key: w}), write(tmp_path / "act", {key: changed})).findings
+    assert finding.kind == "value_mismatch" and built == []
+    gate, up = w.chunk(2, dim=2)  # a real reorder still builds the one map that holds, and is named
+    swapped = torch.cat([up, gate], dim=2)
+    (finding,) = diff_checkpoints(write(tmp_path / "ref2", {key: w}), write(tmp_path / "sw", {key: swapped})).findings
+    assert finding.kind == "permuted" and finding.evidence["dim"] == 2 and 1 <= len(built) <= 3, built
+
+
 @pytest.mark.parametrize("stored", [(1,), (24,), (4, 6)], ids=["scalar_as_1", "flattened", "viewed"])
 def test_the_same_bytes_in_another_shape_are_a_reshape_never_a_reorder(tmp_path, stored) -> None:
     # a scalar saved as [1] was "slices reordered on dim 0 ... block order [0]" (the identity), a flattened or
@@ -376,3 +396,9 @@ def test_q_k_v_fused_under_one_key_are_named_not_dropped(tmp_path, rows) -> None
     assert f"{q}, {k} and {v} fused on dim 0" in unexpected.hint and "do not drop it" in unexpected.hint
     missing = [f for f in report.findings if f.kind == "missing_key"]
     assert len(missing) == 3 and all(f"part of {fused}" in f.hint for f in missing)
+    cast = write(tmp_path / "cast", {fused: torch.cat([good[q], good[k], good[v]]).float()})  # fused and upcast
+    report = diff_checkpoints(ref, cast)  # never compared: the hints must not say the bytes differ
+    (unexpected,) = [f for f in report.findings if f.kind == "unexpected_key"]
+    assert "stored as F32 where BF16 is expected" in unexpected.hint and "other bytes" not in unexpected.hint
+    missing = [f for f in report.findings if f.kind == "missing_key"]
+    assert len(missing) == 3 and all("the bytes were not compared" in f.hint for f in missing)

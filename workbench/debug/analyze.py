@@ -247,7 +247,15 @@ def _candidates(shape: Sequence[int], dim: int, hints: Sequence[Hint], key: str,
         s_ref, s_act = (sig_ref.s0, sig_act.s0) if dim == 0 else (sig_ref.s1, sig_act.s1)
         yield from same_length_candidates(shape[dim], dim, hints, key, s_ref, s_act)
         return
-    for c in same_length_candidates(shape[dim], dim, hints, key):
+    n, outer, inner = shape[dim], math.prod(shape[1:dim]), math.prod(shape[dim + 1:])
+    by_dim = [None if s is None or s.numel() != outer * n * inner else s.reshape(outer, n, inner)
+              for s in (sig_ref.s1, sig_act.s1)]
+    for c in same_length_candidates(n, dim, hints, key):
+        if by_dim[0] is not None and by_dim[1] is not None:  # the signature check first, before the map is built:
+            valid = c.src >= 0  # one line along the dim (cheap), then every line
+            line = (by_dim[1][0, valid, 0], by_dim[0][0, c.src[valid], 0])
+            if not torch.equal(*line) or not torch.equal(by_dim[1][:, valid, :], by_dim[0][:, c.src[valid], :]):
+                continue
         found = block_order(c.src)
         named = (("block_rows", found[0]), ("order", found[1])) if found and found[1] != sorted(found[1]) else ()
         yield on_dim(c, shape, (("dim", dim), *named))

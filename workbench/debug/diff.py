@@ -441,7 +441,11 @@ def compare_sources(
                 evidence.update(held_by(provenance, m))
             hint = ("the checkpoint lacks this key: was it filtered out by the key map, dropped while consolidating "
                     "(keys of other EP or PP ranks), or did its writer rank fail? Re-save with it")
-            if m in inside:
+            if m in inside and act_metas[inside[m]].dtype != meta.dtype:
+                hint = (f"by shape it may be part of {inside[m]} (fused on dim 0 with sibling keys), stored there as "
+                        f"{act_metas[inside[m]].dtype} where {meta.dtype} is expected, so the bytes were not "
+                        "compared: split that key, cast the pieces and compare them")
+            elif m in inside:
                 hint = (f"by shape it may be part of {inside[m]} (fused on dim 0 with sibling keys), whose pieces do "
                         "not hold this key's bytes: split that key and compare the pieces")
             out.append(Finding("missing_key", m, evidence, hint))
@@ -449,7 +453,13 @@ def compare_sources(
         meta = act_metas[u]
         hint = ("the reference has no such key: an extra buffer, a key from another model, or a rename the key map "
                 "misses; drop it or map it")
-        if u in maybe:
+        expected = sorted({ref_metas[m].dtype for m in maybe[u][0]}) if u in maybe else []
+        if u in maybe and expected != [meta.dtype]:
+            hint = (f"by shape it may be {listing(maybe[u][0])} fused on dim 0, stored as {meta.dtype} where "
+                    f"{' and '.join(expected)} is expected (a cast as well as a fusion?), so the bytes were not "
+                    "compared: split it in the key map, cast the pieces and compare them; do not drop it, it may "
+                    "hold their weights")
+        elif u in maybe:
             hint = (f"by shape it may be {listing(maybe[u][0])} fused on dim 0, but its pieces hold other bytes (in "
                     "every order): split it in the key map and compare the pieces; do not drop it, it may hold "
                     "their weights")
