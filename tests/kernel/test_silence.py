@@ -112,16 +112,8 @@ def test_a_rank_waiting_on_a_connected_kernel_stays_and_leaves_once_the_connecti
     ranks, or busy in a wait that does not ping) the rank stays; once it closes, the rank exits within the limit."""
     silence = 3.0
     token = "t" * 64
-    token_file = write_token_file(tmp_path / "token", token)
     context = zmq.Context()
-    kernel = context.socket(zmq.ROUTER)
-    kernel.setsockopt(zmq.LINGER, 0)
-    port = kernel.bind_to_random_port("tcp://127.0.0.1")
-    log = tmp_path / "agent.log"
-    agent = _agent(_torchrun(["torchrun", "--nnodes", "NNODES", "--nproc-per-node", "NPROC", "--rdzv-backend", "c10d",
-                              "--rdzv-endpoint", "HOST:29400", "-m", "workbench.kernel.worker", "--backend", "gloo",
-                              "--connect", f"tcp://127.0.0.1:{port}", "--token-file", str(token_file)]),
-                   log, silence)
+    kernel, _, agent, log = _fake_kernel_and_rank(context, tmp_path, token, silence)
     try:
         hello = _hello(kernel, token, timeout=90)
         assert hello["op"] == "hello" and agent.poll() is None, log.read_text()
@@ -138,6 +130,22 @@ def test_a_rank_waiting_on_a_connected_kernel_stays_and_leaves_once_the_connecti
     text = log.read_text(errors="replace")
     assert code != 0 and f"exiting with code {LOST_EXIT_CODE}" in text, text
     assert took < silence + 4, (took, text)
+
+
+def _fake_kernel_and_rank(context: Any, tmp_path: Path, token: str, silence: float
+                          ) -> tuple[Any, int, subprocess.Popen, Path]:
+    """A ROUTER socket on a loopback port standing in for a kernel, and a one-rank torchrun job of the worker told to
+    join it (the token in a file): the socket, its port, the agent and the agent's log."""
+    token_file = write_token_file(tmp_path / "token", token)
+    kernel = context.socket(zmq.ROUTER)
+    kernel.setsockopt(zmq.LINGER, 0)
+    port = kernel.bind_to_random_port("tcp://127.0.0.1")
+    log = tmp_path / "agent.log"
+    agent = _agent(_torchrun(["torchrun", "--nnodes", "NNODES", "--nproc-per-node", "NPROC", "--rdzv-backend", "c10d",
+                              "--rdzv-endpoint", "HOST:29400", "-m", "workbench.kernel.worker", "--backend", "gloo",
+                              "--connect", f"tcp://127.0.0.1:{port}", "--token-file", str(token_file)]),
+                   log, silence)
+    return kernel, port, agent, log
 
 
 def _hello(kernel: Any, token: str, timeout: float) -> dict[str, Any]:
@@ -186,16 +194,8 @@ def test_a_rank_the_kernel_refuses_says_why_and_exits(tmp_path: Path) -> None:
     """A fake kernel refuses the rank's hello (as a kernel of another world size does): the rank used to wait for it
     forever, connected; it now prints the kernel's reason and exits with REFUSED_EXIT_CODE at once."""
     token = "t" * 64
-    token_file = write_token_file(tmp_path / "token", token)
     context = zmq.Context()
-    kernel = context.socket(zmq.ROUTER)
-    kernel.setsockopt(zmq.LINGER, 0)
-    port = kernel.bind_to_random_port("tcp://127.0.0.1")
-    log = tmp_path / "agent.log"
-    agent = _agent(_torchrun(["torchrun", "--nnodes", "NNODES", "--nproc-per-node", "NPROC", "--rdzv-backend", "c10d",
-                              "--rdzv-endpoint", "HOST:29400", "-m", "workbench.kernel.worker", "--backend", "gloo",
-                              "--connect", f"tcp://127.0.0.1:{port}", "--token-file", str(token_file)]),
-                   log, 60)
+    kernel, port, agent, log = _fake_kernel_and_rank(context, tmp_path, token, 60)
     try:
         identity, hello = _hello_from(kernel, token, timeout=90)
         assert hello["op"] == "hello" and agent.poll() is None, log.read_text()
