@@ -330,3 +330,26 @@ def test_read_token_from_a_file_or_the_environment(tmp_path: Path) -> None:
         read_token(str(path), {})
     with pytest.raises(ValueError, match="no kernel token: pass --token-file PATH"):
         read_token(None, {})
+
+
+@pytest.mark.parametrize("ended_before", [True, False], ids=["agent-ended-before-stop", "agent-ended-when-told"])
+def test_stop_keeps_the_ranks_log_of_an_agent_that_ended_on_its_own(tmp_path: Path, ended_before: bool) -> None:
+    # an agent whose ranks all exited with code 0 mid-cell ends with code 0 too; the kernel's RanksStopped error names
+    # its log, so the restart the error asks for must not delete it. An agent that ends when stop() tells it goes.
+    import subprocess
+    import sys
+
+    rankset = RankSet(nprocs=0, backend="gloo", listen="127.0.0.1:0", token_file=str(tmp_path / "token"))
+    run_dir = tmp_path / "run"
+    run_dir.mkdir()
+    (run_dir / "ranks.log").write_text("rank 0 leaving\n")
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(0.5)"], start_new_session=True)
+    if ended_before:
+        agent.wait(10)
+    rankset._agent, rankset._run_dir = agent, run_dir
+    try:
+        rankset.stop()
+    finally:
+        rankset.close()
+    assert agent.returncode == 0
+    assert run_dir.exists() == ended_before

@@ -214,7 +214,7 @@ class RankSet:
     def stop(self, grace: float = 3.0) -> None:
         """Stop the local ranks (and their agent), politely first; remote ranks get ``exit``. The token file
         goes too: no rank can join a kernel that is stopping; so does the local ranks' folder (their log) once their
-        agent exited with code 0.
+        agent, running until now, exited with code 0.
 
         Remote ranks exit with code 0 only while every rank of their job is heard from: torch's agent waits (up to
         300 s) at its exit barrier for every other agent of a job whose ranks succeeded, so when a rank may be gone
@@ -223,6 +223,7 @@ class RankSet:
             self.token_file.unlink(missing_ok=True)
         self._ping_all()
         code = LOST_EXIT_CODE if self._agent is None and self.quiet_ranks(_QUIET_AT_SHUTDOWN) else 0
+        ran_until_now = self._agent is not None and self._agent.poll() is None  # else its end was news: see below
         with contextlib.suppress(Exception):
             for rank in self.ranks:
                 self.send(rank, {"op": "exit", "code": code})
@@ -240,9 +241,9 @@ class RankSet:
         if self._store is not None:
             self._store.close()
             self._store = None
-        if self._run_dir is not None and self._agent is not None and self._agent.poll() == 0:
-            # the ranks left cleanly: nothing to look at; an agent that failed (or had to be killed) keeps its log,
-            # which the kernel's error messages name
+        if self._run_dir is not None and ran_until_now and self._agent.poll() == 0:
+            # the ranks left cleanly when told to: nothing to look at. An agent that failed, had to be killed, or had
+            # ended before (ranks that exited on their own: the kernel's error named this log) keeps its log
             shutil.rmtree(self._run_dir, ignore_errors=True)
             self._run_dir = None
         self.ranks.clear()
