@@ -87,6 +87,10 @@ def test_the_pickling_probe_leaves_tensors_unshared(tmp_path: Path, monkeypatch:
     with pytest.raises(TypeError, match=r"rank 0 returned a list from f, which cannot be sent back.*_thread\.lock"):
         _refuse_a_result_that_does_not_pickle(0, "f", [tensor, __import__("threading").Lock()])
     assert [p.name for p in tmp_path.iterdir()] == ["failure-rank0.json"] and not tensor.is_shared()
+    loss = torch.ones(2, requires_grad=True) * 2  # torch's own reducer refuses it: the probe must too
+    with pytest.raises(TypeError, match=r"rank 1 returned a dict .*requires grad and is not a leaf.*detach"):
+        _refuse_a_result_that_does_not_pickle(1, "f", {"loss": loss})
+    _refuse_a_result_that_does_not_pickle(1, "f", {"loss": loss.detach(), "w": torch.ones(2, requires_grad=True)})
 
 
 def _one() -> int:

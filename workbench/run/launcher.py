@@ -311,7 +311,12 @@ class _ProbePickler(ForkingPickler):
         self._shared = _shared_by_torch()
 
     def reducer_override(self, obj: Any) -> Any:  # not called for plain ints, strs, lists, dicts: cheap
-        return (int, ()) if isinstance(obj, self._shared) else NotImplemented
+        if not isinstance(obj, self._shared):
+            return NotImplemented
+        if getattr(obj, "requires_grad", False) and not getattr(obj, "is_leaf", True):  # what torch's reducer refuses
+            raise RuntimeError("a tensor that requires grad and is not a leaf (the output of an operation on "
+                               "parameters) cannot cross processes; return it .detach()ed")
+        return (int, ())
 
 
 def _shared_by_torch() -> tuple[type, ...]:
