@@ -109,6 +109,22 @@ def test_an_nprocs_that_is_no_int_is_refused_naming_it(
     assert list(tmp_path.iterdir()) == []
 
 
+@pytest.mark.parametrize(("kwargs", "error", "message"), [
+    ({"nnodes": 2.0}, TypeError, r"launch: nnodes must be an int \(the number of hosts\), got 2\.0 \(float\)"),
+    ({"node_rank": True}, TypeError, r"launch: node_rank must be an int .*, got True \(bool\)"),
+    ({"nnodes": 0}, ValueError, r"launch: nnodes must be >= 1, got 0"),
+    ({"nnodes": 2, "node_rank": 2}, ValueError, r"launch: node_rank must be below nnodes \(2\), got 2"),
+])
+def test_nnodes_and_node_rank_are_checked_before_anything_starts(
+        kwargs: dict, error: type, message: str, tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
+    import tempfile
+
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    with pytest.raises(error, match=message):
+        launch(_one, nprocs=1, **kwargs)
+    assert list(tmp_path.iterdir()) == []
+
+
 def _agent_that_raises(error: BaseException) -> object:
     def elastic_launch(config: object, entrypoint: object) -> object:
         def run(*args: object) -> None:

@@ -112,12 +112,11 @@ def launch(
     from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
     from torch.distributed.launcher.api import LaunchConfig, elastic_launch
 
-    if isinstance(nprocs, bool) or not hasattr(type(nprocs), "__index__"):
-        raise TypeError(f"launch: nprocs must be an int (the number of ranks on this host), got {nprocs!r} "
-                        f"({type(nprocs).__name__})")
-    nprocs = operator.index(nprocs)
-    if nprocs < 1:
-        raise ValueError(f"launch: nprocs must be >= 1, got {nprocs}")
+    nprocs = _whole("nprocs", nprocs, "the number of ranks on this host", 1)
+    nnodes = _whole("nnodes", nnodes, "the number of hosts", 1)
+    node_rank = _whole("node_rank", node_rank, "this host's index among them", 0)
+    if node_rank >= nnodes:
+        raise ValueError(f"launch: node_rank must be below nnodes ({nnodes}), got {node_rank}")
     _refuse_in_a_rank_importing_main(_name_of(fn))
     _refuse_a_script_spawn_cannot_import()
     payload = cloudpickle.dumps((fn, tuple(args)))
@@ -292,6 +291,16 @@ def _refuse_a_result_that_does_not_pickle(rank: int, name: str, result: Any) -> 
         _write_record(rank, {"kind": "error", "message": f"{message}{hint}", "traceback": text})
         print(f"{message}{hint}\n{text.rstrip()}", file=sys.stderr, flush=True)
         raise TypeError(f"{message}{hint}") from exc
+
+
+def _whole(name: str, value: Any, what: str, least: int) -> int:
+    """``value`` as an int of at least ``least``, or an error naming the argument (a bool or a float is no count)."""
+    if isinstance(value, bool) or not hasattr(type(value), "__index__"):
+        raise TypeError(f"launch: {name} must be an int ({what}), got {value!r} ({type(value).__name__})")
+    value = operator.index(value)
+    if value < least:
+        raise ValueError(f"launch: {name} must be >= {least}, got {value}")
+    return value
 
 
 class _Discard:
