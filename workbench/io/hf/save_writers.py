@@ -78,8 +78,8 @@ class WriterQueue:
         self.clock = clock
         self._caught = caught
         self._pool = futures.ThreadPoolExecutor(max_workers=max(1, threads), thread_name_prefix="workbench-write")
-        self.pending: list[tuple[futures.Future[int], int, HostCopy | WriteBatch]] = []  # (job, bytes, its copies)
-        self._storage_of: list[int | None] = []  # each pending job's storage charged once (see queue), else None
+        # (job, bytes charged to it, its copies, the storage charged once for it and its sharers, else None)
+        self.pending: list[tuple[futures.Future[int], int, HostCopy | WriteBatch, int | None]] = []
         self._storages: dict[int, list[int]] = {}  # storage -> [bytes, pending jobs holding it]
         self.queued_bytes = 0
         self.write_problem: RankProblem | None = None
@@ -121,8 +121,7 @@ class WriterQueue:
 
         while self.pending and self.queued_bytes + charge() > self.in_flight_bytes:
             self.gate.set()
-            future, size, _ = self.pending.pop(0)
-            held = self._storage_of.pop(0)
+            future, size, _, held = self.pending.pop(0)
             with self.clock.measure("queue_wait"):
                 futures.wait([future])
             self.queued_bytes -= size
@@ -140,30 +139,29 @@ class WriterQueue:
                 entry = self._storages[storage[0]] = [storage[1], 0]
                 self.queued_bytes += storage[1]
             entry[1] += 1
-        self._storage_of.append(None if storage is None else storage[0])
-        self.pending.append((self._pool.submit(self._run, job, copy, key), 0 if storage else nbytes, copy))
+        self.pending.append((self._pool.submit(self._run, job, copy, key), 0 if storage else nbytes, copy,
+                             None if storage is None else storage[0]))
 
     def busy(self) -> bool:
         """True while a queued write has not finished (and so not given its buffers back)."""
-        return any(not future.done() for future, _, _ in self.pending)
+        return any(not future.done() for future, *_ in self.pending)
 
     def done(self) -> bool:
         """True when every queued write has finished."""
-        return all(future.done() for future, _, _ in self.pending)
+        return all(future.done() for future, *_ in self.pending)
 
     def drain(self) -> RankProblem | None:
         """Open the gate and wait for every queued write; the first problem of a writer (or a Ctrl-C while
         waiting here), else None."""
         self.gate.set()
         problem = None
-        for future, _, _ in self.pending:
+        for future, *_ in self.pending:
             try:
                 future.result()
             except BaseException as exc:  # _run records its own; this is a Ctrl-C while waiting here
                 problem = problem or self._caught(exc, "writing its files")
                 self.stopped = True  # the writes still queued are skipped
         self.pending.clear()
-        self._storage_of.clear()
         self._storages.clear()
         self.queued_bytes = 0
         return problem or self.write_problem
@@ -173,7 +171,7 @@ class WriterQueue:
         self.stopped = True
         self.gate.set()
         self._pool.shutdown(wait=True, cancel_futures=True)
-        for future, _, copy in self.pending:
+        for future, _, copy, _ in self.pending:
             if future.cancelled():  # never ran, so never gave its pool buffers back
                 copy.discard()
         self.batch.discard()  # snapshotted, never handed to a writer
