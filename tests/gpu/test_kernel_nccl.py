@@ -113,6 +113,20 @@ def test_an_fsdp2_model_saved_and_loaded_from_cells(kernel: tuple[Any, Any]) -> 
     assert out.result == "(['0.bias', '0.weight', '1.bias', '1.weight'], True, True)", out.result
 
 
+def test_what_each_gpu_rank_runs_in_a_shell_is_shown_with_its_cell(kernel: tuple[Any, Any]) -> None:
+    # os.system writes to the rank's descriptor 1 (as NCCL's and torch's native warnings do to 1 and 2): it is shown
+    # with the cell, from every rank, each naming the GPU it is bound to
+    from tests.kernel.support import execute
+
+    _, client = kernel
+    code = ("import os\nos.system(f'nvidia-smi --query-gpu=index --format=csv,noheader "
+            "--id={torch.cuda.current_device()} | sed \"s/^/gpu /\"')")
+    out = execute(client, code, timeout=120)
+    assert out.reply["status"] == "ok", out.error_text
+    lines = sorted(out.streams["stdout"].splitlines())
+    assert lines == ["[0] gpu 0", "[1] gpu 1"], out.streams
+
+
 def _rank_pids(client: Any) -> dict[int, int]:
     from tests.kernel.support import execute
 

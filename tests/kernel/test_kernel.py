@@ -103,6 +103,24 @@ def test_a_collective_across_ranks(kernel: tuple[Any, Any]) -> None:
     assert out.result == "[3.0, 3.0, 3.0]"  # 1 + 2 on every element
 
 
+def test_native_output_and_child_processes_reach_the_cell_from_every_rank(kernel: tuple[Any, Any]) -> None:
+    # what C code and child processes write to descriptors 1 and 2 (NCCL's and torch's warnings, os.system) is
+    # shown with its cell, not only in the ranks' log, and the cell's last native text comes before its end
+    _, client = kernel
+    code = ("import ctypes, subprocess, sys\nos.system(f'echo shell-out {rank}; echo shell-err {rank} >&2')\n"
+            "ctypes.CDLL(None).write(2, f'c-err {rank}\\n'.encode(), len(f'c-err {rank}\\n'))\n"
+            "subprocess.run(['echo', 'child', str(rank)], stdout=sys.stdout, check=True)\n"
+            "os.write(1, b'no newline')")
+    out = execute(client, "import os\n" + code)
+    assert out.reply["status"] == "ok", out.error_text
+    stdout, stderr = out.streams["stdout"].splitlines(), out.streams["stderr"].splitlines()
+    assert sorted(stdout) == ["[0] child 0", "[0] shell-out 0", "[1] child 1", "[1] shell-out 1", "no newline"], \
+        out.streams  # the same text on both ranks is folded into one line
+    assert sorted(stderr) == ["[0] c-err 0", "[0] shell-err 0", "[1] c-err 1", "[1] shell-err 1"], out.streams
+    out = execute(client, "print('next cell')")  # nothing of the last cell arrives late
+    assert out.streams == {"stdout": "next cell\n", "stderr": ""}, out.streams
+
+
 def test_exception_on_one_rank_names_it_and_state_survives(kernel: tuple[Any, Any]) -> None:
     _, client = kernel
     out = execute(client, "y = rank\nif rank == 1:\n    raise ValueError(f'bad shard on {rank}')\n'fine'")

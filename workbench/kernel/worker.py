@@ -147,6 +147,8 @@ class _Worker:
         self._store_port = 0  # the TCP store's connection is one socket that severing the groups must keep (none
         # for a file store)
         self._streams: dict[str, _RankStream] = {}
+        self._capture: Any = None  # descriptors 1 and 2 read through pipes while serving (fd_capture.FdCapture)
+        self.log: Any = sys.__stderr__  # the ranks' log, for what must reach it even at os._exit
         self.ledger: Any = None  # the collective it is in, readable without it (ledger.Ledger)
         self._aborting: threading.Thread | None = None  # NCCL: the thread aborting the communicators
         self.exit_code = 0  # what the kernel's exit asked for (nonzero: the job lost ranks; see main)
@@ -260,7 +262,7 @@ class _Worker:
                     os.kill(kernel_pid, 0)
                 except ProcessLookupError:  # the kernel died without telling us: do not linger
                     print(f"workbench rank {self.rank}: the kernel (pid {kernel_pid}) is gone; exiting",
-                          file=sys.__stderr__, flush=True)
+                          file=self.log, flush=True)
                     self.cleanup()
                     os._exit(0)
                 except PermissionError:
@@ -283,7 +285,7 @@ class _Worker:
         stops instead of keeping it forever."""
         print(f"workbench rank {self.rank}: no word from the kernel at {self.address} for {quiet:.0f} s (it died, or "
               f"the network is down); exiting with code {LOST_EXIT_CODE} so that torch's agent stops",
-              file=sys.__stderr__, flush=True)
+              file=self.log, flush=True)
         self.cleanup()
         os._exit(LOST_EXIT_CODE)
 
@@ -332,7 +334,7 @@ class _Worker:
             again.start()
             return
         print(f"workbench rank {self.rank}: the kernel at {self.address} refused this rank: {message.get('reason')}; "
-              f"exiting with code {REFUSED_EXIT_CODE}", file=sys.__stderr__, flush=True)
+              f"exiting with code {REFUSED_EXIT_CODE}", file=self.log, flush=True)
         self.cleanup()
         os._exit(REFUSED_EXIT_CODE)
 
@@ -341,7 +343,7 @@ class _Worker:
         peers are gone) does not keep the process, nor torch's agent, waiting."""
         time.sleep(grace)
         print(f"workbench rank {self.rank}: still busy {grace:g} s after the kernel said exit; exiting with code "
-              f"{self.exit_code}", file=sys.__stderr__, flush=True)
+              f"{self.exit_code}", file=self.log, flush=True)
         self.cleanup()
         os._exit(self.exit_code)
 
@@ -392,7 +394,7 @@ class _Worker:
         self.dropped += 1
         if self.dropped <= 20 or self.dropped % 100 == 0:
             print(f"workbench rank {self.rank}: dropped a message on the kernel channel: {reason} "
-                  f"({self.dropped} dropped so far)", file=sys.__stderr__, flush=True)
+                  f"({self.dropped} dropped so far)", file=self.log, flush=True)
 
     def _release_now(self, message: dict[str, Any]) -> None:
         """I/O thread, at once: free ranks (this one included) blocked in a collective whose peers left it."""
@@ -416,12 +418,12 @@ class _Worker:
             note = f"aborted the NCCL communicators of {count} process group(s)"
         except Exception as exc:
             note = f"aborting the NCCL communicators failed: {exc!r}"
-        print(f"workbench rank {self.rank}: {note} in {time.monotonic() - start:.2f} s", file=sys.__stderr__,
+        print(f"workbench rank {self.rank}: {note} in {time.monotonic() - start:.2f} s", file=self.log,
               flush=True)
 
     def serve(self) -> None:
         """Main thread: run what the kernel sends until it says exit."""
-        self._streams = {name: _RankStream(self, name, getattr(sys, name)) for name in ("stdout", "stderr")}
+        self._capture_native_output()
         sys.stdout, sys.stderr = self._streams["stdout"], self._streams["stderr"]
         shell = _make_shell(self)
         self.shell = shell
@@ -462,6 +464,32 @@ class _Worker:
         self._flush_streams()
         self.send({"op": "bye", "rank": self.rank})
         time.sleep(0.2)
+        if self._capture is not None:  # what the groups' destruction prints goes straight to the log
+            self._capture.stop()
+
+    def _capture_native_output(self) -> None:
+        """Main thread, before serving: ``sys.stdout`` / ``sys.stderr`` become the rank's streams, and what native
+        code and child processes write to descriptors 1 and 2 joins them (``FdCapture``). faulthandler's dumps and
+        the messages written just before ``os._exit`` go to the log itself: a pipe's reader may never run again."""
+        import faulthandler
+
+        from workbench.kernel.fd_capture import FdCapture
+
+        try:
+            capture = FdCapture()
+        except OSError as exc:  # no descriptors to spare: Python's own output still reaches the kernel
+            print(f"workbench rank {self.rank}: native output stays in the log ({exc})", file=self.log, flush=True)
+            capture = None
+        logs = {"stdout": sys.stdout, "stderr": sys.stderr} if capture is None else \
+            {"stdout": capture.log_out, "stderr": capture.log_err}
+        self._streams = {name: _RankStream(self, name, logs[name], fd) for name, fd in (("stdout", 1), ("stderr", 2))}
+        if capture is None:
+            return
+        self._capture, self.log = capture, capture.log_err
+        faulthandler.register(signal.SIGUSR1, file=capture.log_err, all_threads=True)  # never into a pipe
+        if faulthandler.is_enabled():
+            faulthandler.enable(file=capture.log_err, all_threads=True)
+        capture.start(lambda name, text: self._streams[name].write(text))
 
     # -- work on the main thread --------------------------------------------------------------------------
     def _execute(self, message: dict[str, Any]) -> None:
@@ -484,6 +512,8 @@ class _Worker:
             status = "error"
             self.error = self.error or {"ename": "KeyboardInterrupt", "evalue": "", "time": time.time(),
                                         "traceback": ["KeyboardInterrupt (between cells)"]}
+        if self._capture is not None:  # the cell's native output is shown with the cell
+            self._capture.sync()
         self._flush_streams()
         payload = self.shell.payload_manager.read_payload()  # the pager's text (``zip?``), set_next_input, ...
         self.shell.payload_manager.clear_payload()
@@ -551,8 +581,8 @@ class _Worker:
 class _RankStream(io.TextIOBase):
     """sys.stdout / sys.stderr of a rank: whole lines go to the kernel while a cell runs, else to the log."""
 
-    def __init__(self, worker: _Worker, name: str, original: Any) -> None:
-        self._worker, self._name, self._original = worker, name, original
+    def __init__(self, worker: _Worker, name: str, original: Any, fd: int) -> None:
+        self._worker, self._name, self._original, self._fd = worker, name, original, fd
         self._buffer = ""
         self._lock = threading.Lock()
 
@@ -560,8 +590,8 @@ class _RankStream(io.TextIOBase):
     def encoding(self) -> str:  # type: ignore[override]
         return "utf-8"
 
-    def fileno(self) -> int:
-        return self._original.fileno()
+    def fileno(self) -> int:  # a child given sys.stdout writes to descriptor 1, whose output the rank reads
+        return self._fd
 
     def isatty(self) -> bool:
         return False
@@ -831,14 +861,15 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     import faulthandler
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # native stacks on demand, into the rank's log
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # native stacks on demand, into the rank's log (serve
+    # moves it onto the log's own descriptor)
     worker = _Worker(address, token, backend, silence=args.kernel_silence)
     worker.start_forensics()
     worker.init_process_group()
     worker.serve()
     if worker.exit_code:  # the job lost ranks: no clean-up that could wait for them; torch's agent stops at once
         print(f"workbench rank {worker.rank}: the kernel ended this job (ranks of it were lost); exiting with code "
-              f"{worker.exit_code} so that torch's agent does not wait for the lost ones", file=sys.__stderr__,
+              f"{worker.exit_code} so that torch's agent does not wait for the lost ones", file=worker.log,
               flush=True)
         worker.cleanup()
         os._exit(worker.exit_code)
