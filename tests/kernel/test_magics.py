@@ -18,12 +18,25 @@ def test_parse_ranks(text: str, ranks: tuple[int, ...]) -> None:
 @pytest.mark.parametrize(
     ("text", "message"),
     [("4", "rank(s) [4] out of range; this kernel has world_size 4"), ("a", "'a' is not a rank"),
-     ("", "needs ranks")],
+     ("", "needs ranks"), ("3-1", "range '3-1' ends before it starts; write it as 1-3"),
+     ("0-1,3,9-12", "rank(s) [9-12] out of range")],
 )
 def test_parse_ranks_errors(text: str, message: str) -> None:
     with pytest.raises(MagicError) as info:
         parse_ranks(text, 4)
     assert message in str(info.value)
+
+
+def test_a_mistyped_huge_range_is_refused_at_once_in_a_short_message() -> None:
+    # a typo such as 0-30000000 was expanded first (3 GiB in the kernel), then listed rank by rank in the error
+    for world_size, message in ((2, "rank(s) [2-30000000] out of range; this kernel has world_size 2 (ranks 0-1)"),
+                                (None, "rank(s) [1048576-30000000] out of range; this kernel has world_size not")):
+        with pytest.raises(MagicError) as info:
+            parse_ranks("0-30000000", world_size)
+        assert message in str(info.value) and len(str(info.value)) < 200
+    with pytest.raises(MagicError) as info:
+        check_ranks(tuple(range(0, 1000)), 2)
+    assert "rank(s) [2-999] out of range" in str(info.value)
 
 
 def test_cell_magics_are_stripped_and_the_rest_runs() -> None:

@@ -21,6 +21,8 @@ from __future__ import annotations
 import math
 from dataclasses import dataclass
 
+from workbench.kernel.fold import format_ranks
+
 __all__ = ["OUTPUT_MODES", "CellDirectives", "MagicError", "check_ranks", "parse_cell", "parse_ranks"]
 
 OUTPUT_MODES = ("folded", "0", "all")
@@ -46,34 +48,45 @@ class CellDirectives:
     flight_recorder: bool | None = None
 
 
+MAX_RANKS = 1 << 20  # a %%ranks range is checked before it is expanded: a typo must not build a list of millions
+
+
 def parse_ranks(text: str, world_size: int | None) -> tuple[int, ...]:
     """``"0,2"`` / ``"0-3"`` / ``"1,4-7"`` -> sorted ranks, each checked against ``world_size`` (``None``: not known
-    yet, before a cluster kernel's ranks joined; only negative ranks are refused, see ``check_ranks``)."""
-    ranks: set[int] = set()
+    yet, before a cluster kernel's ranks joined; only negative ranks are refused, see ``check_ranks``). Ranges are
+    checked before they are expanded."""
+    spans: list[tuple[int, int]] = []
     for part in (p.strip() for p in text.replace(" ", ",").split(",")):
         if not part:
             continue
         try:
-            if "-" in part:
-                lo, hi = (int(x) for x in part.split("-", 1))
-                ranks.update(range(lo, hi + 1))
-            else:
-                ranks.add(int(part))
+            lo, hi = (int(x) for x in part.split("-", 1)) if "-" in part else (int(part),) * 2
         except ValueError:
             raise MagicError(f"%%ranks: {part!r} is not a rank or a range like 0-3") from None
-    if not ranks:
+        if hi < lo:
+            raise MagicError(f"%%ranks: range {part!r} ends before it starts; write it as {hi}-{lo}")
+        spans.append((lo, hi))
+    if not spans:
         raise MagicError("%%ranks needs ranks, e.g. %%ranks 0,2 or %%ranks 0-3")
-    return check_ranks(tuple(sorted(ranks)), world_size)
+    limit = MAX_RANKS if world_size is None else world_size
+    outside = [(max(lo, limit), hi) for lo, hi in spans if hi >= limit]
+    if outside:
+        _out_of_range(",".join(str(lo) if lo == hi else f"{lo}-{hi}" for lo, hi in outside[:4]), world_size)
+    return check_ranks(tuple(sorted({r for lo, hi in spans for r in range(lo, hi + 1)})), world_size)
 
 
 def check_ranks(ranks: tuple[int, ...], world_size: int | None) -> tuple[int, ...]:
     """``ranks`` if each is in ``range(world_size)``, else a MagicError naming those that are not (with
     ``world_size`` None, not known yet, only negative ranks are refused)."""
-    bad = sorted(r for r in ranks if r < 0 or (world_size is not None and r >= world_size))
+    bad = [r for r in ranks if r < 0 or (world_size is not None and r >= world_size)]
     if bad:
-        size = "not known yet" if world_size is None else f"{world_size} (ranks 0-{world_size - 1})"
-        raise MagicError(f"%%ranks: rank(s) {bad} out of range; this kernel has world_size {size}")
+        _out_of_range(format_ranks(bad), world_size)
     return ranks
+
+
+def _out_of_range(bad: str, world_size: int | None) -> None:
+    size = "not known yet" if world_size is None else f"{world_size} (ranks 0-{world_size - 1})"
+    raise MagicError(f"%%ranks: rank(s) [{bad}] out of range; this kernel has world_size {size}")
 
 
 def parse_cell(code: str, world_size: int | None) -> CellDirectives:
