@@ -9,7 +9,10 @@ from pathlib import Path
 
 import pytest
 
+from workbench.layout import InterleavedShard, LoadSpec
 from workbench.layout.layout_file import load_layout
+from workbench.layout.model_layout import Layout
+from workbench.mesh import MeshSpec
 from workbench.plan.policy import SavePolicy
 from workbench.report import summarize_layout, summarize_save
 from workbench.run.simulated import plan_save
@@ -115,3 +118,17 @@ def test_reprs_speak_human_units(deepseek, full_save) -> None:
     assert "budget 4 GiB, predicted peak 14.2 GiB" in str(full_save.schedules[0]).splitlines()[0]
     assert "! predicted peak 14.2 GiB is over the budget 4 GiB" in str(full_save.schedules[0]).splitlines()[1]
     assert "size=1.25 TiB" in repr(deepseek)
+
+
+def test_summary_lists_every_region_a_rank_reads_of_one_key() -> None:
+    # an InterleavedShard of 2 stripes on tp=2: rows 0:8 are stripes [0:2][2:4][4:6][6:8], rank 1 holds the
+    # second and fourth (worked out by hand), in one key per layer; the three layers share one line per region
+    mesh = MeshSpec((2,), ("tp",))
+    names = [f"model.layers.{i}.mlp.gate_up_proj" for i in range(3)]
+    specs = {n: LoadSpec.from_placements(n, n, (8, 4), mesh, [InterleavedShard(0, num_local_stripes=2)])
+             for n in names}
+    text = str(summarize_layout(Layout(mesh, specs, name="interleaved"), ranks=[1]))
+    assert text.split("key regions:\n")[1].splitlines() == [
+        "    model.layers.{0..2}.mlp.gate_up_proj[2:4, 0:4] -> local[0:2, 0:4]",
+        "    model.layers.{0..2}.mlp.gate_up_proj[6:8, 0:4] -> local[2:4, 0:4]",
+    ]

@@ -186,15 +186,17 @@ class LayoutReport:
         return (f"{lead}{group.pattern}{note}", str(len(group)), str(local), dtype, format_bytes(nbytes))
 
     def _region_lines(self, groups: Sequence[PatternGroup], rank: int) -> list[str]:
-        regions = {}
+        # A rank may read several regions of one key (an InterleavedShard's stripes): keys group by the whole
+        # tuple of their regions, and each group gets one line per region.
+        regions: dict[str, list[str]] = {}
         for group in groups:
             for name in group.all_names:
                 for r in self.layout[name].key_regions(rank):
-                    regions[r.hf_key] = r
+                    regions.setdefault(r.hf_key, []).append(_region_text(r))
         lines = []
-        for g in group_by_pattern(regions, key=lambda k: _region_text(regions[k])):
+        for g in group_by_pattern(regions, key=lambda k: tuple(regions[k])):
             for sub in (g, *g.exceptions):
-                lines.append(f"    {sub.pattern}{sub.value}")
+                lines += [f"    {sub.pattern}{text}" for text in sub.value]
         return lines
 
     def summary(self) -> str:
