@@ -37,7 +37,7 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.files.file_plan import FilePlan
-from workbench.io.files.stream_write import safetensors_layout
+from workbench.io.files.stream_write import byte_view, safetensors_layout
 from workbench.io.files.writeback import WritebackWindow
 from workbench.io.files.written_ranges import WrittenRanges, pack, packed_tiling_problems
 from workbench.layout.load_spec import KeyRegion, LoadSpec
@@ -249,7 +249,7 @@ class CheckpointFiles:
             raise CheckpointError(
                 f"{region.hf_key}: piece is {piece.dtype} {tuple(piece.shape)}, expected {slot.dtype} {region.sizes}"
             )
-        source = _bytes_of(piece.detach().contiguous())
+        source = _bytes_of(piece.detach())
         return self._write_mapped(region, source) if self._mapped(region) else self._pwrite_box(region, source)
 
     def _pwrite_box(self, region: KeyRegion, source: np.ndarray) -> int:
@@ -295,7 +295,7 @@ class CheckpointFiles:
                 total = sum(self._write_mapped(r, whole[box(r)]) for r in mapped)
                 if not regions:
                     return total
-        data = memoryview(local.reshape(-1).view(torch.uint8).numpy())
+        data = memoryview(byte_view(local).numpy())
         itemsize = dtype.itemsize
         files, starts, file_starts, lengths = [], [], [], []
         for region in regions:
@@ -521,8 +521,8 @@ def _split(regions: Sequence[KeyRegion], test: Any) -> tuple[list[KeyRegion], li
 
 
 def _bytes_of(tensor: torch.Tensor) -> np.ndarray:
-    """A contiguous tensor's elements as a ``(*shape, itemsize)`` uint8 array (no copy)."""
-    return tensor.reshape(-1).view(torch.uint8).numpy().reshape(*tensor.shape, tensor.element_size())
+    """A tensor's elements as a ``(*shape, itemsize)`` uint8 array (no copy when it is contiguous)."""
+    return byte_view(tensor).numpy().reshape(*tensor.shape, tensor.element_size())
 
 
 def _pwrite_all(fd: int, data: memoryview, offset: int) -> None:

@@ -24,7 +24,7 @@ from workbench.errors import CheckpointError
 from workbench.io.files.index import safetensors_dtype
 from workbench.io.files.writeback import WritebackWindow
 
-__all__ = ["StreamWriter", "safetensors_layout"]
+__all__ = ["StreamWriter", "byte_view", "safetensors_layout"]
 
 
 def safetensors_layout(
@@ -48,6 +48,18 @@ def safetensors_layout(
     text = json.dumps(header, separators=(",", ":")).encode()
     text += b" " * (-len(text) % 8)
     return text, ranges, 8 + len(text) + offset
+
+
+def byte_view(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor``'s elements in row-major order as a flat stride-1 uint8 tensor; copied only when not contiguous.
+
+    ``contiguous()`` and ``reshape(-1)`` pass a tensor of one element (or none) whatever its stride (``table[:1, 0]``
+    keeps stride 3, and so does its ``clone()``), and ``view(torch.uint8)`` refuses a last stride other than 1: for
+    such a tensor a stride of 1 names the same bytes, so it is taken without a copy."""
+    flat = tensor.contiguous().reshape(-1)
+    if flat.numel() <= 1:
+        flat = flat.as_strided((flat.numel(),), (1,))
+    return flat.view(torch.uint8)
 
 
 class StreamWriter:
@@ -93,7 +105,7 @@ class StreamWriter:
             if key not in self._pending:
                 raise CheckpointError(f"{self.path.name}: key {key!r} was written twice")
             self._pending.discard(key)
-        data = tensor.detach().to("cpu").contiguous().reshape(-1).view(torch.uint8).numpy()
+        data = byte_view(tensor.detach().to("cpu")).numpy()
         view = memoryview(data)
         done = 0
         while done < nbytes:  # pwrite may write less than asked
