@@ -26,7 +26,7 @@ from collections import OrderedDict
 from collections.abc import Callable, Sequence
 from typing import Any
 
-from workbench.errors import LayoutError
+from workbench.errors import LayoutError, PlanError
 from workbench.layout.model_layout import Layout
 from workbench.units import format_ranks
 from workbench.viz import _style
@@ -79,6 +79,9 @@ class Explorer:
         self._pictures: dict[tuple, Any] = {}
         self._schedules: dict[tuple, Any] = {}
         self._schedule_png: dict[tuple, bytes] = {}
+        # why a (policy, budget, rank) cannot be planned: its text only (an exception's traceback keeps the
+        # planner's frames alive), so a rank change does not plan it again
+        self._plan_errors: dict[tuple, str] = {}
         self.update_seconds = 0.0
         self._busy = False
         self._param_value = param
@@ -424,23 +427,49 @@ class Explorer:
         self._wanted = request
         schedule = self._known_schedule(rank)
         png = self._schedule_png.get(_class_key(schedule)) if schedule is not None else None
-        if png is not None or self._worker is None:
-            self._put_schedule(request, png if png is not None else self._schedule_picture(self._schedule(rank)),
-                               schedule or self._schedule(rank))
-            return
-        self.schedule_note.value = f"<small>planning and drawing rank {rank}'s schedule ...</small>"
+        if png is not None:
+            self._put_schedule(request, png, schedule)
+        elif self._worker is None:
+            self._put_planned(request, self._planned(request))
+        else:
+            self.schedule_note.value = f"<small>planning and drawing rank {rank}'s schedule ...</small>"
+            self._worker.submit(("schedule", *request), lambda: self._planned(request),
+                                lambda planned: self._put_planned(request, planned))
 
-        def work() -> tuple[Any, bytes]:
-            found = self._schedule(rank, *request[:2])
-            return found, self._schedule_picture(found)
+    def _planned(self, request: tuple) -> tuple[Any, bytes] | str:
+        """The schedule of ``request`` (policy, budget, rank) and its picture, or the text of the PlanError
+        saying why the layout cannot take that policy (shown in the note: never raised into a change handler
+        or the background thread)."""
+        failed = self._plan_errors.get(request)
+        if failed is not None:
+            return failed
+        policy, budget, rank = request
+        try:
+            schedule = self._schedule(rank, policy, budget)
+        except PlanError as exc:
+            self._plan_errors[request] = str(exc)
+            return str(exc)
+        return schedule, self._schedule_picture(schedule)
 
-        self._worker.submit(("schedule", *request), work,
-                            lambda result: self._put_schedule(request, result[1], result[0]))
+    def _put_planned(self, request: tuple, planned: tuple[Any, bytes] | str) -> None:
+        if isinstance(planned, str):
+            self._put_plan_error(request, planned)
+        else:
+            self._put_schedule(request, planned[1], planned[0])
+
+    def _put_plan_error(self, request: tuple, error: str) -> None:
+        if request != self._wanted:
+            return  # the controls moved on
+        # the picture under the note is another policy's (or rank's): cleared and hidden, not passed off as this one's
+        self.schedule_image.value = b""
+        self.schedule_image.layout.display = "none"
+        self.schedule_note.value = _warn(f"no schedule for rank {request[2]} under {request[0]}: {error}")
 
     def _put_schedule(self, request: tuple, png: bytes, schedule: Any) -> None:
         if request != self._wanted:
             return  # the controls moved on
         self._set_image(self.schedule_image, png)
+        self.schedule_image.layout.display = None
         # no rank in the text: while it stays the same (one shape class) a rank change sends nothing
         self.schedule_note.value = (
             f"<small>{schedule.num_calls} call(s), predicted peak {_style.format_bytes(schedule.peak_bytes)} "
