@@ -351,14 +351,21 @@ def _resolve_write_mode(write_mode: str, comm: Communicator, seen: Sequence[tupl
 
 
 def _finish_pending() -> None:
-    """Finish this process's earlier async saves, oldest first; the first failure is raised here."""
+    """Finish this process's earlier async saves, oldest first; the first failure is raised here. An interrupt
+    (``KeyboardInterrupt``, ``SystemExit``) is raised as it is, once every save is finished: the peers finish each of
+    them too, so skipping one would leave them waiting."""
     first: BaseException | None = None
+    interrupt: BaseException | None = None
     while _PENDING:
         handle = _PENDING[0]
         try:
             handle.wait()
         except BaseException as exc:
             first = first or exc
+            if interrupt is None and not isinstance(exc, Exception):
+                interrupt = exc
+    if interrupt is not None:
+        raise interrupt
     if first is not None:
         raise SaveFailed(
             f"an earlier async save failed, so this save was not started:\n{first}", getattr(first, "problems", ())
