@@ -142,7 +142,8 @@ def save_hf(
             float8 tensor is refused: its raw values mean nothing without their block scales (save
             ``workbench.io.hf.fp8.dequantized_state`` instead). Refused on every rank; nothing is published.
         config_files: files copied next to the weights (config.json, tokenizer files...); a name that is one of
-            the files the save writes (the index, a weight file) is refused.
+            the files the save writes (the index, a weight file) is refused. They are read during the call (an
+            async save publishes them as they were then, whatever the working directory is at ``wait()``).
         max_writers: cap on the number of ranks that write files (default: every rank may write); the allowed
             ranks are spread over the world (``writer_pool``; rank 0 always among them). Honored in every write
             mode: the other ranks open no file. In direct mode their pieces are gathered to the allowed writers,

@@ -22,9 +22,11 @@ exchange (every peer raises ``SaveFailed`` naming it), and then raises it again.
 from __future__ import annotations
 
 import contextlib
-import shutil
+import os
+import stat
 import time
 from collections.abc import Mapping, Sequence
+from dataclasses import dataclass
 from functools import partial
 from pathlib import Path
 from typing import Any
@@ -94,7 +96,9 @@ class SaveSession:
         self.layout, self.path, self.comm, self.start = layout, path, comm, start
         self.rank = comm.rank
         self.max_shard_bytes = max_shard_bytes
-        self.config_files = [Path(c) for c in config_files]
+        # absolute now, read by rank 0 at planning (``ConfigCopy``): an async save publishes after the call returns
+        self.config_files = [Path(os.path.abspath(c)) for c in config_files]
+        self.config_copies: list[ConfigCopy] = []
         self.in_flight_bytes = in_flight_bytes
         self.snapshot = snapshot
         self.clock = SaveClock()
@@ -162,6 +166,8 @@ class SaveSession:
                 gather_scratch=getattr(self.comm, "gather_scratch", False), max_shard_bytes=self.max_shard_bytes,
                 config_files=self.config_files,
             )
+            if self.rank == 0:  # the one rank that publishes them
+                self.config_copies = [ConfigCopy.read(c) for c in self.config_files]
             self._prepare()
             fault_point("plan", self.rank)
         except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word at the agreement
@@ -386,8 +392,8 @@ class SaveSession:
         write_index(temporary, self.planned.file_plan,
                     {"workbench_version": self.metadata["workbench_version"], "layout": self.metadata["layout"]})
         write_checkpoint_layout(self.layout, temporary)  # so diagnose can name the ranks that wrote a region
-        for config in self.config_files:
-            shutil.copy2(config, temporary / config.name)
+        for config in self.config_copies:
+            config.write_into(temporary)
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.publisher.finalize(verify=True)
@@ -460,6 +466,36 @@ class SaveSession:
                 self.checkpoint_files.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigCopy:
+    """A config file as it was when ``save_hf`` was called: its name, bytes, permission bits and times. An async
+    save publishes after the call returns, when the file may have changed, or the working directory a relative
+    name meant; what it publishes is what the call saw."""
+
+    name: str
+    data: bytes
+    mode: int
+    times_ns: tuple[int, int]
+
+    @classmethod
+    def read(cls, path: Path) -> ConfigCopy:
+        """Read ``path`` now; CheckpointError naming it when it cannot be read."""
+        try:
+            with open(path, "rb") as file:
+                found = os.fstat(file.fileno())
+                data = file.read()
+        except OSError as exc:
+            raise CheckpointError(f"config file {path} cannot be read: {exc.strerror or exc}") from None
+        return cls(path.name, data, stat.S_IMODE(found.st_mode), (found.st_atime_ns, found.st_mtime_ns))
+
+    def write_into(self, directory: Path) -> None:
+        """Write the file into ``directory`` as it was read (``shutil.copy2`` of the file at the call)."""
+        target = directory / self.name
+        target.write_bytes(self.data)
+        os.chmod(target, self.mode)
+        os.utime(target, ns=self.times_ns)
 
 
 def _write_key(writer: StreamWriter, key: str, copy: HostCopy) -> int:
