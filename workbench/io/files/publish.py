@@ -106,6 +106,23 @@ def _shown(names: Iterable[str], most: int = 4) -> str:
     return ", ".join(ordered[:most]) + (", ..." if len(ordered) > most else "")
 
 
+def _devices(final: Path) -> tuple[int, int]:
+    """The filesystem (``st_dev``) of the directory at ``final`` (a symbolic link's own) and that of its parent,
+    where the temporary directory is made."""
+    return os.lstat(final).st_dev, os.stat(final.parent).st_dev
+
+
+def _elsewhere(final: Path) -> str | None:
+    """Why the existing directory ``final`` cannot be replaced by one made in its parent, or None: a directory is
+    never renamed or exchanged over a mount point (EBUSY) or across filesystems (EXDEV)."""
+    if os.path.ismount(final):
+        return "it is a mount point (a volume mounted at that path)"
+    here, parent = _devices(final)
+    if here != parent:
+        return "it is on another filesystem than its parent directory"
+    return None
+
+
 @functools.cache
 def _renameat2() -> Any:
     """libc's ``renameat2`` (glibc >= 2.28), or None."""
@@ -231,10 +248,12 @@ class AtomicRenamePublisher:
         to ``NAME`` when ``NAME`` is missing, and is deleted when ``NAME`` exists. Calling it again starts over.
 
         Raises:
-            CheckpointError: ``final`` exists and is not a directory, or is a directory that is not a checkpoint
-                (``not_a_checkpoint``: a save would delete what it holds), or its parent is missing or not
-                writable; or ``temporary`` belongs to a live save (of this process, or of another whose heartbeat
-                is fresh: its host, pid, job and heartbeat age are named); or the directory cannot be made.
+            CheckpointError: ``final`` exists and is not a directory, or is a mount point or on another filesystem
+                than its parent (no rename could publish there: refused before any data is written), or is a
+                directory that is not a checkpoint (``not_a_checkpoint``: a save would delete what it holds), or its
+                parent is missing or not writable; or ``temporary`` belongs to a live save (of this process, or
+                of another whose heartbeat is fresh: its host, pid, job and heartbeat age are named); or the
+                directory cannot be made.
         """
         final, parent = self._final, self._final.parent
         if not parent.is_dir():
@@ -245,6 +264,12 @@ class AtomicRenamePublisher:
             raise CheckpointError(
                 f"cannot save to {final}: it exists and is a file, not a checkpoint directory; "
                 "move it away or choose another path"
+            )
+        if final.is_dir() and (why := _elsewhere(final)) is not None:
+            raise CheckpointError(
+                f"cannot save to {final}: {why}; a save writes its files into {self.temporary}, in the parent "
+                "directory, and publishes by renaming that directory over the path, which cannot be done over a "
+                f"mount point or across filesystems: save to a subdirectory of it instead (e.g. {final / 'checkpoint'})"
             )
         if final.is_dir() and (why := not_a_checkpoint(final)) is not None:
             raise CheckpointError(
