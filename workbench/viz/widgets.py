@@ -36,6 +36,9 @@ __all__ = ["Explorer", "explore"]
 _BUDGETS = ("unbounded", "1/64", "1/16", "1/4", "1/2")  # fractions of the largest tensor's gathered bytes
 _WHOLE = "(whole tensor)"
 _SCALE = _style.HIDPI  # PNG pixels per CSS pixel
+# pictures kept, least recently shown leave first: the offsets and mesh pictures of about the last 8 parameters
+# (each ~14 MiB on DeepSeek-V3: canvases at twice their size, PNGs, marks), so going back a few is instant
+_KEEP_PICTURES = 16
 # once, in the title (a <style> in the per-rank value would restyle the page on every change): the overlay lets
 # clicks through to the pictures under it, except on its text
 _OVERLAY_STYLE = ("<style>.workbench-rank{pointer-events:none}.workbench-rank .wb-text{pointer-events:auto;"
@@ -76,7 +79,7 @@ class Explorer:
             raise ValueError(f"explore: {param!r} is not a parameter of {layout!r}")
         rank = _start_rank(mesh, rank)  # a clear error for a rank outside the mesh
         self._ranks = sorted(mesh.all_ranks())  # the rank slider's stops, in order
-        self._pictures: dict[tuple, Any] = {}
+        self._pictures: OrderedDict[tuple, Any] = OrderedDict()  # least recently shown first
         self._schedules: dict[tuple, Any] = {}
         self._schedule_png: dict[tuple, bytes] = {}
         # why a (policy, budget, rank) cannot be planned: its text only (an exception's traceback keeps the
@@ -345,22 +348,26 @@ class Explorer:
         self._stage = placed
 
     def _offsets_picture(self, name: str, key: str | None) -> Any:
-        cache = ("offsets", name, key)
-        picture = self._pictures.get(cache)
-        if picture is None:
-            picture = _OffsetsPicture(self.layout.specs[name], key)
-            self._pictures[cache] = picture
-        return picture
+        return self._kept_picture(("offsets", name, key), lambda: _OffsetsPicture(self.layout.specs[name], key))
 
     def _mesh_picture(self, name: str) -> Any:
-        cache = ("mesh", name)
-        picture = self._pictures.get(cache)
-        if picture is None:
+        def draw() -> _MeshPicture:
             from workbench.viz.mesh_figure import plot_mesh
 
-            fig = plot_mesh(self.layout.mesh, self.layout.specs[name], figsize=(5.2, 3.6))
-            picture = _MeshPicture(fig)
-            self._pictures[cache] = picture
+            return _MeshPicture(plot_mesh(self.layout.mesh, self.layout.specs[name], figsize=(5.2, 3.6)))
+
+        return self._kept_picture(("mesh", name), draw)
+
+    def _kept_picture(self, cache: tuple, draw: Callable[[], Any]) -> Any:
+        """The picture kept under ``cache``, else the one ``draw()`` makes. The last ``_KEEP_PICTURES`` used are
+        kept, whole; the least recently used leave first, so the ones on screen (used by every refresh, and drawn
+        on ahead by the background thread) never do."""
+        picture = self._pictures.get(cache)
+        if picture is None:
+            picture = self._pictures[cache] = draw()
+        self._pictures.move_to_end(cache)
+        while len(self._pictures) > _KEEP_PICTURES:
+            self._pictures.popitem(last=False)
         return picture
 
     def _heat_png(self) -> bytes:
