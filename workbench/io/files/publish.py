@@ -3,9 +3,11 @@
 Mechanism, on one POSIX filesystem:
 
 * ``final`` does not exist: ``rename(temporary, final)``, atomic by POSIX.
-* ``final`` exists: Linux ``renameat2(temporary, final, RENAME_EXCHANGE)`` swaps the two directories in one
-  step (readers see the old checkpoint or the new one, never neither), then the old one, now at the
-  temporary path, is deleted.
+* ``final`` exists: the temporary is renamed to a name of this publisher's own (``.NAME.replaced-PID-ID.incomplete``),
+  then Linux ``renameat2(that, final, RENAME_EXCHANGE)`` swaps the two directories in one step (readers see the old
+  checkpoint or the new one, never neither), and the old one, now at that name, is deleted. Never at
+  ``.NAME.incomplete``: there another save to ``final`` would take it for a dead save's, delete it and start its
+  own, which this cleanup would then delete.
 * Without ``renameat2`` (not Linux, kernel < 3.15, a filesystem that refuses the flag): ``final`` is renamed
   aside to ``.NAME.old``, the temporary renamed to ``final``, then the old one deleted. **Window:** between
   the two renames ``final`` does not exist; a crash there leaves the old checkpoint complete at
@@ -25,6 +27,7 @@ import functools
 import os
 import re
 import shutil
+import uuid
 import warnings
 import weakref
 from collections.abc import Iterable
@@ -171,6 +174,15 @@ def _fsync_tree(root: Path, *, skip: str = MARKER_NAME) -> int:
     return count
 
 
+def _identity(path: Path) -> tuple[int, int] | None:
+    """``path``'s own (device, inode), or None when nothing is there."""
+    try:
+        found = os.lstat(path)
+    except FileNotFoundError:
+        return None
+    return found.st_dev, found.st_ino
+
+
 def _remove(path: Path) -> None:
     if path.is_dir() and not path.is_symlink():
         shutil.rmtree(path)
@@ -223,6 +235,7 @@ class AtomicRenamePublisher:
         self.heartbeat_period = float(heartbeat_period)
         self._claim: LiveClaim | None = None
         self._heartbeat: Heartbeat | None = None
+        self._moved: Path | None = None  # where the new checkpoint lies, unpublished, once it left ``temporary``
 
     @property
     def final(self) -> Path:
@@ -417,12 +430,10 @@ class AtomicRenamePublisher:
                     f"({why}); it was left as it is, and the new checkpoint was not published")
             else:
                 carried = self._carry_other_files(temporary, final)
-                if self.use_exchange and exchange_paths(temporary, final):
-                    fsync_dir(final.parent)
-                    if self._carry_late_files(temporary, final, carried):
-                        self._discard(temporary)  # the old checkpoint, swapped to the temporary name
+                if self.use_exchange:
+                    self._publish_by_exchange(carried)
                 else:
-                    self._publish_by_rename_aside(carried)
+                    self._publish_by_rename_aside(temporary, carried)
             (final / MARKER_NAME).unlink(missing_ok=True)  # it belonged to the unpublished directory only
             fsync_dir(final)  # the marker's removal, durable with the publish
             fsync_dir(final.parent)
@@ -459,13 +470,13 @@ class AtomicRenamePublisher:
         return carried
 
     @staticmethod
-    def _carry_late_files(old: Path, final: Path, carried: dict[str, tuple[int, int]]) -> bool:
+    def _carry_late_files(old: Path, final: Path, carried: dict[str, tuple[int, int]]) -> list[str]:
         """After the publish, before the replaced checkpoint ``old`` is deleted: move into ``final`` the files
         written into the folder since ``_carry_other_files`` looked (a tokenizer saved, a ``config.json`` replaced
         by its writer meanwhile). A file the new checkpoint holds itself is never replaced; one carried earlier is,
         where its name now holds another file. A writer that resolved the folder's path before the publish and
-        writes after this look still writes into ``old``: the window is this function's. The publish is done, so a
-        file that cannot be moved is a warning, not an error: False, and ``old`` must be kept (it holds the file)."""
+        writes after this look still writes into ``old``: the window is this function's. Returns the files that could
+        not be moved (each with why): the publish is done, so they are a warning, and ``old`` must be kept."""
         moved, left = False, []
         try:
             with os.scandir(old) as entries:
@@ -487,43 +498,108 @@ class AtomicRenamePublisher:
                 fsync_dir(final)
         except OSError as exc:
             left.append(f"the folder could not be read again ({exc.strerror or exc})")
-        if left:
-            warnings.warn(
-                f"published {final}, but files written into it while the save published could not be moved into "
-                f"it: {', '.join(left)}. They are left in {old}, the replaced checkpoint, which the next save to "
-                f"{final} or clean_incomplete removes: move them out now", stacklevel=4)
-        return not left
+        return left
 
-    def _publish_by_rename_aside(self, carried: dict[str, tuple[int, int]]) -> None:
+    def _publish_by_exchange(self, carried: dict[str, tuple[int, int]]) -> None:
+        """Swap the new checkpoint in with ``renameat2(RENAME_EXCHANGE)`` (rename-aside where the filesystem refuses
+        the flag), then dispose of the old one.
+
+        The new checkpoint first leaves ``temporary`` for a name of this publisher's own, so the exchange puts the
+        old one there: at ``.NAME.incomplete``, without an owner marker, another process's save to ``final`` would
+        take it for a dead save's, delete it and start its own there, which this cleanup would then delete."""
+        final, replaced = self._final, self._replaced_path()
+        old = _identity(final)
+        claim = LiveClaim(replaced)  # this process's clean_incomplete must not take our marker there for a leftover
+        try:
+            os.rename(self.temporary, replaced)  # ``temporary`` is free for the next save from here on
+            self._moved = replaced
+            if not exchange_paths(replaced, final):  # no renameat2, or a filesystem that refuses the flag
+                self._publish_by_rename_aside(replaced, carried)
+                return
+            self._moved = None
+            fsync_dir(final.parent)
+            if not replaced.is_symlink():  # the old checkpoint: held live while it is disposed of (a link: no
+                with contextlib.suppress(OSError):  # save deletes what it points to, so no marker goes there)
+                    write_owner(replaced, period=self.heartbeat_period)
+            self._dispose(replaced, old, carried)
+        finally:
+            claim.release()
+
+    def _replaced_path(self) -> Path:
+        """A new name of this publisher's own beside ``final``, shaped as a temporary's, so that what a crash leaves
+        there is listed by ``latest_checkpoint`` and removed by ``clean_incomplete``."""
+        unique = f"{os.getpid()}-{uuid.uuid4().hex[:12]}"
+        return self._final.with_name(f".{self._final.name}.replaced-{unique}{INCOMPLETE_SUFFIX}")
+
+    def _publish_by_rename_aside(self, source: Path, carried: dict[str, tuple[int, int]]) -> None:
         final, aside = self._final, self.aside
         _remove(aside)
+        old = _identity(final)
         os.rename(final, aside)
         # window: `final` is missing until the next rename; a crash here is repaired by prepare()
-        os.rename(self.temporary, final)
+        os.rename(source, final)
+        self._moved = None
         fsync_dir(final.parent)
-        if self._carry_late_files(aside, final, carried):
-            self._discard(aside)
+        self._dispose(aside, old, carried)
+
+    def _dispose(self, old: Path, identity: tuple[int, int] | None, carried: dict[str, tuple[int, int]]) -> None:
+        """After the publish: move the files written meanwhile out of the replaced checkpoint ``old``, then delete
+        it. The publish already happened, so what stops either is a warning, and ``old`` is handed over."""
+        left = self._carry_late_files(old, self._final, carried)
+        failed = None if left else self._discard(old, identity)
+        if not left and failed is None:
+            return
+        kept = self._hand_over(old)
+        if left:
+            warnings.warn(
+                f"published {self._final}, but files written into it while the save published could not be moved "
+                f"into it: {', '.join(left)}. They are left in {kept}, the replaced checkpoint, which the next save "
+                f"to {self._final} or clean_incomplete removes: move them out now", stacklevel=5)
+        else:
+            warnings.warn(f"published, but the replaced checkpoint at {kept} could not be deleted: {failed}",
+                          stacklevel=5)
 
     @staticmethod
-    def _discard(old: Path) -> None:
-        """Delete the replaced checkpoint; the publish already happened, so a failure only warns."""
+    def _discard(old: Path, identity: tuple[int, int] | None) -> str | None:
+        """Delete the replaced checkpoint at ``old`` if it is still the directory that was published
+        (``identity``: its device and inode), never another found at that name; why it could not be, or None."""
         try:
             fault_point("cleanup", 0)
-            _remove(old)
+            if identity is not None and _identity(old) == identity:
+                _remove(old)
         except Exception as exc:
-            warnings.warn(f"published, but the replaced checkpoint at {old} could not be deleted: {exc}", stacklevel=3)
+            return str(exc)
+        return None
+
+    def _hand_over(self, old: Path) -> Path:
+        """Leave the replaced checkpoint ``old``, kept, to the next save's cleanup, and return where it lies: at
+        ``.NAME.old`` (``prepare`` removes it), or moved to ``temporary`` without an owner marker (the next save to
+        ``final`` removes it; where another save holds that name, it stays at ``old``, stale, for
+        ``clean_incomplete``)."""
+        if old == self.aside:
+            return old
+        with contextlib.suppress(OSError):
+            if not old.is_symlink():
+                (old / MARKER_NAME).unlink(missing_ok=True)
+            if not os.path.lexists(self.temporary):
+                os.rename(old, self.temporary)
+                return self.temporary
+        return old
 
     def abort(self) -> None:
         """Remove ``temporary`` and let go of it; ``final`` is left untouched. Safe to call twice. A temporary
         this publisher did not prepare is removed only when stale: another save's live directory is left alone."""
-        if self._claim is None and os.path.lexists(self.temporary) and incomplete_save(self.temporary).live:
+        # a publish that failed after the new checkpoint left ``temporary``: that name is no longer this save's
+        unpublished, self._moved = self._moved or self.temporary, None
+        if (unpublished == self.temporary and self._claim is None and os.path.lexists(unpublished)
+                and incomplete_save(unpublished).live):
             return
         if self._heartbeat is not None:
             self._heartbeat.stop()
         try:
-            _remove(self.temporary)
+            _remove(unpublished)
         except OSError as exc:
-            raise CheckpointError(f"cannot remove the temporary directory {self.temporary}: {exc}") from exc
+            raise CheckpointError(f"cannot remove the temporary directory {unpublished}: {exc}") from exc
         finally:
             self._release()
 
