@@ -170,3 +170,31 @@ def test_a_save_of_another_process_started_during_the_cleanup_is_not_deleted(tmp
                 proc.kill()
     assert second[0].returncode == 0 and output.strip().endswith("published"), output
     assert _value(final) == 3.0  # the second save, published after the first
+
+
+def test_the_next_save_removes_a_replaced_checkpoint_whose_deleter_died_and_keeps_a_live_one(tmp_path: Path) -> None:
+    # a publisher killed while it deleted the old checkpoint leaves it at its private name: a whole checkpoint of
+    # disk that only clean_incomplete found
+    import json
+
+    final = tmp_path / "ckpt"
+    _save(final, OLD)
+    dead, live = (tmp_path / f".ckpt.replaced-{n}-0123456789ab.incomplete" for n in (1, 2))
+    for leftover in (dead, live):
+        save_checkpoint(leftover, OLD)
+    from workbench.io.files.ownership import LiveClaim, write_owner
+
+    write_owner(live)  # held by this process, as a publisher holds the one it deletes
+    claim = LiveClaim(live)
+    child = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    marker = write_owner(dead)
+    body = json.loads(marker.read_text())
+    marker.write_text(json.dumps({**body, "pid": int(child.stdout)}))  # a process of this host that has ended
+    other = tmp_path / ".other.replaced-3-0123456789ab.incomplete"  # another checkpoint's: not this save's to judge
+    other.mkdir()
+    try:
+        _save(final, NEW)
+    finally:
+        claim.release()
+    assert not dead.exists() and live.is_dir() and other.is_dir()
+    assert torch.equal(CheckpointReader(final).read("w"), NEW["w"])

@@ -291,6 +291,7 @@ class AtomicRenamePublisher:
                 "path (a subdirectory, say) or move what it holds away"
             )
         self._repair_aside()
+        self._remove_dead_replaced()
         self._release()  # a second prepare starts over: what this publisher made is now a stale leftover
         temporary = self.temporary
         try:
@@ -366,6 +367,20 @@ class AtomicRenamePublisher:
         """Stop the heartbeat and let go of ``temporary`` (idempotent)."""
         _let_go(self._claim, self._heartbeat)
         self._claim = self._heartbeat = None
+
+    def _remove_dead_replaced(self) -> None:
+        """Remove the replaced checkpoints that publishers killed while deleting them left beside ``final``
+        (``.NAME.replaced-*.incomplete``), once their owner is gone (the liveness rule of ``io/files/ownership.py``):
+        each is a whole old checkpoint's worth of disk. One being deleted now is live and is left alone."""
+        name, suffix = re.escape(self._final.name), re.escape(INCOMPLETE_SUFFIX)
+        pattern = re.compile(rf"\.{name}\.replaced-[0-9]+-[0-9a-f]+{suffix}")
+        with contextlib.suppress(OSError):
+            for entry in os.scandir(self._final.parent):
+                if pattern.fullmatch(entry.name):
+                    found = incomplete_save(Path(entry.path))
+                    if not found.live:
+                        with contextlib.suppress(OSError):
+                            remove_if_stale(found)
 
     def _repair_aside(self) -> None:
         aside = self.aside
