@@ -23,7 +23,7 @@ from workbench.debug.integrity import scan_for_findings
 from workbench.debug.provenance import held_by, same_shape, written_from
 from workbench.debug.renames import find_renames, rename_hint
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, CheckpointSource, KeyMeta, Source
-from workbench.debug.transforms import Hint
+from workbench.debug.transforms import Hint, gate_up_groups, gate_up_hints
 from workbench.debug.views import TensorView
 from workbench.errors import LayoutError
 from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
@@ -495,7 +495,9 @@ def compare_sources(
             av = TensorView(act, tuple(act_of[k] for k in keys), name)
             if rv.dtype is None or av.dtype is None or rv.shape != av.shape or rv.dtype != av.dtype:
                 continue
-            finding = analyze_pair(rv, av, hints[keys[0]][0], block_bytes)
+            groups = gate_up_groups(keys)  # the layout's word on where gate and up are: its fused keys' order
+            fused_hints = (Hint(spec.fused_dim, 1, gate_up=groups),) if groups else ()
+            finding = analyze_pair(rv, av, (*hints[keys[0]][0], *fused_hints), block_bytes)
             if finding.transform is not None:
                 data_findings.append((finding, [(k, act_of[k]) for k in keys]))
                 handled.update(keys)
@@ -505,7 +507,7 @@ def compare_sources(
         try:
             finding = _misplaced(rk, ak, ref_fp, act_fp, act_of)
             if finding is None:
-                key_hints = hints.get(rk, ((), ""))[0]
+                key_hints = (*hints.get(rk, ((), ""))[0], *gate_up_hints(rk, ref_metas[rk].shape))
                 finding = analyze_pair(TensorView(ref, (rk,), rk), TensorView(act, (ak,), ak), key_hints, block_bytes)
                 if finding.transform is None and ref_metas[rk] == act_metas[ak]:
                     finding = _misplaced_halves(rk, ak, ref_fp, act_fp) or finding

@@ -13,9 +13,15 @@ contiguous treated as       ``permuted``               the inverse
 interleaved (W, F)
 wrong rank order            ``permuted``               reversed, the two mesh dims of W swapped, or
                                                        string-sorted (rank 10 before rank 2)
+layout's cuts gathered in   ``permuted``               the ranks of two or more cuts on one dim ordered
+another mesh-dim order                                 by another mesh dim first (fsdp-major, not ep-major)
 interleave applied twice    ``permuted``               the interleave's map composed with itself
 one shard in every slot     ``partial_shard``          every block holds reference block ``k``
-gate/up halves swapped      ``permuted``               halves swapped (in each of k groups)
+gate/up halves swapped      ``permuted``               halves swapped (in each of k groups), only where gate
+                                                       and up are two halves on that dim (the layout's
+                                                       fused keys, or the key's name and shape); a map that
+                                                       is also two shards reversed names both readings
+two halves swapped          ``permuted``               the same map anywhere else (no gate/up claimed)
 gate/up rows interleaved    ``permuted``               row ``2i + h`` holds row ``h*N/2 + i`` (or the inverse)
 q/k/v in another order      ``permuted``               three parts of N*m/(m+2), N/(m+2), N/(m+2) reordered
 transposed                  ``permuted``               ``actual = reference.T``
@@ -26,23 +32,25 @@ a piece no split gives      ``shape_mismatch``         slices ``a:b`` of the ref
 padding not trimmed         ``padding_not_trimmed``    ``i -> i`` for ``i < N``, then padding
 ==========================  =========================  ==========================================
 
-A candidate is reported only when the data matches it exactly (bit for bit, streamed in blocks).
+A candidate is reported only when the data matches it exactly (bit for bit, streamed in blocks). With a layout's
+cuts, an interleaved shard is claimed only on a dim the layout cuts with one.
 """
 
 from __future__ import annotations
 
 import math
 import re
-from collections.abc import Iterator, Sequence
+from collections.abc import Iterable, Iterator, Sequence
 from dataclasses import dataclass, replace
+from itertools import chain, permutations, product
 
 import torch
 
 from workbench.debug.signatures import Signatures
 from workbench.debug.views import TensorView, bits
 
-__all__ = ["Candidate", "Hint", "chunk_shard", "on_dim", "resized_candidates", "same_length_candidates", "verify_map",
-           "verify_transpose"]
+__all__ = ["Candidate", "Hint", "chunk_shard", "gate_up_groups", "gate_up_hints", "on_dim", "resized_candidates",
+           "same_length_candidates", "verify_map", "verify_transpose"]
 
 SMALL_W = (2, 3, 4, 6, 8, 16, 32, 64)
 SMALL_F = (2, 3, 4, 8)
@@ -50,12 +58,15 @@ SMALL_F = (2, 3, 4, 8)
 
 @dataclass(frozen=True, slots=True)
 class Hint:
-    """A cut the layout knows for a parameter: ``dim``, group size ``world``, interleave ``factor``, mesh dim."""
+    """What is known of one dim of a parameter: a cut of the layout (``dim``, group size ``world``, interleave
+    ``factor``, mesh dim); or, with ``gate_up`` > 0 and ``world`` 1, that gate and up lie on ``dim`` as two halves in
+    each of ``gate_up`` groups (the layout's fused [gate; up] keys, or ``gate_up_hints``)."""
 
     dim: int
     world: int
     factor: int = 1
     mesh_dim: str = ""
+    gate_up: int = 0
 
 
 @dataclass(frozen=True, slots=True)
@@ -82,24 +93,70 @@ def _block_map(n: int, order: Sequence[int], groups: int = 1) -> torch.Tensor:
 
 
 def _pairs(n: int, hints: Sequence[Hint], dim: int) -> Iterator[tuple[int, int, str, int]]:
-    """``(W, F, mesh dim, G)``: the layout's cuts on ``dim`` first (G = product of the cuts made before it on
-    that dim, inside whose pieces it applies), then small factors with G in 1, 2, 4, 8."""
-    seen = set()
+    """``(W, F, mesh dim, G)``: the layout's cuts on ``dim`` first, then small factors."""
+    seen: set[tuple[int, int, int]] = set()
+    yield from _layout_pairs(n, hints, dim, seen)
+    yield from _small_pairs(n, dim, seen, _may_interleave(hints, dim))
+
+
+def _layout_pairs(n: int, hints: Sequence[Hint], dim: int, seen: set[tuple[int, int, int]]
+                  ) -> Iterator[tuple[int, int, str, int]]:
+    """The layout's cuts on ``dim`` as ``(W, F, mesh dim, G)``, G = 1 and G = the product of the cuts made before it
+    on that dim (inside whose pieces it applies); each ``(W, F, G)`` yielded is added to ``seen``."""
     outer = 1
     for h in hints:
-        if h.dim != dim:
+        if h.dim != dim or h.world < 2:
             continue
         for g in dict.fromkeys((outer, 1)):
-            if h.world > 1 and (h.world, h.factor, g) not in seen and n % (g * h.world * h.factor) == 0:
+            if (h.world, h.factor, g) not in seen and n % (g * h.world * h.factor) == 0:
                 seen.add((h.world, h.factor, g))
                 yield h.world, h.factor, h.mesh_dim, g
         outer *= h.world
+
+
+def _small_pairs(n: int, dim: int, seen: set[tuple[int, int, int]], interleave: bool
+                 ) -> Iterator[tuple[int, int, str, int]]:
+    """Small factors W (and F, only where ``interleave``) with G in 1, 2, 4, 8, those not in ``seen``."""
     for g in (1, 2, 4, 8):
         for w in SMALL_W:
-            for f in (1, *SMALL_F):
+            for f in (1, *SMALL_F) if interleave else (1,):
                 if (w, f, g) not in seen and g * w * f <= n and n % (g * w * f) == 0:
                     seen.add((w, f, g))
                     yield w, f, "", g
+
+
+def _may_interleave(hints: Sequence[Hint], dim: int) -> bool:
+    """Whether an interleaved shard may be named on ``dim``: without the layout's cuts, yes; with them, only where one
+    of its cuts on ``dim`` is interleaved (a cut the layout does not make is not how the tensor was sharded)."""
+    cuts = [h for h in hints if h.world > 1]
+    return not cuts or any(h.dim == dim and h.factor > 1 for h in cuts)
+
+
+_GATE_UP_KEY = re.compile(r"gate_up|w13|w1w3|w1_w3")
+_GATE_UP_PARTS = ({"gate_proj", "up_proj"}, {"w1", "w3"}, {"gate", "up"})
+
+
+def gate_up_hints(key: str, shape: Sequence[int]) -> tuple[Hint, ...]:
+    """Where a key's name says gate and up are fused in it (``gate_up_proj``, ``w13``): the dims on which they may be
+    two halves, either dim of a 2-d key, a trailing dim of a stacked one ([E, 2I, H] or [E, H, 2I]), never the expert
+    dim 0 of a stacked one (its halves are experts). A bare ``gate_proj`` holds no up half."""
+    if not _GATE_UP_KEY.search(key) or len(shape) < 2:
+        return ()
+    dims = range(2) if len(shape) == 2 else range(1, len(shape))
+    return tuple(Hint(d, 1, gate_up=1) for d in dims if shape[d] % 2 == 0)
+
+
+def gate_up_groups(keys: Sequence[str]) -> int:
+    """How many (gate, up) pairs a fused parameter's HF ``keys`` are, in order: each two neighbours the gate and the
+    up key of one module (``experts.3.gate_proj.weight``, ``experts.3.up_proj.weight``); 0 when they are not."""
+    if len(keys) < 2 or len(keys) % 2:
+        return 0
+    for a, b in zip(keys[::2], keys[1::2], strict=True):
+        x, y = a.split("."), b.split(".")
+        differ = [{p, q} for p, q in zip(x, y, strict=False) if p != q]
+        if len(x) != len(y) or len(differ) != 1 or differ[0] not in _GATE_UP_PARTS:
+            return 0
+    return len(keys) // 2
 
 
 _ROTARY_KEY = re.compile(r"(^|\.)(q_proj|k_proj|wq|wk)\.weight$")
@@ -150,77 +207,164 @@ def joined_words(world: int, cut: str, dim: int, other: int) -> tuple[str, str]:
 def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str,
                            sig_ref: torch.Tensor | None = None, sig_act: torch.Tensor | None = None
                            ) -> Iterator[Candidate]:
-    """Permutations of ``n`` slices along ``dim`` that real gathers produce, layout hints first; with the slice
-    signatures, also "one rank's shard written into every rank's slot"."""
-    fusedish = any(s in key for s in ("gate_up", "w13", "w1w3", "fused", "gate_proj"))
-    if fusedish and n % 2 == 0:
-        yield _halves(n, dim, 1)
-        yield from _rows_interleaved(n, dim)
-    if _QKV_KEY.search(key):
-        yield from _qkv_orders(n, dim)
-    if dim == 0 and _ROTARY_KEY.search(key):  # first: its map is also an interleaved shard's, by coincidence
-        yield from _rotary_candidates(n)
-    for w, f, mesh_dim, g in _pairs(n, hints, dim):
-        inside = f" inside each of {g} outer shards" if g > 1 else ""
-        details = (("world", w), ("factor", f), ("outer_shards", g))
-        if f > 1:
-            order = [j * w + r for r in range(w) for j in range(f)]
-            cut = f"IS({dim},{f}){_at(mesh_dim)} over {w} ranks"
-            yield _gathered_as_contiguous(n, dim, w, f, mesh_dim, g)
-            inverse = [0] * (w * f)
-            for q, src in enumerate(order):
-                inverse[src] = q
-            if fusedish and w == 2 and f > 2 and not mesh_dim:
-                # the same map as f ranks' [gate_r; up_r] gathered as rows: for a fused gate/up that is the bug
-                yield _gathered_as_contiguous(n, dim, f, 2, mesh_dim, g)
+    """Permutations of ``n`` slices along ``dim`` that real gathers produce: the layout's cuts first (each one, then
+    all of them on ``dim`` gathered in another mesh-dim order), then gate/up swaps (only where ``hints`` say gate and
+    up are two halves on ``dim``), q/k/v and rotary orders, then small factors; with the slice signatures, also "one
+    rank's shard written into every rank's slot"."""
+    seen: set[tuple[int, int, int]] = set()
+    groups = sorted({h.gate_up for h in hints if h.dim == dim and h.gate_up and n % (2 * h.gate_up) == 0})
+    gate_up = [_halves(n, dim, g, gate_up=True) for g in groups]
+    whole = 1 in groups  # gate and up are the two halves of the whole dim
+    layout = (c for w, f, mesh_dim, g in _layout_pairs(n, hints, dim, seen)
+              for c in _cut_candidates(n, dim, w, f, mesh_dim, g, whole, sig_ref, sig_act))
+    named = chain(gate_up, _rows_interleaved(n, dim) if whole else (),
+                  _qkv_orders(n, dim) if _QKV_KEY.search(key) else (),
+                  # before small factors: the rotary map is also an interleaved shard's, by coincidence
+                  _rotary_candidates(n) if dim == 0 and _ROTARY_KEY.search(key) else ())
+    small = (c for w, f, mesh_dim, g in _small_pairs(n, dim, seen, _may_interleave(hints, dim))
+             for c in _cut_candidates(n, dim, w, f, mesh_dim, g, whole, sig_ref, sig_act))
+    neutral = (_halves(n, dim, k) for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n % (2 * k) == 0)
+    candidates = chain(layout, _cut_orders(n, dim, hints), named, small, neutral)
+    yield from _gate_up_readings(candidates, gate_up, any(h.world > 1 for h in hints))
+
+
+def _gate_up_readings(candidates: Iterable[Candidate], gate_up: Sequence[Candidate], layout: bool
+                      ) -> Iterator[Candidate]:
+    """``candidates``, each gate/up swap said once and with both readings where two apply: halves swapped in each of
+    G groups is also two shards reversed inside each of G outer shards. A layout cut with that map names both; with no
+    layout cut on the parameter, the plain 2-way reversal is the other reading; later candidates with the map are
+    dropped."""
+    if not gate_up:
+        yield from candidates
+        return
+    said: set[int] = set()
+    for c in candidates:
+        i = next((i for i, h in enumerate(gate_up) if h is c or torch.equal(h.src, c.src)), None)
+        if i is None:
+            yield c
+        elif i not in said:
+            said.add(i)
+            halves = gate_up[i]
+            if c is not halves:
+                yield _both_readings(halves, c)
+            elif layout:
+                yield halves
             else:
-                yield Candidate("permuted", dim, _block_map(n, inverse, g),
-                                f"contiguous shards assembled as interleaved ({cut}{inside})",
-                                f"the tensor was cut contiguously but reassembled as if interleaved ({cut}): gather "
-                                "a plain Shard with plain concatenation",
-                                details)
-            for twice, how in (([order[o] for o in order], "gathered as contiguous"),
-                               ([inverse[o] for o in inverse], "undone")):
-                if twice not in (list(range(w * f)), order, inverse):
-                    yield Candidate("permuted", dim, _block_map(n, twice, g),
-                                    f"interleave {how} twice ({cut}{inside})",
-                                    f"the interleave of {cut} was {how} twice (a conversion applied on top of a save "
-                                    "that already did it, or a loop that converts every time): apply it once",
-                                    details)
-        else:
-            yield Candidate("permuted", dim, _block_map(n, list(range(w))[::-1], g),
-                            f"rank order reversed (S({dim}){_at(mesh_dim)} over {w} ranks{inside})",
-                            f"the {w} shards were concatenated in reverse rank order: gather in group-rank order",
+                yield _both_readings(halves, _reversed(n=len(c.src), dim=c.dim, w=2, mesh_dim="",
+                                                       g=dict(c.details)["groups"]))
+
+
+def _both_readings(halves: Candidate, cut: Candidate) -> Candidate:
+    """One map, two causes the data cannot tell apart: gate/up halves swapped, or a cut's shards reversed."""
+    return Candidate("permuted", cut.dim, cut.src, f"{halves.transform} or {cut.transform}: one map, two readings",
+                     f"two causes give this map and the data cannot tell them apart: {halves.hint}; or {cut.hint}. "
+                     "Check which of the two the conversion does", (*cut.details, *halves.details))
+
+
+def _reversed(n: int, dim: int, w: int, mesh_dim: str, g: int) -> Candidate:
+    """The ``w`` shards of a contiguous cut (in each of ``g`` outer pieces) concatenated in reverse rank order."""
+    inside = f" inside each of {g} outer shards" if g > 1 else ""
+    return Candidate("permuted", dim, _block_map(n, list(range(w))[::-1], g),
+                     f"rank order reversed (S({dim}){_at(mesh_dim)} over {w} ranks{inside})",
+                     f"the {w} shards were concatenated in reverse rank order: gather in group-rank order",
+                     (("world", w), ("factor", 1), ("outer_shards", g)))
+
+
+def _cut_candidates(n: int, dim: int, w: int, f: int, mesh_dim: str, g: int, whole_gate_up: bool,
+                    sig_ref: torch.Tensor | None, sig_act: torch.Tensor | None) -> Iterator[Candidate]:
+    """The gather bugs of one cut: ``w`` ranks, interleave ``f``, in each of ``g`` outer pieces."""
+    if f > 1:
+        return _interleaved_cut(n, dim, w, f, mesh_dim, g, whole_gate_up)
+    return _contiguous_cut(n, dim, w, mesh_dim, g, sig_ref, sig_act)
+
+
+def _interleaved_cut(n: int, dim: int, w: int, f: int, mesh_dim: str, g: int, whole_gate_up: bool
+                     ) -> Iterator[Candidate]:
+    inside = f" inside each of {g} outer shards" if g > 1 else ""
+    details = (("world", w), ("factor", f), ("outer_shards", g))
+    order = [j * w + r for r in range(w) for j in range(f)]
+    cut = f"IS({dim},{f}){_at(mesh_dim)} over {w} ranks"
+    yield _gathered_as_contiguous(n, dim, w, f, mesh_dim, g)
+    inverse = [0] * (w * f)
+    for q, src in enumerate(order):
+        inverse[src] = q
+    if whole_gate_up and w == 2 and f > 2 and not mesh_dim:
+        # the same map as f ranks' [gate_r; up_r] gathered as rows: for a fused gate/up that is the bug
+        yield _gathered_as_contiguous(n, dim, f, 2, mesh_dim, g)
+    else:
+        yield Candidate("permuted", dim, _block_map(n, inverse, g),
+                        f"contiguous shards assembled as interleaved ({cut}{inside})",
+                        f"the tensor was cut contiguously but reassembled as if interleaved ({cut}): gather "
+                        "a plain Shard with plain concatenation",
+                        details)
+    for twice, how in (([order[o] for o in order], "gathered as contiguous"),
+                       ([inverse[o] for o in inverse], "undone")):
+        if twice not in (list(range(w * f)), order, inverse):
+            yield Candidate("permuted", dim, _block_map(n, twice, g),
+                            f"interleave {how} twice ({cut}{inside})",
+                            f"the interleave of {cut} was {how} twice (a conversion applied on top of a save "
+                            "that already did it, or a loop that converts every time): apply it once",
                             details)
-            if w > 10:
-                yield Candidate("permuted", dim, _block_map(n, sorted(range(w), key=str), g),
-                                f"shards in string-sorted rank order (S({dim}){_at(mesh_dim)} over {w} ranks"
-                                f"{inside}: rank 10 before rank 2)",
-                                "the shard files or keys were sorted as strings ('rank_10' < 'rank_2'): sort them "
-                                "by rank number before concatenating",
-                                (*details, ("order", "string-sorted")))
-            repeated = _one_shard_everywhere(n, w, g, sig_ref, sig_act)
-            if repeated is not None:
-                yield Candidate("partial_shard", dim, _block_map(n, [repeated] * w, g),
-                                f"rank {repeated}'s shard written in every rank's slot (S({dim}){_at(mesh_dim)} over "
-                                f"{w} ranks{inside})",
-                                f"every rank wrote the piece of group rank {repeated} (the same local shard, or the "
-                                "same offset) instead of its own: each rank must write its own shard at its own "
-                                "offset",
-                                (*details, ("rank", repeated)))
-            for w1 in range(2, w):
-                if w % w1 == 0:
-                    w2 = w // w1
-                    order = [b * w1 + a for a in range(w1) for b in range(w2)]
-                    yield Candidate("permuted", dim, _block_map(n, order, g),
-                                    f"rank order of a {w1}x{w2} mesh read column-major (S({dim}) over {w} ranks"
-                                    f"{inside})",
-                                    f"the shards were ordered by the wrong mesh dim first ({w1}x{w2} read as "
-                                    f"{w2}x{w1}): order the gather by the mesh's row-major rank order",
-                                    (*details, ("mesh", f"{w1}x{w2}")))
-    for k in (1, 2, 4, 8, 16, 32, 64, 128, 256):
-        if n % (2 * k) == 0 and not (k == 1 and fusedish):
-            yield _halves(n, dim, k)
+
+
+def _contiguous_cut(n: int, dim: int, w: int, mesh_dim: str, g: int, sig_ref: torch.Tensor | None,
+                    sig_act: torch.Tensor | None) -> Iterator[Candidate]:
+    inside = f" inside each of {g} outer shards" if g > 1 else ""
+    details = (("world", w), ("factor", 1), ("outer_shards", g))
+    yield _reversed(n, dim, w, mesh_dim, g)
+    if w > 10:
+        yield Candidate("permuted", dim, _block_map(n, sorted(range(w), key=str), g),
+                        f"shards in string-sorted rank order (S({dim}){_at(mesh_dim)} over {w} ranks"
+                        f"{inside}: rank 10 before rank 2)",
+                        "the shard files or keys were sorted as strings ('rank_10' < 'rank_2'): sort them "
+                        "by rank number before concatenating",
+                        (*details, ("order", "string-sorted")))
+    repeated = _one_shard_everywhere(n, w, g, sig_ref, sig_act)
+    if repeated is not None:
+        yield Candidate("partial_shard", dim, _block_map(n, [repeated] * w, g),
+                        f"rank {repeated}'s shard written in every rank's slot (S({dim}){_at(mesh_dim)} over "
+                        f"{w} ranks{inside})",
+                        f"every rank wrote the piece of group rank {repeated} (the same local shard, or the "
+                        "same offset) instead of its own: each rank must write its own shard at its own "
+                        "offset",
+                        (*details, ("rank", repeated)))
+    for w1 in range(2, w):
+        if w % w1 == 0:
+            w2 = w // w1
+            order = [b * w1 + a for a in range(w1) for b in range(w2)]
+            yield Candidate("permuted", dim, _block_map(n, order, g),
+                            f"rank order of a {w1}x{w2} mesh read column-major (S({dim}) over {w} ranks"
+                            f"{inside})",
+                            f"the shards were ordered by the wrong mesh dim first ({w1}x{w2} read as "
+                            f"{w2}x{w1}): order the gather by the mesh's row-major rank order",
+                            (*details, ("mesh", f"{w1}x{w2}")))
+
+
+def _cut_orders(n: int, dim: int, hints: Sequence[Hint]) -> Iterator[Candidate]:
+    """The layout's contiguous cuts on ``dim`` (two or more, outer first) gathered with the ranks ordered by another
+    mesh dim first: fsdp-major where the layout cuts by ep first and by fsdp inside each ep piece."""
+    cuts = [h for h in hints if h.dim == dim and h.world > 1]
+    total = math.prod(h.world for h in cuts)
+    if len(cuts) < 2 or any(h.factor > 1 for h in cuts) or n % total:
+        return
+    names = [h.mesh_dim or f"cut {i + 1}" for i, h in enumerate(cuts)]
+    strides = [math.prod(h.world for h in cuts[i + 1 :]) for i in range(len(cuts))]  # block = sum(coord * stride)
+    for order in permutations(range(len(cuts))):
+        if list(order) == sorted(order):
+            continue
+        blocks = [sum(c * strides[i] for c, i in zip(coords, order, strict=True))
+                  for coords in product(*(range(cuts[i].world) for i in order))]  # the first of order slowest
+        wrong = [names[i] for i in order]
+        said = (f"{wrong[0]}-major instead of {names[0]}-major" if len(cuts) == 2
+                else f"in the mesh-dim order {', '.join(wrong)} instead of {', '.join(names)}")
+        yield Candidate("permuted", dim, _block_map(n, blocks),
+                        f"shards gathered {said} (dim {dim} cut by {', '.join(names)}, outer first, over {total} "
+                        "ranks)",
+                        f"the {total} shards of dim {dim} were concatenated with the ranks ordered by {wrong[0]} "
+                        f"first, but the layout cuts dim {dim} by {names[0]} first and by {', '.join(names[1:])} "
+                        f"inside each piece: gather in that order ({names[0]}-major), as full_tensor() and "
+                        "wb.save_hf do",
+                        (("world", total), ("gathered", ", ".join(wrong)), ("layout_order", ", ".join(names))))
 
 
 def _gathered_as_contiguous(n: int, dim: int, w: int, f: int, mesh_dim: str, g: int) -> Candidate:
@@ -296,12 +440,20 @@ def _one_shard_everywhere(n: int, w: int, g: int, sig_ref: torch.Tensor | None,
     return None
 
 
-def _halves(n: int, dim: int, groups: int) -> Candidate:
+def _halves(n: int, dim: int, groups: int, gate_up: bool = False) -> Candidate:
+    """The two halves of each of ``groups`` blocks along ``dim`` swapped; named gate/up only where ``gate_up``."""
     order = [g * 2 + (1 - h) for g in range(groups) for h in range(2)]
-    where = "" if groups == 1 else f" in each of {groups} groups (experts)"
-    return Candidate("permuted", dim, _block_map(n, order), f"gate/up halves swapped{where} (dim {dim})",
-                     "the two halves of each fused block are in the other order (e.g. [up, gate] where the model "
-                     "expects [gate, up]): fix the fused order in the key map or the adapter",
+    if gate_up:
+        where = "" if groups == 1 else f" in each of {groups} groups (experts)"
+        return Candidate("permuted", dim, _block_map(n, order), f"gate/up halves swapped{where} (dim {dim})",
+                         "the two halves of each fused block are in the other order (e.g. [up, gate] where the model "
+                         "expects [gate, up]): fix the fused order in the key map or the adapter",
+                         (("groups", groups),))
+    where = "" if groups == 1 else f" in each of {groups} blocks"
+    return Candidate("permuted", dim, _block_map(n, order), f"two halves swapped{where} (dim {dim})",
+                     f"each of the {groups} equal block(s) along dim {dim} (an expert, or an outer cut's piece) has "
+                     "its two halves in the other order: its two shards concatenated in reverse rank order, or two "
+                     "fused parts in the other order; gather in group-rank order, or fix the fused order",
                      (("groups", groups),))
 
 
