@@ -3,9 +3,11 @@
 Equal tensors cost one streamed hash of each side (content fingerprints); only tensors that differ are
 analyzed (``analyze.analyze_pair``). The same fingerprints find keys holding another key's bytes anywhere in
 the checkpoint (swapped experts, gate and up in the wrong slot), looked up by value, never compared pair by
-pair; the dim-0 halves of differing keys are hashed to find fused halves in the wrong slot. With a ``Layout``,
-fused parameters are analyzed as one tensor (a gather bug moves rows across HF keys) and the layout's cuts
-(W, F) are tried first. Keys of missing, truncated or unparsable files are findings; the rest is compared.
+pair; the dim-0 halves of differing keys are hashed to find fused halves in the wrong slot. A numbered component
+shifted as a whole (``layers.N`` saved as ``layers.N+1``, experts numbered from 1) is one finding, its keys paired
+with the keys they stand for; a rename found by names is not claimed where the bytes are another key's. With a
+``Layout``, fused parameters are analyzed as one tensor (a gather bug moves rows across HF keys) and the layout's
+cuts (W, F) are tried first. Keys of missing, truncated or unparsable files are findings; the rest is compared.
 """
 
 from __future__ import annotations
@@ -21,7 +23,16 @@ from workbench.debug.damage import damaged_keys
 from workbench.debug.findings import Finding, Report
 from workbench.debug.integrity import scan_for_findings
 from workbench.debug.provenance import held_by, same_shape, written_from
-from workbench.debug.renames import find_renames, rename_hint
+from workbench.debug.renames import (
+    IndexShift,
+    Rename,
+    find_renames,
+    index_shifts,
+    rename_hint,
+    shift_pattern,
+    shift_words,
+    shifted_back,
+)
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, CheckpointSource, KeyMeta, Source
 from workbench.debug.transforms import Hint, gate_up_groups, gate_up_hints
 from workbench.debug.views import TensorView
@@ -339,6 +350,64 @@ def _misplaced_halves(rk: str, ak: str, ref_fp: _Fingerprints, act_fp: _Fingerpr
                                             "source_keys": keys, "verified": "by content hash of each half"}, hint)
 
 
+def _contradicted(rename: Rename, ref_fp: _Fingerprints, act_fp: _Fingerprints) -> bool:
+    """Whether the bytes of a rename found by names and shapes are another reference key's, not the expected one's
+    (``layers.48`` "is ``layers.0`` renamed" but holds layer 47's tensor): then no rename is claimed. Bytes that match
+    no reference key (a cast, another step's values) leave the names to decide."""
+    meta, mine = act_fp.metas[rename.actual], act_fp.of(rename.actual)
+    if ref_fp.metas[rename.expected] == meta and ref_fp.of(rename.expected) == mine:
+        return False
+    return _holds_other(rename.actual, ref_fp, act_fp) is not None
+
+
+def _holds_other(actual: str, ref_fp: _Fingerprints, act_fp: _Fingerprints) -> str | None:
+    """The reference key whose bytes ``actual`` holds (not all zeros, which match any zero buffer), or None."""
+    meta = act_fp.metas[actual]
+    found = ref_fp.keys_with(meta, act_fp.of(actual))
+    return found[0] if found and not _all_zero(ref_fp.source, found[0], meta.nbytes) else None
+
+
+def _index_shifts(ref_fp: _Fingerprints, act_fp: _Fingerprints) -> tuple[dict[str, str], list[Finding]]:
+    """The numbered components whose every index moved by a constant (``layers.N`` saved as ``layers.N+1``, experts
+    numbered from 1), found by names (``index_shifts``) and kept where most keys of the component hold the tensor of
+    the shifted index: ``({stored key: reference key}, one finding per shift)``. The stored keys of a kept shift are
+    paired with the keys they stand for; those whose bytes differ are compared with them as any pair is."""
+    ref_metas, act_metas = ref_fp.metas, act_fp.metas
+    if all(k in act_metas for k in ref_metas) or all(k in ref_metas for k in act_metas):
+        return {}, []  # an index moved as a whole leaves keys on both sides without a namesake
+    live = index_shifts(ref_metas, act_metas)
+    while live:
+        mapped = {a: e for a in act_metas if (e := shifted_back(live, a)) in ref_metas}
+        held = {a for a, e in mapped.items() if ref_metas[e] == act_metas[a] and ref_fp.of(e) == act_fp.of(a)}
+        applies_to = {s: [a for a in act_metas if s.applies(a.split("."))] for s in live}
+        kept = [s for s in live if 2 * sum(a in held for a in applies_to[s]) > len(applies_to[s])]
+        if kept == live:
+            return mapped, [_shift_finding(s, applies_to[s], held, mapped) for s in live]
+        live = kept
+    return {}, []
+
+
+def _pairs_by_name(ref_metas: Mapping[str, KeyMeta], act_metas: Mapping[str, KeyMeta], shifted: Mapping[str, str]
+                   ) -> list[tuple[str, str]]:
+    """``(reference key, stored key)``: the shifted keys with the keys they stand for, then the namesakes neither
+    side of a shifted pair took."""
+    taken = set(shifted.values())
+    return [(e, a) for a, e in shifted.items()] + [
+        (k, k) for k in ref_metas if k in act_metas and k not in shifted and k not in taken]
+
+
+def _shift_finding(shift: IndexShift, keys: Sequence[str], held: set[str], mapped: Mapping[str, str]) -> Finding:
+    """One finding for a whole index shift: ``keys`` are the stored keys it applies to."""
+    same_bytes = [a for a in keys if a in held]
+    example = (same_bytes[0], mapped[same_bytes[0]])
+    lowest = (min(int(a.split(".")[shift.at]) for a in keys),
+              min(int(mapped[a].split(".")[shift.at]) for a in keys if a in mapped))
+    transform, hint = shift_words(shift, example, lowest)
+    return Finding("renamed_key", shift_pattern(shift, keys),
+                   {"transform": transform, "offset": shift.offset, "keys": len(keys), "same_bytes": len(same_bytes),
+                    "example": f"{example[0]} holds {example[1]}'s tensor", "verified": "by content hash"}, hint)
+
+
 def _checkpoint_layout(source: Source) -> tuple[Layout | PipelineLayout | None, str]:
     """The layout a checkpoint was saved with (``LAYOUT_FILE_NAME`` in its folder: a pipeline's for a pipeline
     checkpoint, whose stages say which ranks held what), and a note about it."""
@@ -393,14 +462,18 @@ def compare_sources(
                           stats=stats, readable=False)
     if layout_note:
         stats["layout_file"] = layout_note
-    missing = [k for k in ref_metas if k not in act_metas and k not in act_damage]
-    unexpected = [k for k in act_metas if k not in ref_metas and k not in ref_damage]
+    ref_fp, act_fp = _Fingerprints(ref, ref_metas, block_bytes), _Fingerprints(act, act_metas, block_bytes)
+    shifted, shift_findings = _index_shifts(ref_fp, act_fp)  # {stored key: the reference key it stands for}
+    out += shift_findings
+    pairs = _pairs_by_name(ref_metas, act_metas, shifted)
+    paired_ref, paired_act = {e for e, _ in pairs}, {a for _, a in pairs}
+    missing = [k for k in ref_metas if k not in paired_ref and k not in act_damage]
+    unexpected = [k for k in act_metas if k not in paired_act and k not in ref_damage]
 
     def same(expected: str, actual: str) -> bool:  # by shape: a renamed key may be cast too (a dtype finding follows)
         return ref_metas[expected].shape == act_metas[actual].shape
 
-    renames = find_renames(missing, unexpected, same)
-    pairs = [(k, k) for k in ref_metas if k in act_metas]
+    renames = [r for r in find_renames(missing, unexpected, same) if not _contradicted(r, ref_fp, act_fp)]
     renamed = {r.expected for r in renames}
     for r in renames:
         evidence = {"expected_key": r.expected, "transform": f"rename {r.rule}"}
@@ -408,7 +481,6 @@ def compare_sources(
         pairs.append((r.expected, r.actual))
     swapped_into = {r.actual for r in renames}
     rest_unexpected = [k for k in unexpected if k not in swapped_into]
-    ref_fp, act_fp = _Fingerprints(ref, ref_metas, block_bytes), _Fingerprints(act, act_metas, block_bytes)
     # keys renamed with no common rule but the same bytes (any missing key of the same shape and dtype)
     left_missing = {m for m in missing if m not in renamed}
     for u in list(rest_unexpected):
@@ -463,7 +535,13 @@ def compare_sources(
             hint = (f"by shape it may be {listing(maybe[u][0])} fused on dim 0, but its pieces hold other bytes (in "
                     "every order): split it in the key map and compare the pieces; do not drop it, it may hold "
                     "their weights")
-        out.append(Finding("unexpected_key", u, {"shape": list(meta.shape), "dtype": meta.dtype}, hint))
+        evidence = {"shape": list(meta.shape), "dtype": meta.dtype}
+        holds = _holds_other(u, ref_fp, act_fp) if u not in maybe else None
+        if holds is not None:  # what a rename the bytes contradict leaves: say whose tensor it is
+            evidence.update(holds=holds, verified="by content hash")
+            hint = ("the reference has no such key, but this one holds the tensor of the key named in holds: a wrong "
+                    "index or name in the key map or the conversion loop; map it to that key, do not drop it")
+        out.append(Finding("unexpected_key", u, evidence, hint))
 
     hints = layout_hints(one_mesh)
     mismatched: list[tuple[str, str]] = []
