@@ -174,7 +174,6 @@ def load_hf(
     started: _StartedReads | None = None
     try:
         layout, targets = layout_and_locals(model_or_state_dict, key_map, layout=layout)
-        targets, ties = untie(targets, rank)  # tied parameters: each read into a tensor of its own, compared below
         fault_point("load.plan", rank)
         reader = CheckpointReader(path)
         checked = _checked(reader.index, layout, targets, adapters, cast, rank,
@@ -183,6 +182,10 @@ def load_hf(
         if strict and (missing or unexpected or mismatched):
             raise CheckpointError(_problem(path, missing, unexpected, mismatched))
         wanted, replicas, batches = checked.wanted, checked.replicas, checked.batches
+        # tied parameters the load fills: each read into a tensor of its own, compared below (one it skips would
+        # compare a tensor nothing was read into; one it fills alone fills the shared tensor)
+        untied, ties = untie({n: targets[n] for n in wanted}, rank)
+        targets = {**targets, **untied}
         clock.lap("check")
         # planned, and the boxes landing on the GPU start reading into the staging ring, before the agreement: the
         # reads overlap it, and nothing is copied into the model until every rank has checked the checkpoint
