@@ -10,7 +10,10 @@ from workbench.errors import LayoutError
 
 __all__ = ["HFKeys", "KeyMap", "clean_name", "resolve_key_map"]
 
-_WRAPPERS = ("_checkpoint_wrapped_module.", "_orig_mod.", "_fsdp_wrapped_module.", "module.")
+# the attributes wrappers hold a module under, as whole components of a name at any depth (activation
+# checkpointing, torch.compile, FSDP1), and DDP's (DataParallel's), which leads the name once
+_WRAPPER_COMPONENTS = frozenset({"_checkpoint_wrapped_module", "_orig_mod", "_fsdp_wrapped_module"})
+_DDP_PREFIX = "module"
 
 
 @dataclass(frozen=True, slots=True)
@@ -32,10 +35,13 @@ KeyMap = Callable[[str], "str | Sequence[str] | HFKeys | None"] | Mapping[str, "
 
 
 def clean_name(name: str) -> str:
-    """A runtime name without wrapper prefixes (activation checkpointing, torch.compile, DDP)."""
-    for wrapper in _WRAPPERS:
-        name = name.replace(wrapper, "")
-    return name
+    """A runtime name without wrapper prefixes (activation checkpointing, torch.compile, FSDP1, DDP): only whole
+    dotted components go, so ``text_module.weight`` stays itself (a text replace of ``module.`` made it
+    ``text_weight``), and of DDP's ``module`` only the leading one (a child of the model may be named so)."""
+    parts = [p for p in name.split(".") if p not in _WRAPPER_COMPONENTS]
+    if len(parts) > 1 and parts[0] == _DDP_PREFIX:
+        parts = parts[1:]
+    return ".".join(parts)
 
 
 def resolve_key_map(key_map: KeyMap | None) -> Callable[[str], HFKeys | None]:
