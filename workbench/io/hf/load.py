@@ -24,6 +24,7 @@ from workbench.io.files.transfers import PIECE_BYTES, Transfer, copy_transfers, 
 from workbench.io.gc_paused import gc_paused
 from workbench.io.hf.load_timings import LoadClock, LoadTimings
 from workbench.io.hf.tied import tie_problem, untie
+from workbench.layout.fp8 import SCALE_SUFFIX
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, layout_and_locals
@@ -130,7 +131,9 @@ def load_hf(
     Args:
         strict: every missing, unexpected, mis-shaped or differently typed key is an error (else those
             parameters are skipped and listed in the report).
-        cast: convert a key whose checkpoint dtype differs from the model's (else that is a mismatch).
+        cast: convert a key whose checkpoint dtype differs from the model's (else that is a mismatch); a float8
+            key that has a scale key (``_scale_inv``, ``_scale``) into a parameter that is not float8 is refused
+            (its raw values mean nothing without their scales).
         read_replicas_once: a parameter replicated over mesh dims (HSDP's replicas, a replicated norm) is read by
             one replica of each group (replicas take turns over the parameters) and broadcast to the others,
             instead of being read by every replica.
@@ -705,6 +708,8 @@ def _check(
             if key not in present or (adapters and key in adapters):
                 continue
             info = present[key]
+            if cast:
+                _refuse_unscaled_fp8_cast(key, info.dtype, targets[name].dtype, name, present)
             if info.shape != want:
                 mismatched.append(f"{key}: checkpoint {info.shape}, layout of {name!r} expects {want}")
             elif not cast and (stored := torch_dtype(info.dtype)) != targets[name].dtype:
@@ -713,6 +718,36 @@ def _check(
                     f"{str(targets[name].dtype).removeprefix('torch.')} (pass cast=True to convert)"
                 )
     return missing, unexpected, tuple(mismatched)
+
+
+# the keys that scale a float8 key's raw values: DeepSeek's block scales (``workbench.layout.fp8``), and the
+# per-tensor or per-channel ``weight_scale`` of compressed-tensors checkpoints
+_FP8_SCALE_SUFFIXES = (SCALE_SUFFIX, "_scale")
+
+
+def _is_float8(dtype: torch.dtype) -> bool:
+    return dtype.is_floating_point and dtype.itemsize == 1
+
+
+def _refuse_unscaled_fp8_cast(
+    key: str, stored: str, target: torch.dtype, name: str, present: Mapping[str, Any]
+) -> None:
+    """Raise where ``cast`` would convert a float8 key (safetensors dtype ``stored``) that has a scale key into a
+    parameter that is not float8: its raw values mean nothing without their scales (they were cast silently, the
+    scales left unread)."""
+    if not stored.startswith("F8_") or _is_float8(target):
+        return
+    scale = next((key + s for s in _FP8_SCALE_SUFFIXES if key + s in present), None)
+    if scale is None:
+        return
+    dtype = str(torch_dtype(stored)).removeprefix("torch.")
+    raise CheckpointError(
+        f"{key}: checkpoint dtype {dtype} scaled by {scale!r}; cast=True into the "
+        f"model's {name!r} ({str(target).removeprefix('torch.')}) would load its raw float8 values without their "
+        "scales. Load it into a float8 parameter with its scale (a layout from workbench.layout.fp8.with_fp8_scales) "
+        "and dequantize that (workbench.io.hf.fp8.dequantize_blocks), or dequantize the checkpoint first "
+        "(workbench.io.hf.fp8.dequantized_state, then save_hf)"
+    )
 
 
 def _agree(
