@@ -26,9 +26,12 @@ Configuration comes from the kernelspec's environment (``workbench kernel instal
 
 from __future__ import annotations
 
+import atexit
 import os
 import re
+import signal
 import sys
+import threading
 import time
 import uuid
 from dataclasses import dataclass, field
@@ -194,12 +197,26 @@ class SPMDKernel(Kernel):
 
     # -- Jupyter handlers ---------------------------------------------------------------------------------------
     def start(self) -> None:
-        """Start serving Jupyter, plus a pump that shows rank messages arriving between cells (widgets)."""
+        """Start serving Jupyter, plus a pump that shows rank messages arriving between cells (widgets). The ranks
+        stop with this process however it ends: shutdown, SIGTERM (what jupyter_client sends a kernel whose shutdown
+        takes longer than 2.5 s) or exit."""
         super().start()
         from tornado.ioloop import PeriodicCallback
 
         self._pump_callback = PeriodicCallback(self._pump, 200)
         self._pump_callback.start()
+        atexit.register(self.rankset.stop)
+        if threading.current_thread() is threading.main_thread():  # where Python runs signal handlers
+            signal.signal(signal.SIGTERM, self._on_sigterm)
+
+    def _on_sigterm(self, signum: int, frame: Any) -> None:
+        """SIGTERM: stop the ranks (at once if a shutdown is stopping them already), then end as SIGTERM ends a
+        process: neither the agent, nor its ranks, nor the private store outlive the kernel."""
+        try:
+            self.rankset.stop()
+        finally:
+            signal.signal(signal.SIGTERM, signal.SIG_DFL)
+            os.kill(os.getpid(), signal.SIGTERM)
 
     async def do_execute(self, code: str, silent: bool, store_history: bool = True,
                          user_expressions: dict | None = None, allow_stdin: bool = False, **_: Any) -> dict:
@@ -340,7 +357,8 @@ class SPMDKernel(Kernel):
         return None
 
     async def do_shutdown(self, restart: bool) -> dict:
-        """Stop every rank (a restart starts a new kernel process, hence new ranks)."""
+        """Stop every rank (a restart starts a new kernel process, hence new ranks), within jupyter_client's 2.5 s
+        before it SIGTERMs the kernel (``RankSet.stop``)."""
         if self._pump_callback is not None:
             self._pump_callback.stop()
         self.rankset.stop()

@@ -50,6 +50,9 @@ _HEARTBEAT_IVL_MS = 1000  # ZMTP heartbeats on every rank connection, answered b
 _HEARTBEAT_TIMEOUT_MS = 5000  # a connection whose peer answers none for this long is closed
 _QUIET_AT_SHUTDOWN = 5.0  # seconds: a rank silent this long at shutdown may be gone (see stop)
 _EXITED_AFTER = 2.0  # seconds a local rank's process has ended before the kernel calls it gone (see exited)
+_AGENT_GRACE = 1.0  # seconds stop waits for the local ranks to leave when told: jupyter_client SIGTERMs a kernel 2.5 s
+# into its shutdown and ipykernel takes most of a second to exit after replying: stop ends within 1.5 s
+_KILL_WAIT = 0.2  # seconds after SIGTERM to the agent's process group before SIGKILL
 LOST_EXIT_CODE = 3  # ranks told to exit because their job lost ranks exit with this (torch's agent then stops)
 REFUSED_EXIT_CODE = 4  # a rank whose hello the kernel refused for good (another world size, a rank out of range)
 _LOGGED_DROPS = 20  # log every dropped message up to this many, then every 100th
@@ -116,6 +119,8 @@ class RankSet:
         self._ended: dict[int, float] = {}  # local rank -> when its process was first seen ended
         self._tombstones: set[bytes] = set()  # identities of ranks of a job the kernel ended (told to exit)
         self._lock = threading.RLock()  # the socket is used by the shell thread and the control thread (shutdown)
+        self._stopping = threading.Lock()  # held while stop runs: a second stop (a signal handler's) does not wait
+        self._stopped = False
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 0)  # an identity stays with its first connection
@@ -172,7 +177,7 @@ class RankSet:
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.nprocs),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", self._store.rendezvous,
             "--rdzv-conf", ",".join(f"{k}={str(v).lower()}" for k, v in self._store.agent_rendezvous().items()),
-            "--max-restarts", "0",
+            "--max-restarts", "0", "--log-dir", str(log_dir / "agent"),  # torch's files go with the log
             "--monitor-interval", "0.1", "--start-method", "spawn",
             "-m", "workbench.kernel.worker", "--backend", self.backend,
         ]
@@ -211,14 +216,27 @@ class RankSet:
                     how = f"was killed by signal {-value}"
         return int(rank.group(1)), how
 
-    def stop(self, grace: float = 3.0) -> None:
+    def stop(self, grace: float = _AGENT_GRACE) -> None:
         """Stop the local ranks (and their agent), politely first; remote ranks get ``exit``. The token file
-        goes too: no rank can join a kernel that is stopping; so does the local ranks' folder (their log) once their
-        agent, running until now, exited with code 0.
+        goes too: no rank can join a kernel that is stopping; so does the private store folder, always, and the local
+        ranks' folder (their log) once they left cleanly (``_stop_agent``). It takes ``grace`` seconds and a little
+        more at most; a second call, or one while another thread stops, does not wait (a SIGTERM handler: see
+        ``_stop_now``).
 
         Remote ranks exit with code 0 only while every rank of their job is heard from: torch's agent waits (up to
         300 s) at its exit barrier for every other agent of a job whose ranks succeeded, so when a rank may be gone
         they exit with ``LOST_EXIT_CODE`` and their agents stop at once."""
+        if not self._stopping.acquire(blocking=False):
+            self._stop_now()
+            return
+        try:
+            if not self._stopped:
+                self._stop_politely(grace)
+        finally:
+            self._stopped = True
+            self._stopping.release()
+
+    def _stop_politely(self, grace: float) -> None:
         if self.token_file is not None:
             self.token_file.unlink(missing_ok=True)
         self._ping_all()
@@ -227,27 +245,66 @@ class RankSet:
         with contextlib.suppress(Exception):
             for rank in self.ranks:
                 self.send(rank, {"op": "exit", "code": code})
-        if self._agent is not None and self._agent.poll() is None:
-            deadline = time.monotonic() + grace
-            while time.monotonic() < deadline and self._agent.poll() is None:
-                time.sleep(0.05)
-            for sig in (signal.SIGTERM, signal.SIGKILL):
-                if self._agent.poll() is not None:
-                    break
-                with contextlib.suppress(ProcessLookupError, PermissionError):
-                    os.killpg(self._agent.pid, sig)
-                with contextlib.suppress(subprocess.TimeoutExpired):
-                    self._agent.wait(grace)
-        if self._store is not None:
-            self._store.close()
-            self._store = None
-        if self._run_dir is not None and ran_until_now and self._agent.poll() == 0:
-            # the ranks left cleanly when told to: nothing to look at. An agent that failed, had to be killed, or had
-            # ended before (ranks that exited on their own: the kernel's error named this log) keeps its log
+        clean = self._stop_agent(grace)
+        self._remove_store()
+        if self._run_dir is not None and ran_until_now and clean:
+            # the ranks left cleanly when told to: nothing to look at. An agent that failed, ranks that had to be
+            # killed, or an agent that had ended before (ranks that exited on their own: the kernel's error named this
+            # log) keep their log
             shutil.rmtree(self._run_dir, ignore_errors=True)
             self._run_dir = None
         self.ranks.clear()
         self._identity.clear()
+
+    def _stop_agent(self, grace: float) -> bool:
+        """Wait up to ``grace`` seconds for the local agent to exit, or for every local rank to leave; then end its
+        process group. Whether the ranks left cleanly: the agent exited with code 0, or every rank had left before
+        its agent was ended (torch's agent outlives its ranks for a while: ended then, it is no failure)."""
+        if self._agent is None:
+            return False
+        deadline = time.monotonic() + grace
+        left = False
+        while self._agent.poll() is None and time.monotonic() < deadline and not left:
+            time.sleep(0.05)
+            left = self._all_left()
+        if self._agent.poll() is None:
+            left = self._all_left()
+            self._kill_agent()
+        return left or self._agent.poll() == 0
+
+    def _all_left(self) -> bool:
+        """Every rank of the local job joined and has left: its process ended, or the stack dump file it removes as
+        it exits (having left its loop and destroyed its process groups: ``worker.main``) is gone."""
+        if not self.ready:
+            return False
+        for info in list(self.ranks.values()):  # the shell thread may admit a rank meanwhile
+            ended = not _process_runs(info.pid)
+            if not ended and not (info.stack_file and not os.path.exists(info.stack_file)):
+                return False
+        return True
+
+    def _kill_agent(self) -> None:
+        """End the local agent's process group (the agent and its ranks) now: SIGTERM, then SIGKILL shortly after,
+        whether or not the agent is gone by then (a rank whose SIGTERM handler cannot run, its main thread holding
+        the GIL in native code, outlives its agent)."""
+        if self._agent is None or self._agent.returncode is not None:
+            return
+        for sig in (signal.SIGTERM, signal.SIGKILL):
+            with contextlib.suppress(ProcessLookupError, PermissionError):  # none of the group is left
+                os.killpg(self._agent.pid, sig)
+            with contextlib.suppress(subprocess.TimeoutExpired):
+                self._agent.wait(_KILL_WAIT)
+
+    def _remove_store(self) -> None:
+        store, self._store = self._store, None  # taken at once: a signal handler may remove it meanwhile
+        if store is not None:
+            store.close()
+
+    def _stop_now(self) -> None:
+        """Another thread is stopping the ranks (a SIGTERM came during ``stop``): end the agent and remove the
+        private store at once, before this process dies; the ranks' folder stays (whether they left is not known)."""
+        self._kill_agent()
+        self._remove_store()
 
     def _ping_all(self) -> None:
         """Send every rank a ping now (a send to a rank whose connection is gone marks it unreachable)."""
