@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import socket
 import time
 from collections.abc import Callable, Collection, Mapping
 from dataclasses import dataclass, field
@@ -125,8 +126,9 @@ def load_hf(
     into a CPU tensor of the checkpoint's dtype the bytes land in place, with no copy. Per-key canonical
     ``adapters`` (whole keys) run first where given; tail (FP8) padding is zeroed. The ranks agree twice over the
     load's own gloo group (within ``timeout``): after checking the checkpoint against the layout and planning the
-    reads, and at the end, so a failure on one rank is an error on every rank. The reads that land on a GPU start
-    into the staging ring before the first agreement (they overlap it); nothing is copied into the model before it.
+    reads (comparing what each parsed, ``ParsedCheckpoint``), and at the end, so a failure on one rank is an error
+    on every rank. The reads that land on a GPU start into the staging ring before the first agreement (they
+    overlap it); nothing is copied into the model before it.
 
     Args:
         strict: every missing, unexpected, mis-shaped or differently typed key is an error (else those
@@ -153,7 +155,9 @@ def load_hf(
         CheckpointError: on the rank whose checkpoint check failed (one error listing every missing, unexpected,
             mis-shaped and differently typed key); LoadFailed on its peers, naming it. A failure while planning
             the reads (a shard that cannot be opened, say) is raised likewise, on its rank as itself and on its
-            peers as a LoadFailed; no tensor was changed. A failure while reading (any exception, on any rank)
+            peers as a LoadFailed; no tensor was changed. Ranks that parsed different checkpoints at one path
+            (another save published there during the load) raise LoadFailed, naming two of them, before any
+            tensor changes. A failure while reading (any exception, on any rank)
             is a LoadFailed on every rank: the model's values must not be used. An
             interrupt (``KeyboardInterrupt``) while reading, sharing replicated parameters or reporting the status
             is raised again on its rank once every rank has agreed (chained to the LoadFailed its peers raise).
@@ -202,8 +206,10 @@ def load_hf(
         interrupt = None if isinstance(exc, Exception) else exc
         clock.lap("plan" if stage == _PLANNING else "check")
     try:
-        shared = _agree(channel, mine, rank, stage, what, share=replica_digests(batches))
-        _check_replica_groups(shared, layout.mesh, what)
+        parsed = parsed_checkpoint(reader.index) if reader is not None else None
+        shared = _agree(channel, mine, rank, stage, what, share=(parsed, replica_digests(batches)))
+        _check_same_checkpoint([p for p, _ in shared], what)
+        _check_replica_groups([d for _, d in shared], layout.mesh, what)
         assert reader is not None and started is not None
         plans, landed, transfers, on_gpu, boxes = (started.plans, started.landed, started.transfers, started.on_gpu,
                                                    started.boxes)
@@ -642,6 +648,74 @@ def _check_replica_groups(shared: list[Any], mesh: MeshSpec, what: str) -> None:
                     f"({differs}); every rank must hold the same model (a pipeline stage loads with its own layout)",
                 )
                 raise LoadFailed(f"{what} failed; no tensor was changed.\n  {problem.cause}", [problem])
+
+
+@dataclass(frozen=True, slots=True)
+class ParsedCheckpoint:
+    """What one rank parsed of a checkpoint, for the ranks to compare at their first agreement
+    (``_check_same_checkpoint``): ranks that parsed one path while another save published there would each read
+    their own checkpoint, every file still the one its rank parsed, and load a model mixed of the two.
+
+    ``directory``: the checkpoint's folder (ranks that load other folders, pipeline stages each from its own, are
+    not compared). ``files`` hashes the weight map and every data file's size and modification time (ns): alike
+    on every host of a shared file system, and in a copy that kept them (``cp -p``, ``rsync -a``). ``inodes``
+    hashes every data file's inode, compared only between ranks of one ``host`` (its name and the files' devices),
+    where one file is one inode: an NFS mount's device number differs between hosts, and a copy on each host's own
+    disk has inodes of its own.
+    """
+
+    directory: str
+    host: str
+    files: str
+    inodes: str
+
+
+_PARSED = LRU(4)  # id(index) -> (index, ParsedCheckpoint): the index kept, so its id holds
+
+
+def parsed_checkpoint(index: CheckpointIndex) -> ParsedCheckpoint:
+    """The ``ParsedCheckpoint`` of ``index``, kept for the very index object (a repeat load of an unchanged
+    checkpoint hashes its weight map once)."""
+    hit = _PARSED.get(id(index))
+    if hit is not None and hit[0] is index:
+        return hit[1]
+    ids = [index.file_ids.get(f, (0, 0, 0, 0)) for f in index.files]  # file_id: (device, inode, size, mtime_ns)
+    files = (index.weight_map, [(f, size, mtime) for f, (_, _, size, mtime) in zip(index.files, ids)])
+    parsed = ParsedCheckpoint(
+        directory=str(index.directory),
+        host=f"{socket.gethostname()} {sorted({device for device, *_ in ids})}",
+        files=_sha1(files),
+        inodes=_sha1([inode for _, inode, *_ in ids]),
+    )
+    _PARSED.put(id(index), (index, parsed))
+    return parsed
+
+
+def _sha1(value: object) -> str:
+    return hashlib.sha1(repr(value).encode()).hexdigest()
+
+
+def _check_same_checkpoint(shared: list[ParsedCheckpoint], what: str) -> None:
+    """Raise LoadFailed on every rank (each sees every rank's ``ParsedCheckpoint`` and decides alike) where two
+    ranks parsed different checkpoints in one directory: each rank is compared with the first rank that named its
+    directory, and for the inodes with the first of those on its host."""
+    first_in: dict[str, int] = {}
+    first_on: dict[tuple[str, str], int] = {}
+    for rank, mine in enumerate(shared):
+        peer = first_in.setdefault(mine.directory, rank)
+        if mine.files == shared[peer].files:
+            peer = first_on.setdefault((mine.directory, mine.host), rank)
+            if mine.inodes == shared[peer].inodes:
+                continue
+        copies = "" if shared[peer].host == mine.host else (
+            " (or each host holds a copy of its own, whose files differ in size or modification time: copy with "
+            "cp -p or rsync -a)")
+        problem = RankProblem(
+            rank, "comparing the checkpoint it parsed with its peers'",
+            f"ranks {peer} and {rank} read different checkpoints at {mine.directory}: it was replaced during the "
+            f"load{copies}; load again once it is complete",
+        )
+        raise LoadFailed(f"{what} failed; no tensor was changed.\n  {problem.cause}", [problem])
 
 
 @dataclass(frozen=True, slots=True)
