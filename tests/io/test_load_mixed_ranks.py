@@ -94,5 +94,21 @@ def test_ranks_of_one_host_whose_files_are_other_inodes_fail_naming_both() -> No
 def test_ranks_whose_files_differ_in_size_or_time_fail_and_other_hosts_hear_of_copies() -> None:
     with pytest.raises(LoadFailed, match=r"ranks 0 and 1 read different checkpoints .*replaced during the load;"):
         _check_same_checkpoint([_parsed(), _parsed(files="g")], "load of /ckpt")
-    with pytest.raises(LoadFailed, match=r"ranks 0 and 2 .*each host holds a copy of its own.*cp -p or rsync -a"):
+    with pytest.raises(LoadFailed, match=r"ranks 0 and 2 .*or each host holds a checkpoint of its own there and"):
         _check_same_checkpoint([_parsed(), _parsed(), _parsed("h2:[7]", files="g")], "load of /ckpt")
+
+
+def test_copies_on_each_hosts_disk_agree_whatever_their_times_and_another_checkpoint_does_not(tmp_path: Path) -> None:
+    # a plain `cp -r` to each host's local disk gives new inodes and times: only the headers can be compared there
+    from workbench.io.files.index import read_checkpoint
+    from workbench.io.hf.load import parsed_checkpoint
+
+    for name, values in (("host1", _A), ("host2", _A), ("other", -_A), ("bigger", torch.zeros(65, 32))):
+        (tmp_path / name).mkdir()
+        save_file({"w": values}, str(tmp_path / name / "model.safetensors"))
+    os.utime(tmp_path / "host2" / "model.safetensors", ns=(1_000_000_000, 1_000_000_000))
+    one, two, other, bigger = (parsed_checkpoint(read_checkpoint(tmp_path / n))
+                               for n in ("host1", "host2", "other", "bigger"))
+    assert one.files == two.files and one.inodes != two.inodes
+    assert other.files == one.files  # same keys, shapes and sizes: told apart only on one host (inode, time)
+    assert bigger.files != one.files

@@ -657,11 +657,12 @@ class ParsedCheckpoint:
     their own checkpoint, every file still the one its rank parsed, and load a model mixed of the two.
 
     ``directory``: the checkpoint's folder (ranks that load other folders, pipeline stages each from its own, are
-    not compared). ``files`` hashes the weight map and every data file's size and modification time (ns): alike
-    on every host of a shared file system, and in a copy that kept them (``cp -p``, ``rsync -a``). ``inodes``
-    hashes every data file's inode, compared only between ranks of one ``host`` (its name and the files' devices),
-    where one file is one inode: an NFS mount's device number differs between hosts, and a copy on each host's own
-    disk has inodes of its own.
+    not compared). ``files`` hashes what the headers say (the weight map, every key's dtype, shape and byte range,
+    every file's ``__metadata__`` and size): alike on every host of a shared file system and in a copy on each
+    host's own disk, however it was copied. ``inodes`` hashes every data file's inode and modification time (ns),
+    compared only between ranks of one ``host`` (its name and the files' devices), where one file is one inode: an
+    NFS mount's device number differs between hosts, and a copy on each host's own disk has inodes and times of its
+    own. Between hosts, a checkpoint replaced by one of the same keys, shapes and metadata is not told apart.
     """
 
     directory: str
@@ -680,12 +681,13 @@ def parsed_checkpoint(index: CheckpointIndex) -> ParsedCheckpoint:
     if hit is not None and hit[0] is index:
         return hit[1]
     ids = [index.file_ids.get(f, (0, 0, 0, 0)) for f in index.files]  # file_id: (device, inode, size, mtime_ns)
-    files = (index.weight_map, [(f, size, mtime) for f, (_, _, size, mtime) in zip(index.files, ids)])
+    headers = (index.weight_map, [(k.hf_key, k.file, k.dtype, k.shape, k.data_offsets) for k in index.keys.values()],
+               sorted(index.file_metadata.items()), [(f, size) for f, (_, _, size, _) in zip(index.files, ids)])
     parsed = ParsedCheckpoint(
         directory=str(index.directory),
         host=f"{socket.gethostname()} {sorted({device for device, *_ in ids})}",
-        files=_sha1(files),
-        inodes=_sha1([inode for _, inode, *_ in ids]),
+        files=_sha1(headers),
+        inodes=_sha1([(inode, mtime) for _, inode, _, mtime in ids]),
     )
     _PARSED.put(id(index), (index, parsed))
     return parsed
@@ -708,12 +710,11 @@ def _check_same_checkpoint(shared: list[ParsedCheckpoint], what: str) -> None:
             if mine.inodes == shared[peer].inodes:
                 continue
         copies = "" if shared[peer].host == mine.host else (
-            " (or each host holds a copy of its own, whose files differ in size or modification time: copy with "
-            "cp -p or rsync -a)")
+            ", or each host holds a checkpoint of its own there and theirs differ")
         problem = RankProblem(
             rank, "comparing the checkpoint it parsed with its peers'",
             f"ranks {peer} and {rank} read different checkpoints at {mine.directory}: it was replaced during the "
-            f"load{copies}; load again once it is complete",
+            f"load{copies}; load again once it is complete and the same for every rank",
         )
         raise LoadFailed(f"{what} failed; no tensor was changed.\n  {problem.cause}", [problem])
 
