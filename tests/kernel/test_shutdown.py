@@ -92,7 +92,7 @@ def test_a_shutdown_while_a_rank_holds_the_gil_leaves_no_process_and_no_store(ke
 
 def test_a_clean_shutdown_removes_the_ranks_folder_and_the_store(kernel: Any) -> None:
     manager, _, pids, run_dir, store = kernel
-    assert (run_dir / "agent").is_dir()  # torch's agent keeps its own files there, not in a folder of /tmp
+    assert (store / "agent").is_dir()  # torch's agent keeps its files in the store folder, not in one of /tmp
     manager.shutdown_kernel(now=False)
     assert _running(pids) == []
     assert not store.exists() and not run_dir.exists()

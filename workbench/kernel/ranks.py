@@ -177,7 +177,8 @@ class RankSet:
             sys.executable, "-m", "torch.distributed.run", "--nnodes", "1", "--nproc-per-node", str(self.nprocs),
             "--rdzv-backend", "c10d", "--rdzv-endpoint", self._store.rendezvous,
             "--rdzv-conf", ",".join(f"{k}={str(v).lower()}" for k, v in self._store.agent_rendezvous().items()),
-            "--max-restarts", "0", "--log-dir", str(log_dir / "agent"),  # torch's files go with the log
+            "--max-restarts", "0",
+            "--log-dir", os.path.join(self._store.directory, "agent"),  # else a torchelastic_* folder in /tmp, forever
             "--monitor-interval", "0.1", "--start-method", "spawn",
             "-m", "workbench.kernel.worker", "--backend", self.backend,
         ]
