@@ -4,7 +4,8 @@ Jupyter talks to ``SPMDKernel`` (an ipykernel wrapper kernel) exactly as to a Py
 cell to its ranks (``RankSet``) and turns what they send back into one cell's output:
 
 * text from all ranks is folded (``fold.Folder``): a line every rank printed appears once, other lines carry the
-  ranks that printed them, ``[1,3] ...``; ``%rank_output 0|all|folded`` changes that;
+  ranks that printed them, ``[1,3] ...``; ``%rank_output 0|all|folded`` changes that; what ranks print after the
+  cell ended (a thread it started) is shown under it alike, as ipykernel does;
 * rank 0's rich output (figures, HTML, widgets) and its ``execute_result`` are shown (the lowest rank of a
   ``%%ranks`` subset when rank 0 is not in it);
 * an exception on any rank fails the cell with that rank's own traceback first, labelled with its rank;
@@ -102,15 +103,16 @@ def _flight_recorder_default(env: Any) -> bool:
     return False
 
 
-@dataclass
+@dataclass(eq=False)
 class _Cell:
-    """The state of one cell while it runs on the ranks."""
+    """The state of one cell while it runs on the ranks (and the folding of what they print after it ended)."""
 
     id: str
     ranks: tuple[int, ...]
     primary: int
     mode: str
     silent: bool
+    parent: dict[str, Any] = field(default_factory=dict)  # its execute_request: the output's parent header
     start: float = field(default_factory=time.monotonic)
     pending: set[int] = field(default_factory=set)
     done: dict[int, dict[str, Any]] = field(default_factory=dict)
@@ -181,6 +183,7 @@ class SPMDKernel(Kernel):
         self._abandoned: tuple[str, set[int]] | None = None  # (cell id, ranks still in it) after giving up
         self._pump_callback: Any = None
         self._cell_code: dict[int, str] = {}  # execution count -> the code the ranks ran (native stacks' lines)
+        self._last_cells: dict[int, _Cell] = {}  # rank -> the last cell it finished (its later output goes there)
 
     help_links = (  # what JupyterLab's Help menu lists for this kernel
         {"text": "Python Reference", "url": "https://docs.python.org/{}.{}".format(*sys.version_info[:2])},
@@ -284,7 +287,8 @@ class SPMDKernel(Kernel):
                  else tuple(range(self.rankset.world_size or 0)))
         self._cell_code[self.execution_count] = body
         self._cell_code.pop(self.execution_count - 100, None)
-        cell = _Cell(id=uuid.uuid4().hex, ranks=ranks, primary=min(ranks), mode=self.output_mode, silent=silent)
+        cell = _Cell(id=uuid.uuid4().hex, ranks=ranks, primary=min(ranks), mode=self.output_mode, silent=silent,
+                     parent=self.get_parent("shell"))
         cell.pending = set(ranks)
         cell.folders = {name: Folder(ranks) for name in ("stdout", "stderr")}
         for rank in ranks:
@@ -492,6 +496,7 @@ class SPMDKernel(Kernel):
             self._live_tick(cell)
         for name, folder in cell.folders.items():
             self._stream(name, folder.flush_stale(), cell.silent)
+        self._flush_late()
         elapsed = time.monotonic() - cell.start
         if self.hang_timeout is not None and not cell.hang_reported and elapsed > self.hang_timeout and cell.pending:
             cell.hang_reported = True
@@ -529,6 +534,8 @@ class SPMDKernel(Kernel):
                 cell.where_since[rank] = (where, time.time())
         elif op == "done" and self._abandoned is not None and message.get("id") == self._abandoned[0]:
             self._abandoned[1].discard(rank)
+        elif op == "stream" and not current:
+            self._late_stream(rank, message)
         elif not current or cell is None:
             return  # late output of an earlier cell, or a hello/reply we do not wait for
         elif op == "stream":
@@ -556,22 +563,62 @@ class SPMDKernel(Kernel):
 
     def _on_stream(self, cell: _Cell, rank: int, name: str, text: str) -> None:
         if cell.mode == "folded":
-            self._stream(name, cell.folders[name].push(rank, text), cell.silent)
+            self._cell_stream(cell, name, cell.folders[name].push(rank, text))
         elif cell.mode == "0":
             if rank == cell.primary:
-                self._stream(name, text, cell.silent)
+                self._cell_stream(cell, name, text)
         else:
             buffered = cell.partial.get((rank, name), "") + text
             *lines, cell.partial[(rank, name)] = buffered.split("\n")
-            self._stream(name, [f"[{rank}] {line}" for line in lines], cell.silent)
+            self._cell_stream(cell, name, [f"[{rank}] {line}" for line in lines])
 
-    def _stream(self, name: str, text: str | list[str], silent: bool) -> None:
+    def _late_stream(self, rank: int, message: dict[str, Any]) -> None:
+        """What a rank printed after its last cell ended (a thread the cell started, native code): shown under that
+        cell, as ipykernel shows a thread's output under the last cell. Output of an older cell is dropped."""
+        cell = self._last_cells.get(rank)
+        if cell is not None and message.get("id") == cell.id:
+            self._on_stream(cell, rank, message["name"], message["text"])
+
+    def _keep_for_late_output(self, cell: _Cell) -> None:
+        """The cell ended: fold what its ranks print until their next cell afresh, as while it ran; a cell no rank
+        prints under any more gives out what it still holds."""
+        cell.folders = {name: Folder(cell.ranks) for name in cell.folders}
+        replaced = {id(old): old for rank, old in self._last_cells.items() if rank in cell.done and old is not cell}
+        self._last_cells.update(dict.fromkeys(cell.done, cell))
+        for old in replaced.values():
+            if all(kept is not old for kept in self._last_cells.values()):
+                self._drain(old)
+
+    def _flush_late(self) -> None:
+        """Let through lines printed after their cell ended that waited long enough for the other ranks."""
+        for cell in {id(c): c for c in self._last_cells.values()}.values():
+            for name, folder in cell.folders.items():
+                self._cell_stream(cell, name, folder.flush_stale())
+
+    def _drain(self, cell: _Cell) -> None:
+        """Show everything of the cell's output still held back (folded lines, unterminated lines)."""
+        for name, folder in cell.folders.items():
+            self._cell_stream(cell, name, folder.drain())
+        for (rank, name), text in cell.partial.items():
+            if text:
+                self._cell_stream(cell, name, [f"[{rank}] {text}"])
+        cell.partial.clear()
+
+    def _cell_stream(self, cell: _Cell, name: str, text: str | list[str]) -> None:
+        """Text of the ranks' output of ``cell``, under that cell (also once later cells ran)."""
+        self._stream(name, text, cell.silent, cell.parent)
+
+    def _stream(self, name: str, text: str | list[str], silent: bool, parent: dict[str, Any] | None = None) -> None:
         if isinstance(text, list):
             if not text:
                 return
             text = "\n".join(text) + "\n"
         if text and not silent:
-            self.send_response(self.iopub_socket, "stream", {"name": name, "text": text})
+            content = {"name": name, "text": text}
+            if parent is None:  # the request being handled
+                self.send_response(self.iopub_socket, "stream", content)
+            else:
+                self.session.send(self.iopub_socket, "stream", content, parent)
 
     def _ping(self, now: float) -> None:
         if now - self._last_ping > 1.0:
@@ -579,9 +626,11 @@ class SPMDKernel(Kernel):
             self.rankset.broadcast({"op": "ping"})
 
     def _pump(self) -> None:
-        """Between cells: deliver widget messages from rank 0, keep remote ranks' heartbeat, notice lost ranks."""
+        """Between cells: deliver widget messages from rank 0 and output of the last cell, keep remote ranks'
+        heartbeat, notice lost ranks."""
         self._ping(time.monotonic())
         self._pump_messages()
+        self._flush_late()
         lost = self.rankset.lost(self.dead_after)
         if lost and self._lost_note is None:
             self._lost_note = self._lose(None, lost)
@@ -972,8 +1021,8 @@ class SPMDKernel(Kernel):
     # -- after the cell ------------------------------------------------------------------------------------------
     def _finish(self, cell: _Cell) -> dict:
         self._end_live(cell)
-        for name, folder in cell.folders.items():
-            self._stream(name, folder.drain(), cell.silent)
+        self._drain(cell)
+        self._keep_for_late_output(cell)
         for rank in cell.done:
             self._last_where[rank] = "idle, between cells"
         if cell.lost:

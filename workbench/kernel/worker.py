@@ -423,6 +423,7 @@ class _Worker:
 
     def serve(self) -> None:
         """Main thread: run what the kernel sends until it says exit."""
+        self.last_cell: str | None = None  # the last cell run: what is printed between cells is shown under it
         self._capture_native_output()
         sys.stdout, sys.stderr = self._streams["stdout"], self._streams["stderr"]
         shell = _make_shell(self)
@@ -461,6 +462,7 @@ class _Worker:
                     self._comm_in(message)
             except KeyboardInterrupt:  # an interrupt that arrived just after its cell ended
                 continue
+        self.last_cell = None  # leaving: no message reaches the kernel any more, what is printed goes to the log
         self._flush_streams()
         self.send({"op": "bye", "rank": self.rank})
         time.sleep(0.2)
@@ -520,7 +522,7 @@ class _Worker:
         self.send({"op": "done", "id": self.cell, "rank": self.rank, "status": status, "error": self.error,
                    "result": self.result if self.send_display else None, "time": time.time(),
                    "payload": payload if self.send_display else []})
-        self.cell = None
+        self.last_cell, self.cell = self.cell, None
 
     def _reinit(self, generation: int) -> None:
         error = None
@@ -579,7 +581,8 @@ class _Worker:
 
 
 class _RankStream(io.TextIOBase):
-    """sys.stdout / sys.stderr of a rank: whole lines go to the kernel while a cell runs, else to the log."""
+    """sys.stdout / sys.stderr of a rank: whole lines go to the kernel, under the running cell, or between cells under
+    the last one (a thread it started, native code: as ipykernel shows them); before the first cell, to the log."""
 
     def __init__(self, worker: _Worker, name: str, original: Any, fd: int) -> None:
         self._worker, self._name, self._original, self._fd = worker, name, original, fd
@@ -600,7 +603,7 @@ class _RankStream(io.TextIOBase):
         return True
 
     def write(self, text: str) -> int:
-        if self._worker.cell is None:
+        if self._cell() is None:
             self._original.write(text)
             return len(text)
         with self._lock:
@@ -620,11 +623,16 @@ class _RankStream(io.TextIOBase):
             self._original.flush()
 
     def _emit(self, text: str) -> None:
-        if self._worker.send_streams and self._worker.cell is not None:
-            self._worker.send({"op": "stream", "id": self._worker.cell, "rank": self._worker.rank,
-                               "name": self._name, "text": text})
-        elif self._worker.cell is None:
+        cell = self._cell()
+        if cell is None:
             self._original.write(text)
+        elif self._worker.send_streams:  # the cell's %rank_output: shown, or dropped as while it ran
+            self._worker.send({"op": "stream", "id": cell, "rank": self._worker.rank, "name": self._name,
+                               "text": text})
+
+    def _cell(self) -> str | None:
+        """The cell this output goes with: the running one, else the last one; None before the first."""
+        return self._worker.cell or self._worker.last_cell
 
 
 def _make_shell(worker: _Worker) -> Any:
