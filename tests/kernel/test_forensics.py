@@ -162,6 +162,9 @@ def test_a_ranks_folder_is_made_private_or_refused(tmp_path: Path) -> None:
     (tmp_path / "link").symlink_to(tmp_path / "target")
     with pytest.raises(RuntimeError, match="is not a directory"):
         private_folder(str(tmp_path / "link"))
+    (tmp_path / "dangling").symlink_to(tmp_path / "nowhere")  # planted before this user's first rank ran
+    with pytest.raises(RuntimeError, match="is not a directory"):
+        private_folder(str(tmp_path / "dangling"))
     if os.geteuid() == 0:  # only root can give a directory to another user
         theirs = tmp_path / "theirs"
         theirs.mkdir(mode=0o777)

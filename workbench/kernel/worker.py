@@ -796,7 +796,8 @@ def private_folder(path: str) -> str:
     """
     import stat
 
-    os.makedirs(path, mode=0o700, exist_ok=True)
+    with contextlib.suppress(FileExistsError):  # a dangling link there: the checks below name it
+        os.makedirs(path, mode=0o700, exist_ok=True)
     info = os.lstat(path)
     if not stat.S_ISDIR(info.st_mode):
         raise RuntimeError(f"workbench rank: {path} is not a directory (a symbolic link?): its files would land "
