@@ -256,6 +256,11 @@ def test_a_widget_lives_on_rank_0_and_its_comm_goes_both_ways(kernel: tuple[Any,
     execute(client, "s.value = 9", on_output=lambda m: seen.append(m) if m["msg_type"] == "comm_msg" else None)
     updates = [m["content"]["data"] for m in seen]  # the kernel side's change reaches the browser
     assert {"method": "update", "state": {"value": 9}, "buffer_paths": []} in updates
+    # a widget shown by a cell without rank 0 pointed at a model the notebook never got (an empty, broken view)
+    out = execute(client, "%%ranks 1\nipywidgets.IntSlider()")
+    assert out.reply["status"] == "ok", out.error_text
+    assert list(out.results[0]) == ["text/plain"], out.results
+    assert "a widget made on rank 1: widgets live on rank 0" in out.result, out.result
 
 
 MESH = ("from torch.distributed.device_mesh import init_device_mesh\n"

@@ -7,7 +7,7 @@ cell to its ranks (``RankSet``) and turns what they send back into one cell's ou
   ranks that printed them, ``[1,3] ...``; ``%rank_output 0|all|folded`` changes that; what ranks print after the
   cell ended (a thread it started) is shown under it alike, as ipykernel does;
 * rank 0's rich output (figures, HTML, widgets) and its ``execute_result`` are shown (the lowest rank of a
-  ``%%ranks`` subset when rank 0 is not in it);
+  ``%%ranks`` subset when rank 0 is not in it; widgets live on rank 0 only, and another rank's says so);
 * an exception on any rank fails the cell with that rank's own traceback first, labelled with its rank;
 * a cell running longer than a second shows a live view (``live``), updated in place twice a second: which ranks
   are done, which run user code (at which line) and which wait in which collective of which group, for how long;

@@ -649,7 +649,7 @@ def _make_shell(worker: _Worker) -> Any:
         def publish(self, data, metadata=None, source=None, *, transient=None, update=False, **kwargs) -> None:
             worker._flush_streams()
             if worker.send_display and worker.cell is not None:
-                worker.send({"op": "display", "id": worker.cell, "rank": worker.rank, "data": data,
+                worker.send({"op": "display", "id": worker.cell, "rank": worker.rank, "data": _shown(data),
                              "metadata": metadata or {}, "transient": transient or {}, "update": update})
 
         def clear_output(self, wait: bool = False) -> None:
@@ -661,7 +661,7 @@ def _make_shell(worker: _Worker) -> Any:
             pass
 
         def write_format_data(self, format_dict, md_dict=None) -> None:
-            worker.result = {"data": format_dict, "metadata": md_dict or {}}
+            worker.result = {"data": _shown(format_dict), "metadata": md_dict or {}}
 
         def finish_displayhook(self) -> None:
             worker._flush_streams()
@@ -699,6 +699,14 @@ def _make_shell(worker: _Worker) -> Any:
                          "buffers": [base64.b64encode(bytes(b)).decode() for b in buffers or []]})
 
     comm.create_comm = lambda *args, **kwargs: Comm(*args, **kwargs)
+
+    def _shown(data: dict[str, Any]) -> dict[str, Any]:
+        """What a display shows: a widget's view only from rank 0, whose comms alone reach the notebook; another
+        rank's (a ``%%ranks`` cell without rank 0) says so instead of pointing at a model the notebook never got."""
+        if worker.rank == 0 or _WIDGET_VIEW not in data:
+            return data
+        return {"text/plain": f"(a widget made on rank {worker.rank}: widgets live on rank 0, the only rank whose "
+                              "widgets reach the notebook; run this cell with rank 0 in its %%ranks to see it)"}
     from traitlets.config import Config
 
     # the notebook's history is rank 0's (history requests go there, and write what is cached first): no sqlite
@@ -710,6 +718,9 @@ def _make_shell(worker: _Worker) -> Any:
 
     shell.set_hook("show_in_pager", page.as_hook(payloadpage.page), 99)  # ``zip?``: a pager payload, as ipykernel
     return shell
+
+
+_WIDGET_VIEW = "application/vnd.jupyter.widget-view+json"
 
 
 def _complete(shell: Any, args: dict[str, Any]) -> dict[str, Any]:
