@@ -23,10 +23,20 @@ __all__ = ["layout_to_toml"]
 # zero): the reader expands ``{var}`` with ``str.format``, so ``01``, ``007`` or ``٣`` must stay literal text.
 _NUMBER = re.compile(r"0|[1-9][0-9]*")
 _COMPONENT_NUMBER = re.compile(r"(?<![^.])(?:0|[1-9][0-9]*)(?![^.])")  # a dot-separated part that is such a number
+# A loop variable is written as a bare key of a ``for``/``keys_for`` inline table, and TOML's bare keys are ASCII
+# letters, digits, ``_`` and ``-`` only: a name part of other letters (``блок``, ``é``) gets a generic variable.
+_BARE_VARIABLE = re.compile(r"[A-Za-z_][A-Za-z0-9_]*")
 
 
 def _is_number(part: str) -> bool:
     return _NUMBER.fullmatch(part) is not None
+
+
+def _variable_named_after(part: str) -> str | None:
+    """The loop variable named after the name part before a number (``layers`` -> ``layers``, ``conv-1`` ->
+    ``conv_1``), or None when it would not be a bare TOML key that ``str.format`` reads as a name."""
+    var = re.sub(r"\W", "_", part)
+    return var if _BARE_VARIABLE.fullmatch(var) else None
 
 
 def layout_to_toml(layout: Layout) -> str:
@@ -82,8 +92,8 @@ def _template(name: str, taken: set[str]) -> tuple[str, tuple[str, ...], tuple[i
         if not _is_number(part):
             out.append(_escape(part))
             continue
-        var = re.sub(r"\W", "_", parts[i - 1]) if i else ""
-        if not var.isidentifier() or var in taken or var in names:
+        var = _variable_named_after(parts[i - 1]) if i else None
+        if var is None or var in taken or var in names:
             var = next(f"n{k}" for k in itertools.count() if f"n{k}" not in taken and f"n{k}" not in names)
         names.append(var)
         values.append(int(part))
@@ -129,8 +139,8 @@ def _with_inner_loop(split: list[list[str]], t: int, count: int, variables: Mapp
                 continue
             if inner is None:
                 inner = values
-                base = re.sub(r"\W", "_", before)
-                inner_name = base if base.isidentifier() and base not in variables else "k"
+                base = _variable_named_after(before)
+                inner_name = base if base is not None and base not in variables else "k"
                 while inner_name in variables:
                     inner_name += "_"
             elif values != inner:
