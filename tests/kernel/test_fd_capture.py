@@ -41,8 +41,8 @@ def test_native_and_child_output_is_delivered_in_order_before_sync_returns(tmp_p
         assert capture.sync(5)
         with lock:
             seen = list(got)
-        capture.log_err.write("to the log\\n")
-        print("after sync:", seen, file=capture.log_out, flush=True)
+        capture.logs["stderr"].write("to the log\\n")
+        print("after sync:", seen, file=capture.logs["stdout"], flush=True)
     """)
     pieces = eval(delivered)
     assert "".join(t for n, t in pieces if n == "stdout") == "one\nthree\n"
@@ -82,3 +82,26 @@ def test_stop_points_the_descriptors_back_at_the_logs(tmp_path: Path) -> None:
     """)
     assert eval(delivered) == [("stdout", "captured\n")]
     assert out == "after stop\n" and err == "err after stop\n"
+
+
+def test_a_descriptor_pointed_at_a_file_gets_no_mark_and_sync_does_not_wait_for_it(tmp_path: Path) -> None:
+    # a cell that sends a C library's chatter to a file with dup2: the marks went into that file, and every later
+    # cell waited the whole timeout for them
+    own = tmp_path / "own.txt"
+    delivered, out, _ = _run_child(tmp_path, f"""
+        import time
+        f = open({str(own)!r}, "wb")
+        saved = os.dup(1)
+        os.dup2(f.fileno(), 1)
+        os.write(1, b"to the file\\n")
+        start = time.monotonic()
+        synced = capture.sync(5)
+        took = time.monotonic() - start
+        os.dup2(saved, 1)
+        os.write(1, b"captured again\\n")
+        capture.sync(5)
+        print(synced, took < 1, file=capture.logs["stdout"], flush=True)
+    """)
+    assert own.read_bytes() == b"to the file\n"
+    assert out == "True True\n"
+    assert "".join(t for n, t in eval(delivered) if n == "stdout") == "captured again\n"

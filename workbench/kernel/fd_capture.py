@@ -1,14 +1,15 @@
-"""What a rank's native code and child processes write to file descriptors 1 and 2, read back as text.
+"""What a rank's native code and child processes write to a file descriptor (its stdout, 1), read back as text.
 
-``sys.stdout`` of a rank is a Python object the kernel replaced; ``os.system``, a subprocess, NCCL's and torch's C++
-warnings write to the descriptors underneath it, which would reach only the ranks' log. ``FdCapture`` points
-descriptors 1 and 2 at pipes and reads them on a thread of its own, handing each piece of text to a callback (the
-rank sends it to the notebook while a cell runs, else writes it to the log).
+``sys.stdout`` of a rank is a Python object the kernel replaced; ``os.system``, a subprocess, NCCL's debug lines
+write to the descriptor underneath it, which would reach only the ranks' log. ``FdCapture`` points descriptors at
+pipes and reads them on a thread of its own, handing each piece of text to a callback (the rank sends it to the
+notebook). The rank captures descriptor 1 only: descriptor 2 stays the log, because what native code writes there
+just before it aborts (``std::terminate``'s reason, glibc's ``double free``) would die in a pipe whose reader never
+ran again.
 
-Whatever must reach the log even when the process ends at once (``os._exit``) or its Python threads cannot run (a
-main thread holding the GIL in native code) writes to ``log_out`` / ``log_err``: duplicates of the descriptors as they
-were, never to the pipes. ``sync`` returns once everything written to the pipes before it has been handed over: a
-cell's last native line is shown with the cell, not after it.
+Whatever must reach the log itself writes to ``logs[name]``: a duplicate of the descriptor as it was, never the
+pipe. ``sync`` returns once everything written to the pipes before it has been handed over: a cell's last native
+line is shown with the cell, not after it.
 """
 
 from __future__ import annotations
@@ -28,32 +29,34 @@ _STREAMS = (("stdout", 1), ("stderr", 2))
 
 
 class FdCapture:
-    """Descriptors 1 and 2 of this process, read through pipes (see the module docstring).
+    """Descriptors of this process (``streams``: name and number; default 1 and 2), read through pipes (see the
+    module docstring).
 
     Made in two steps: the constructor redirects the descriptors and opens the logs; ``start(deliver)`` starts the
     reading thread, which calls ``deliver(name, text)`` (``name``: ``"stdout"`` or ``"stderr"``) from that thread.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, streams: tuple[tuple[str, int], ...] = _STREAMS) -> None:
+        self._streams = streams
         self._saved: dict[str, int] = {}
+        self._pipes: dict[str, tuple[int, int]] = {}  # name -> the write end's (device, inode)
         self._read_fds: dict[int, str] = {}
-        self._decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name, _ in _STREAMS}
-        self._carry = {name: b"" for name, _ in _STREAMS}
+        self._decoders = {name: codecs.getincrementaldecoder("utf-8")("replace") for name, _ in streams}
+        self._carry = {name: b"" for name, _ in streams}
         self._marks = dict.fromkeys(self._decoders, 0)
         self._seen = threading.Condition()
         self._thread: threading.Thread | None = None
         self._deliver: Callable[[str, str], None] | None = None
         self._stopped = False
-        logs = {}
-        for name, fd in _STREAMS:
+        self.logs: dict[str, TextIO] = {}
+        for name, fd in streams:
             saved = os.dup(fd)  # not inheritable (PEP 446): a child process writes to the pipe, never to the log
             read_end, write_end = os.pipe()
             os.dup2(write_end, fd)  # inheritable: children write here
             os.close(write_end)
-            self._saved[name], self._read_fds[read_end] = saved, name
-            logs[name] = open(os.dup(saved), "w", encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
-        self.log_out: TextIO = logs["stdout"]
-        self.log_err: TextIO = logs["stderr"]
+            info = os.fstat(fd)
+            self._saved[name], self._read_fds[read_end], self._pipes[name] = saved, name, (info.st_dev, info.st_ino)
+            self.logs[name] = open(os.dup(saved), "w", encoding="utf-8", errors="replace", buffering=1)  # noqa: SIM115
 
     def start(self, deliver: Callable[[str, str], None]) -> None:
         """Start handing what arrives on the pipes to ``deliver(name, text)``, on a daemon thread."""
@@ -62,19 +65,31 @@ class FdCapture:
         self._thread.start()
 
     def sync(self, timeout: float = 1.0) -> bool:
-        """Return once what was written to descriptors 1 and 2 before this call has been delivered (False when that
-        took longer than ``timeout`` seconds, or a descriptor no longer leads to its pipe)."""
+        """Return once what was written to the descriptors before this call has been delivered (False when that
+        took longer than ``timeout`` seconds). A descriptor the process pointed elsewhere (``dup2`` onto a file, or
+        closed and reused) gets no mark: marks go only into this capture's own pipes, never into a user's file."""
         if self._thread is None or self._stopped:
             return True
         with self._seen:
-            wanted = {name: count + 1 for name, count in self._marks.items()}
-        for _, fd in _STREAMS:
-            try:
-                os.write(fd, _MARK)
-            except OSError:
-                return False
+            wanted = {}
+            for name, fd in self._streams:
+                if self._leads_to_pipe(name, fd):
+                    wanted[name] = self._marks[name] + 1
+        for name, fd in self._streams:
+            if name in wanted:
+                try:
+                    os.write(fd, _MARK)
+                except OSError:
+                    del wanted[name]
         with self._seen:
             return self._seen.wait_for(lambda: all(self._marks[n] >= wanted[n] for n in wanted), timeout)
+
+    def _leads_to_pipe(self, name: str, fd: int) -> bool:
+        try:
+            info = os.fstat(fd)
+        except OSError:
+            return False
+        return (info.st_dev, info.st_ino) == self._pipes[name]
 
     def stop(self, timeout: float = 1.0) -> None:
         """Point descriptors 1 and 2 back at the logs, deliver what the pipes still hold (for up to ``timeout``
@@ -82,9 +97,10 @@ class FdCapture:
         if self._stopped:
             return
         self._stopped = True
-        for name, fd in _STREAMS:
-            with contextlib.suppress(OSError):
-                os.dup2(self._saved[name], fd)
+        for name, fd in self._streams:
+            if self._leads_to_pipe(name, fd):  # one the process pointed elsewhere stays where it points
+                with contextlib.suppress(OSError):
+                    os.dup2(self._saved[name], fd)
         if self._thread is not None:
             self._thread.join(timeout)
 
@@ -131,7 +147,7 @@ class FdCapture:
                 self._deliver(name, text)
             except Exception:  # a delivery that fails must not stop the reading: the pipe would fill and block
                 with contextlib.suppress(Exception):
-                    self.log_err.write(text)
+                    self.logs[name].write(text)
         if marks:
             with self._seen:
                 self._marks[name] += marks

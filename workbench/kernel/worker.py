@@ -471,27 +471,21 @@ class _Worker:
 
     def _capture_native_output(self) -> None:
         """Main thread, before serving: ``sys.stdout`` / ``sys.stderr`` become the rank's streams, and what native
-        code and child processes write to descriptors 1 and 2 joins them (``FdCapture``). faulthandler's dumps and
-        the messages written just before ``os._exit`` go to the log itself: a pipe's reader may never run again."""
-        import faulthandler
-
+        code and child processes write to descriptor 1 joins the first (``FdCapture``). Descriptor 2 stays the log:
+        a native crash's last words (written just before ``abort``) and faulthandler's dumps must reach it, and a
+        pipe's reader may never run again."""
         from workbench.kernel.fd_capture import FdCapture
 
         try:
-            capture = FdCapture()
+            capture = FdCapture((("stdout", 1),))
         except OSError as exc:  # no descriptors to spare: Python's own output still reaches the kernel
             print(f"workbench rank {self.rank}: native output stays in the log ({exc})", file=self.log, flush=True)
             capture = None
-        logs = {"stdout": sys.stdout, "stderr": sys.stderr} if capture is None else \
-            {"stdout": capture.log_out, "stderr": capture.log_err}
+        logs = {"stdout": sys.stdout if capture is None else capture.logs["stdout"], "stderr": sys.stderr}
         self._streams = {name: _RankStream(self, name, logs[name], fd) for name, fd in (("stdout", 1), ("stderr", 2))}
-        if capture is None:
-            return
-        self._capture, self.log = capture, capture.log_err
-        faulthandler.register(signal.SIGUSR1, file=capture.log_err, all_threads=True)  # never into a pipe
-        if faulthandler.is_enabled():
-            faulthandler.enable(file=capture.log_err, all_threads=True)
-        capture.start(lambda name, text: self._streams[name].write(text))
+        if capture is not None:
+            self._capture = capture
+            capture.start(lambda name, text: self._streams[name].write(text))
 
     # -- work on the main thread --------------------------------------------------------------------------
     def _execute(self, message: dict[str, Any]) -> None:
@@ -626,9 +620,11 @@ class _RankStream(io.TextIOBase):
         cell = self._cell()
         if cell is None:
             self._original.write(text)
-        elif self._worker.send_streams:  # the cell's %rank_output: shown, or dropped as while it ran
+        elif self._worker.send_streams:  # the cell's %rank_output: shown
             self._worker.send({"op": "stream", "id": cell, "rank": self._worker.rank, "name": self._name,
                                "text": text})
+        elif self._worker.cell is None:  # not shown: after its cell, it is kept in the log (a watchdog's report)
+            self._original.write(text)
 
     def _cell(self) -> str | None:
         """The cell this output goes with: the running one, else the last one; None before the first."""
@@ -881,8 +877,7 @@ def main(argv: Sequence[str] | None = None) -> int:
     os.environ.setdefault("MPLBACKEND", "module://matplotlib_inline.backend_inline")
     import faulthandler
 
-    faulthandler.register(signal.SIGUSR1, all_threads=True)  # native stacks on demand, into the rank's log (serve
-    # moves it onto the log's own descriptor)
+    faulthandler.register(signal.SIGUSR1, all_threads=True)  # native stacks on demand, into the rank's log
     worker = _Worker(address, token, backend, silence=args.kernel_silence)
     worker.start_forensics()
     worker.init_process_group()
