@@ -148,3 +148,49 @@ def test_a_wave_ending_in_an_in_place_gather_frees_it_with_the_wave() -> None:
     schedule = schedule_unshard(plans, None, budget_bytes=1)  # a wave each; a's gather merges in place
     local = {p.name: torch.randn(p.local_shape) for p in plans}
     assert measured_peak(schedule, plans, local, 0, EchoComm) <= schedule.peak_bytes
+
+
+
+def _fp8_tail_plans(kept_tp_cut: bool, budget: int | None) -> Any:
+    """Every rank's ``minimal`` save of keys fused on dim 1 with FP8-style tail padding, visible (2, 8) of (4, 11):
+    fsdp's interleave on the rows is gathered. ``kept_tp_cut``: tp's column cut stays; tp 0 (columns 0-5) then trims
+    its 4 rows to 2 with a contiguous view, keeping the untrimmed (4, 6) output, while tp 1 (columns 6-10, 2 visible)
+    copies (2, 2). Else every rank gathers the whole (4, 11) and copies (2, 8) out of it. A replicated (2, 7),
+    visible (2, 6), copies its trim on every rank."""
+    from workbench.layout.descriptors import ShardDescriptor
+    from workbench.layout.load_spec import LoadSpec
+    from workbench.layout.model_layout import Layout
+    from workbench.plan.policy import SavePolicy
+    from workbench.plan.save_set import plan_save
+
+    mesh = MeshSpec((2, 2), ("fsdp", "tp"))
+    cuts = (ShardDescriptor(0, "fsdp", 2), *([ShardDescriptor(1, "tp")] if kept_tp_cut else []))
+    w = LoadSpec(name="w", hf_keys=tuple(f"w.k{j}" for j in range(4)), global_shape=(4, 11), fused_dim=1,
+                 origin_shape=(2, 8), mesh=mesh, shards=cuts)
+    b = LoadSpec(name="b", hf_keys=("b",), global_shape=(2, 7), origin_shape=(2, 6), mesh=mesh)
+    layout = Layout(mesh, {"w": w, "b": b}, {"w": "float32", "b": "float32"})
+    return plan_save(layout, policy=SavePolicy.minimal(), budget_bytes=budget, cache=False)
+
+
+@pytest.mark.parametrize("budget", [None, 208])
+def test_a_rank_whose_fp8_trim_is_a_view_keeps_its_untrimmed_output_in_the_prediction(budget: int | None) -> None:
+    # the model replaced every rank's untrimmed output by the largest trimmed copy (16 B, tp 1's): tp 0 keeps its
+    # (4, 6) output (a view trims it), so the replicated tensor's trim copy went over the prediction (240 B measured
+    # against 208 B predicted on ranks 0 and 2, and a budget of 208 packed both tensors into one wave)
+    plan_set = _fp8_tail_plans(kept_tp_cut=True, budget=budget)
+    assert len(plan_set.schedules) == 4
+    for rank, schedule in plan_set.schedules.items():
+        plans = list(plan_set.plans[rank])
+        local = {p.name: torch.randn(p.local_shape) for p in plans}
+        measured = measured_peak(schedule, plans, local, 0)
+        assert measured <= schedule.peak_bytes, (rank, measured, schedule)
+        if budget is not None:
+            assert schedule.peak_bytes <= budget, (rank, schedule)
+
+
+def test_fp8_trims_copied_on_every_rank_are_predicted_exactly() -> None:
+    # no kept cut: every rank trims its whole output alike, by a copy, and frees the untrimmed one
+    plan_set = _fp8_tail_plans(kept_tp_cut=False, budget=None)
+    schedule, plans = plan_set.schedules[0], list(plan_set.plans[0])
+    local = {p.name: torch.randn(p.local_shape) for p in plans}
+    assert measured_peak(schedule, plans, local, 0) == schedule.peak_bytes, schedule

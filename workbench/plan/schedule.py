@@ -27,8 +27,9 @@ request. A wave casts its tensors to the gather dtype (a look-ahead tensor: at i
 flat send buffer (inputs and the previous reply still alive), drops its inputs, receives ``W x`` send, drops
 the send buffer, merges each tensor into one new buffer (a single contiguous dim-0 gather merges in place: a
 view of the receive buffer), then the receive buffer goes with the next request. A wave's outputs (trimmed
-of FP8 tails: a copy unless the trim is a contiguous view) are handed out at its end and freed when the
-executor resumes, except what the writer queue keeps: at most the outputs handed out so far, and at most
+of FP8 tails: a copy unless the trim is a contiguous view; where a kept cut leaves ranks different pieces, one
+rank may copy while another keeps its untrimmed output, so both are counted) are handed out at its end and freed
+when the executor resumes, except what the writer queue keeps: at most the outputs handed out so far, and at most
 ``queued_bytes`` or the largest of those outputs, which the queue takes alone (it charges the whole storage a
 queued key keeps alive: a key of a fused output keeps the output). Byte counts use each step's largest chunk on
 any rank, and each tensor's largest local tensor and trimmed copy on any rank (``HFSavePlan.bound_local_shape``,
@@ -446,6 +447,8 @@ class _Tensor:
     output_numel: int
     items: tuple[tuple[MeshDimRef, int, GatherItem], ...]  # (mesh dim, world, item) per pending step
     trim_bytes: int = 0  # bytes of the largest trimmed copy any rank's ``finalize`` makes (FP8 tails), else 0
+    # a rank may trim by a view or not at all, keeping its untrimmed output (rank-independent; see ``_may_not_copy``)
+    untrimmed_may_stay: bool = False
     cast_bytes: int = 0  # bytes of the largest copy in the gather dtype any rank makes (0: sent as it is)
     split_copies: tuple[int, ...] = ()  # this rank's copies splitting its output into keys (``iter_keys``), per key
 
@@ -484,12 +487,20 @@ class _Tensor:
                                                plan.gather_dtype)
         return cls(name=plan.name, dtype=dtype, group_dtype=group, local_numel=local_numel, output_numel=output_numel,
                    items=items, trim_bytes=trim_numel * dtype.itemsize, cast_bytes=local_numel * cast,
-                   split_copies=split)
+                   split_copies=split, untrimmed_may_stay=trim_numel > 0 and _may_not_copy(plan))
 
     def signature(self) -> tuple:
         """What the calls depend on: the call dtype (rank-independent) and the (mesh dim, group size) of every
         pending step."""
         return (self.group_dtype, tuple((ref, world) for ref, world, _ in self.items))
+
+
+def _may_not_copy(plan: HFSavePlan) -> bool:
+    """Whether some rank may trim its FP8 tail by a view (or have none to trim), where another copies: only where a
+    kept cut over several ranks leaves each rank another piece. Without one every rank's output, and so its trim,
+    is the same. Where one is kept, which pieces hold the tail depends on the checkpoint-visible shape, which a plan
+    does not carry: any may, so the bound keeps the untrimmed output (an upper bound where every rank copies)."""
+    return any(s.preserved and s.world > 1 for s in plan.steps)
 
 
 @functools.lru_cache(maxsize=4096)
@@ -617,8 +628,10 @@ def _run(
         for t in wave:  # FP8 tails: the trimmed copy is made while the untrimmed output is alive
             if t.trim_bytes:
                 peak = max(peak, state.live + state.reply + t.trim_bytes)
-                state.live += t.trim_bytes - held[t.name]
-                held[t.name] = t.trim_bytes
+                # the copy replaces the untrimmed output; a rank whose trim is a view keeps the untrimmed one
+                kept = max(held[t.name], t.trim_bytes) if t.untrimmed_may_stay else t.trim_bytes
+                state.live += kept - held[t.name]
+                held[t.name] = kept
         copies = [c for t in wave for c in t.split_copies]
         state.ends.append((state.live + state.reply, max(copies, default=0), sum(copies)))
         handed = biggest = 0
