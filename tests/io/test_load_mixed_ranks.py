@@ -112,3 +112,15 @@ def test_copies_on_each_hosts_disk_agree_whatever_their_times_and_another_checkp
     assert one.files == two.files and one.inodes != two.inodes
     assert other.files == one.files  # same keys, shapes and sizes: told apart only on one host (inode, time)
     assert bigger.files != one.files
+
+
+def test_lone_files_of_one_folder_are_different_checkpoints_on_purpose(tmp_path: Path) -> None:
+    # pipeline stages each loading a file of their own from one folder were refused as "replaced during the load"
+    from workbench.io.files.index import read_checkpoint
+    from workbench.io.hf.load import parsed_checkpoint
+
+    for name, values in (("stage0", _A), ("stage1", -_A)):
+        save_file({"w": values}, str(tmp_path / f"{name}.safetensors"))
+    stage0, stage1 = (parsed_checkpoint(read_checkpoint(tmp_path / f"{n}.safetensors")) for n in ("stage0", "stage1"))
+    assert stage0.directory != stage1.directory
+    _check_same_checkpoint([stage0, stage1], "load of stages")

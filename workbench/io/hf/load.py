@@ -684,13 +684,21 @@ def parsed_checkpoint(index: CheckpointIndex) -> ParsedCheckpoint:
     headers = (index.weight_map, [(k.hf_key, k.file, k.dtype, k.shape, k.data_offsets) for k in index.keys.values()],
                sorted(index.file_metadata.items()), [(f, size) for f, (_, _, size, _) in zip(index.files, ids)])
     parsed = ParsedCheckpoint(
-        directory=str(index.directory),
+        directory=str(_loaded_from(index)),
         host=f"{socket.gethostname()} {sorted({device for device, *_ in ids})}",
         files=_sha1(headers),
         inodes=_sha1([(inode, mtime) for _, inode, _, mtime in ids]),
     )
     _PARSED.put(id(index), (index, parsed))
     return parsed
+
+
+def _loaded_from(index: CheckpointIndex) -> Path:
+    """What a rank loads, for comparing it with its peers: the index file, else the lone weights file (ranks that
+    each load a file of their own in one folder, pipeline stages say, load different checkpoints on purpose)."""
+    if index.index_file is not None or len(index.files) != 1:
+        return index.index_file or index.directory
+    return index.directory / index.files[0]
 
 
 def _sha1(value: object) -> str:
