@@ -56,3 +56,19 @@ def test_a_missing_config_file_is_refused_at_the_call_naming_it(tmp_path: Path,
     with pytest.raises(wb.SaveFailed, match=f"do not exist: .*{tmp_path / 'tokenizer.json'}"):
         wb.save_hf({"w": torch.ones(4)}, tmp_path / "ckpt", config_files=["tokenizer.json"], async_save=True)
     assert sorted(p.name for p in tmp_path.iterdir()) == []  # refused before anything was made
+
+
+def test_a_config_path_through_a_linked_folder_and_dotdot_is_the_file_the_os_opens(tmp_path, monkeypatch) -> None:
+    # os.path.abspath folds "link/.." as text: weights/../config.json named the cwd's config.json, not the model's
+    import json
+
+    real = tmp_path / "data" / "llama"
+    (real / "weights").mkdir(parents=True)
+    (real / "config.json").write_text(json.dumps({"model": "right"}))
+    work = tmp_path / "work"
+    work.mkdir()
+    (work / "config.json").write_text(json.dumps({"model": "wrong"}))
+    (work / "weights").symlink_to(real / "weights")
+    monkeypatch.chdir(work)
+    wb.save_hf({"w": torch.ones(4)}, tmp_path / "ckpt", config_files=["weights/../config.json"])
+    assert json.loads((tmp_path / "ckpt" / "config.json").read_text()) == {"model": "right"}

@@ -97,7 +97,8 @@ class SaveSession:
         self.rank = comm.rank
         self.max_shard_bytes = max_shard_bytes
         # absolute now, read by rank 0 at planning (``ConfigCopy``): an async save publishes after the call returns
-        self.config_files = [Path(os.path.abspath(c)) for c in config_files]
+        # not os.path.abspath: it folds ``link/..`` as text, naming another file than the one the OS opens
+        self.config_files = [Path(c) if Path(c).is_absolute() else Path.cwd() / c for c in config_files]
         self.config_copies: list[ConfigCopy] = []
         self.in_flight_bytes = in_flight_bytes
         self.snapshot = snapshot
