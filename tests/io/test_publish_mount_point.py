@@ -81,3 +81,14 @@ def test_a_directory_on_the_parents_filesystem_is_prepared(tmp_path: Path) -> No
     final = tmp_path / "ckpt"
     final.mkdir()
     assert AtomicRenamePublisher(final).prepare() == tmp_path / ".ckpt.incomplete"
+
+
+def test_a_link_to_a_checkpoint_is_replaced_whatever_device_the_link_reports(tmp_path, monkeypatch) -> None:
+    # on an overlay whose layers are other filesystems, a link reports its lower layer's device and its folder the
+    # overlay's: only the link is renamed, which crosses nothing
+    target = tmp_path / "step-1"
+    target.mkdir()
+    (tmp_path / "latest").symlink_to(target)
+    monkeypatch.setattr(publish, "_devices", lambda final: (41, 42))
+    assert publish._elsewhere(tmp_path / "latest") is None
+    assert publish._elsewhere(target) is not None  # a real directory on "another device" is still refused

@@ -117,7 +117,10 @@ def _devices(final: Path) -> tuple[int, int]:
 
 def _elsewhere(final: Path) -> str | None:
     """Why the existing directory ``final`` cannot be replaced by one made in its parent, or None: a directory is
-    never renamed or exchanged over a mount point (EBUSY) or across filesystems (EXDEV)."""
+    never renamed or exchanged over a mount point (EBUSY) or across filesystems (EXDEV). A symbolic link is: only
+    the link itself is replaced (and on an overlay a link may report its lower layer's device)."""
+    if final.is_symlink():
+        return None
     if os.path.ismount(final):
         return "it is a mount point (a volume mounted at that path)"
     here, parent = _devices(final)
