@@ -162,13 +162,34 @@ def test_two_cuts_of_one_dim_gathered_in_the_wrong_mesh_order_are_named_from_the
 
 
 def test_no_interleaved_shard_is_claimed_on_a_dim_the_layout_cuts_without_one(tmp_path) -> None:
-    # blocks 0, 2, 1, 3 of a tensor the layout cuts in two contiguous pieces over tp: no cut of the layout gives it
+    # blocks 0, 2, 1, 3 of a tensor the layout cuts in two contiguous pieces over tp: the layout's contiguous cut
+    # reassembled as if interleaved, never "an interleaved shard gathered as contiguous"
     key = "model.layers.0.self_attn.o_proj.weight"
     good = _rand(8, 6, seed=4)
     bad = torch.cat([good[0:2], good[4:6], good[2:4], good[6:8]])
     ref, act = write(tmp_path / "ref", {key: good}), write(tmp_path / "bad", {key: bad})
     tp2 = load_layout(_layout(tmp_path, FSDP2.replace("fsdp", "tp").replace(GATE, key)))
     finding = _only(diff_checkpoints(ref, act, layout=tp2), key)
-    assert finding.kind == "permuted" and "IS(" not in finding.transform and "interleave" not in finding.hint
-    assert finding.evidence["order"] == [0, 2, 1, 3]
+    assert finding.transform == "contiguous shards assembled as interleaved (IS(0,2)@tp over 2 ranks)", finding
+    assert "cut contiguously" in finding.hint and "gathered as contiguous" not in finding.transform
     assert "IS(0,2)" in _only(diff_checkpoints(ref, act), key).transform  # without a layout, that reading stays
+
+
+@pytest.mark.parametrize("factor", [3, 4])
+def test_a_contiguous_cut_reassembled_as_interleaved_is_named_with_the_layout_too(tmp_path, factor) -> None:
+    # a layout with a plain S(0)@tp dropped this gather bug (it names no interleaved layout, only a wrong
+    # reassembly) and named a "3x2 mesh read column-major" the layout does not have
+    key, world = "model.layers.0.self_attn.o_proj.weight", 2
+    rows, stripe = world * factor * 2, 2
+    good = _rand(rows, 4)
+    local = good.chunk(world)  # rank r holds rows r*rows/world:(r+1)*rows/world; reassembled as IS(0, factor)
+    bad = torch.empty_like(good)
+    for r in range(world):
+        for j in range(factor):
+            bad[(j * world + r) * stripe:(j * world + r + 1) * stripe] = local[r][j * stripe:(j + 1) * stripe]
+    layout = load_layout(_layout(tmp_path, f'name = "tp"\n[mesh]\nshape = [{world}]\ndim_names = ["tp"]\n[[param]]\n'
+                                           f'name = "{key}"\nhf_keys = ["{key}"]\nglobal_shape = [{rows}, 4]\n'
+                                           'placements = ["S(0)"]\n'))
+    report = diff_checkpoints(write(tmp_path / "ref", {key: good}), write(tmp_path / "bad", {key: bad}), layout=layout)
+    finding = _only(report, key)
+    assert finding.transform == f"contiguous shards assembled as interleaved (IS(0,{factor})@tp over 2 ranks)", finding

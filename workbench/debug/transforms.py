@@ -224,7 +224,8 @@ def same_length_candidates(n: int, dim: int, hints: Sequence[Hint], key: str,
     small = (c for w, f, mesh_dim, g in _small_pairs(n, dim, seen, _may_interleave(hints, dim))
              for c in _cut_candidates(n, dim, w, f, mesh_dim, g, whole, sig_ref, sig_act))
     neutral = (_halves(n, dim, k) for k in (1, 2, 4, 8, 16, 32, 64, 128, 256) if n % (2 * k) == 0)
-    candidates = chain(layout, _cut_orders(n, dim, hints), named, small, neutral)
+    candidates = chain(layout, _cut_orders(n, dim, hints), named, _assembled_as_interleaved_layout(n, dim, hints),
+                       small, neutral)
     yield from _gate_up_readings(candidates, gate_up, any(h.world > 1 for h in hints))
 
 
@@ -292,11 +293,7 @@ def _interleaved_cut(n: int, dim: int, w: int, f: int, mesh_dim: str, g: int, wh
         # the same map as f ranks' [gate_r; up_r] gathered as rows: for a fused gate/up that is the bug
         yield _gathered_as_contiguous(n, dim, f, 2, mesh_dim, g)
     else:
-        yield Candidate("permuted", dim, _block_map(n, inverse, g),
-                        f"contiguous shards assembled as interleaved ({cut}{inside})",
-                        f"the tensor was cut contiguously but reassembled as if interleaved ({cut}): gather "
-                        "a plain Shard with plain concatenation",
-                        details)
+        yield _assembled_as_interleaved(n, dim, w, f, mesh_dim, g)
     for twice, how in (([order[o] for o in order], "gathered as contiguous"),
                        ([inverse[o] for o in inverse], "undone")):
         if twice not in (list(range(w * f)), order, inverse):
@@ -305,6 +302,32 @@ def _interleaved_cut(n: int, dim: int, w: int, f: int, mesh_dim: str, g: int, wh
                             f"the interleave of {cut} was {how} twice (a conversion applied on top of a save "
                             "that already did it, or a loop that converts every time): apply it once",
                             details)
+
+
+def _assembled_as_interleaved(n: int, dim: int, w: int, f: int, mesh_dim: str, g: int) -> Candidate:
+    """A contiguous cut of ``w`` ranks reassembled as if it were ``IS(dim, f)``, in each of ``g`` outer pieces."""
+    inside = f" inside each of {g} outer shards" if g > 1 else ""
+    cut = f"IS({dim},{f}){_at(mesh_dim)} over {w} ranks"
+    inverse = [0] * (w * f)
+    for q, src in enumerate(j * w + r for r in range(w) for j in range(f)):
+        inverse[src] = q
+    return Candidate("permuted", dim, _block_map(n, inverse, g),
+                     f"contiguous shards assembled as interleaved ({cut}{inside})",
+                     f"the tensor was cut contiguously but reassembled as if interleaved ({cut}): gather "
+                     "a plain Shard with plain concatenation",
+                     (("world", w), ("factor", f), ("outer_shards", g)))
+
+
+def _assembled_as_interleaved_layout(n: int, dim: int, hints: Sequence[Hint]) -> Iterator[Candidate]:
+    """The layout's contiguous cuts on ``dim`` reassembled as if interleaved: a gather bug, not an interleaved
+    layout, so it is named even where the layout interleaves nothing on ``dim`` (small factors of it are not)."""
+    if _may_interleave(hints, dim):
+        return  # the small factors name it
+    for h in hints:
+        if h.dim == dim and h.world > 1 and h.factor == 1:
+            for f in SMALL_F:
+                if n % (h.world * f) == 0:
+                    yield _assembled_as_interleaved(n, dim, h.world, f, h.mesh_dim, 1)
 
 
 def _contiguous_cut(n: int, dim: int, w: int, mesh_dim: str, g: int, sig_ref: torch.Tensor | None,
