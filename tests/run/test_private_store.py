@@ -3,11 +3,22 @@
 
 from __future__ import annotations
 
+import json
 import os
 import stat
+import subprocess
+import sys
+import tempfile
+import time
 
 from tests.listening import listening
-from workbench.run.private_store import ENV_STORE, PrivateStore, connect_store, inherited_variables
+from workbench.run.private_store import (
+    ABANDONED_AFTER,
+    ENV_STORE,
+    PrivateStore,
+    connect_store,
+    inherited_variables,
+)
 
 
 def test_its_files_are_this_users_alone_and_go_at_close() -> None:
@@ -36,3 +47,43 @@ def test_a_launch_without_a_store_drops_only_what_a_store_chose() -> None:
         assert "GLOO_SOCKET_IFNAME" not in inherited_variables(user)
         assert ENV_STORE in inherited_variables(user)
     assert inherited_variables({"GLOO_SOCKET_IFNAME": "lo"}) == []  # set by the user, no store: kept
+
+
+def _ended_pid() -> int:
+    """A pid that ran and is gone (reaped)."""
+    child = subprocess.Popen([sys.executable, "-c", "pass"])
+    child.wait()
+    return child.pid
+
+
+def test_a_store_whose_maker_was_killed_goes_at_the_next_store_and_no_other(tmp_path, monkeypatch) -> None:
+    monkeypatch.setattr(tempfile, "tempdir", str(tmp_path))
+    old = time.time() - ABANDONED_AFTER - 5
+
+    def left(pid: int, *, host: str | None = None, changed: float = old, record: bool = True) -> str:
+        """A store as a maker killed with SIGKILL leaves it: its files, no close()."""
+        store = PrivateStore()
+        owner = os.path.join(store.directory, "owner.json")
+        if record:
+            with open(owner) as f:
+                made = json.load(f)
+            with open(owner, "w") as f:
+                json.dump({**made, "pid": pid, "host": host or made["host"]}, f)
+        else:
+            os.remove(owner)
+        with open(store.ranks, "w") as f:
+            f.write("x")
+        for name in os.listdir(store.directory):
+            os.utime(os.path.join(store.directory, name), (changed, changed))
+        os.utime(store.directory, (changed, changed))
+        return store.directory
+
+    alive = left(os.getpid())  # its maker runs: a live kernel's store
+    recent = left(_ended_pid(), changed=time.time())  # its ranks may still be ending
+    elsewhere = left(_ended_pid(), host="another-host")  # a pid of another host says nothing here
+    unrecorded = left(_ended_pid(), record=False)  # an older workbench's: cannot be judged
+    dead = left(_ended_pid())  # each store made above swept the folder: these are kept
+    assert os.path.isdir(dead)
+    with PrivateStore() as store:
+        assert not os.path.exists(dead)
+        assert all(os.path.isdir(d) for d in (alive, recent, elsewhere, unrecorded, store.directory))

@@ -16,22 +16,47 @@ this host (``wb.launch`` and a kernel's local ranks) the launching process makes
   this host only.
 
 Ranks on several hosts still meet through the agent's TCP store on every interface: those hosts must reach it.
+
+A store records who made it (``owner.json``: host, pid, boot id and PID namespace). One whose maker was killed
+(``SIGKILL``, the out-of-memory killer: no ``close()`` ran) is removed by the next store made in the same temporary
+folder, once its maker's pid is gone in this PID space and nothing in it changed for ``ABANDONED_AFTER`` seconds
+(its ranks and agent end within seconds of their kernel). A store of another host, boot or PID namespace, or with no
+record, is left alone.
 """
 
 from __future__ import annotations
 
+import json
 import os
 import shutil
+import socket
 import sys
 import tempfile
+import time
 from typing import Any
 
-__all__ = ["ENV_STORE", "RANKS_PREFIX", "PrivateStore", "connect_store", "inherited_variables", "store_path"]
+from workbench.pid_space import PidSpace, in_this_pid_space, this_pid_space
+
+__all__ = [
+    "ABANDONED_AFTER",
+    "ENV_STORE",
+    "RANKS_PREFIX",
+    "PrivateStore",
+    "connect_store",
+    "inherited_variables",
+    "remove_abandoned_stores",
+    "store_path",
+]
 
 ENV_STORE = "WORKBENCH_STORE"
 RANKS_PREFIX = "workbench/ranks"
 _LOOPBACK_IFNAME = "lo"  # Linux's loopback interface, which gloo and NCCL bind by name
 _ENV_CHOSEN = "WORKBENCH_STORE_IFNAMES"  # which of the interface variables the store chose (not the user)
+_PREFIX = "workbench-store-"
+_OWNER = "owner.json"
+_MAX_OWNER_BYTES = 4096
+ABANDONED_AFTER = 60.0
+"""Seconds a store whose maker is gone must have been left unchanged before another store removes it."""
 
 
 class PrivateStore:
@@ -39,7 +64,12 @@ class PrivateStore:
     ranks' store file; ``close()`` (or the ``with`` block's end) removes it."""
 
     def __init__(self) -> None:
-        self.directory = tempfile.mkdtemp(prefix="workbench-store-")
+        remove_abandoned_stores(tempfile.gettempdir())
+        self.directory = tempfile.mkdtemp(prefix=_PREFIX)
+        space = this_pid_space()
+        owner = {"host": socket.gethostname(), "pid": os.getpid(), "boot": space.boot, "namespace": space.namespace}
+        with open(os.path.join(self.directory, _OWNER), "x") as f:
+            json.dump(owner, f)
 
     @property
     def rendezvous(self) -> str:
@@ -76,6 +106,58 @@ class PrivateStore:
 
     def __exit__(self, *exc: object) -> None:
         self.close()
+
+
+def remove_abandoned_stores(folder: str, *, after: float = ABANDONED_AFTER) -> list[str]:
+    """Remove the stores in ``folder`` (this user's) whose maker's pid is gone in this PID space and in which nothing
+    changed for ``after`` seconds; returns the removed directories. Any store it cannot judge is kept."""
+    removed = []
+    try:
+        entries = [e for e in os.scandir(folder) if e.name.startswith(_PREFIX)]
+    except OSError:
+        return removed
+    now = time.time()
+    for entry in entries:
+        try:
+            if not entry.is_dir(follow_symlinks=False) or entry.stat(follow_symlinks=False).st_uid != os.getuid():
+                continue
+            if not _abandoned(entry.path, now - after):
+                continue
+        except OSError:  # gone meanwhile, or unreadable: not ours to judge
+            continue
+        shutil.rmtree(entry.path, ignore_errors=True)
+        removed.append(entry.path)
+    return removed
+
+
+def _abandoned(directory: str, changed_before: float) -> bool:
+    """Whether the store at ``directory`` names a maker in this PID space whose pid no longer runs, and neither it
+    nor a file in it changed after ``changed_before`` (epoch seconds)."""
+    with open(os.path.join(directory, _OWNER), "rb") as f:
+        raw = f.read(_MAX_OWNER_BYTES + 1)
+    if len(raw) > _MAX_OWNER_BYTES:
+        return False
+    try:
+        owner = json.loads(raw)
+        host, pid = str(owner["host"]), int(owner["pid"])
+        space = PidSpace(str(owner.get("boot", "")), str(owner.get("namespace", "")))
+    except (ValueError, KeyError, TypeError):
+        return False
+    if not in_this_pid_space(host, space) or pid <= 0 or _running(pid):
+        return False
+    with os.scandir(directory) as inside:
+        times = [os.stat(directory).st_mtime, *(e.stat(follow_symlinks=False).st_mtime for e in inside)]
+    return max(times) < changed_before
+
+
+def _running(pid: int) -> bool:
+    try:
+        os.kill(pid, 0)
+    except ProcessLookupError:
+        return False
+    except PermissionError:  # another user's process has this pid
+        return True
+    return True
 
 
 def inherited_variables(environ: dict[str, str] | None = None) -> list[str]:
