@@ -24,7 +24,7 @@ pytestmark = pytest.mark.slow
 
 WHO = ("import os\n"
        "print(os.getpid(), os.getppid(), flush=True)\n"  # the rank and its parent, torch's agent
-       "os.environ['WORKBENCH_KERNEL_RUN_DIR'], os.path.dirname(os.environ['WORKBENCH_STORE'])")
+       "print(os.environ['WORKBENCH_KERNEL_RUN_DIR'], os.path.dirname(os.environ['WORKBENCH_STORE']), flush=True)")
 HOLD_THE_GIL_FOR_A_MINUTE = ("import ctypes, time\nprint('holding', flush=True)\ntime.sleep(0.5)\n"
                              "ctypes.PyDLL(None).sleep(60)")  # a C call that keeps the GIL: no signal handler runs
 
@@ -42,8 +42,9 @@ def kernel(tmp_path: Path) -> Iterator[tuple[Any, Any, list[int], Path, Path]]:
         out = execute(client, WHO)
         assert out.reply["status"] == "ok", out.error_text
         lines = [line.rsplit("] ", 1)[-1].split() for line in out.streams["stdout"].splitlines()]
-        pids = sorted({int(pid) for line in lines for pid in line})  # both ranks, and their agent once
-        run_dir, store = (Path(p.strip(" '")) for p in out.result.strip("()").split(","))
+        pids = sorted({int(word) for line in lines for word in line if word.isdigit()})  # both ranks, their agent
+        # the folders as printed, not the cell's repr: a long temporary folder wraps a tuple's repr over lines
+        run_dir, store = (Path(p) for p in next(line for line in lines if not line[0].isdigit()))
         assert len(pids) == 3 and run_dir.is_dir() and store.is_dir()
         yield manager, client, pids, run_dir, store
     finally:
