@@ -85,3 +85,38 @@ def test_a_state_dict_is_read_every_time() -> None:
     assert layout.specs["w"].global_shape == (3, 2) and locals_["w"] is not None
     state["w"] = torch.ones(5, 2)
     assert layout_and_locals(state)[0].specs["w"].global_shape == (5, 2)
+
+
+def test_a_remembered_model_can_still_be_converted_and_the_conversion_is_seen() -> None:
+    # torch converts DTensor parameters in place (swap_tensors), which refuses a tensor with a weak reference: the
+    # memo must hold none, and the swapped contents (a new dtype, new storage) must not be taken for the old ones
+    with _compat.fake_process_group(1, 4):
+        mesh = init_device_mesh("cpu", (4,), mesh_dim_names=("fsdp",))
+        model = _model(mesh, [Shard(0)])
+        layout, _ = layout_and_locals(model)
+        model.to(torch.bfloat16)  # raised "Cannot swap t1 because it has weakref associated with it"
+        converted, locals_ = layout_and_locals(model)
+        assert converted is not layout and dict(converted.dtypes) == {"a": "bfloat16", "b": "bfloat16"}
+        assert all(t.dtype == torch.bfloat16 for t in locals_.values())
+        model.to_empty(device="cpu")  # same dtypes and shapes, new storage: the layout stays, the locals are new
+        again, locals_ = layout_and_locals(model)
+        assert again is converted
+        assert all(locals_[n].data_ptr() == t.data_ptr() for n, t in local_tensors(model, again).items())
+
+
+def test_a_plain_module_swapped_on_conversion_after_a_load(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    import workbench as wb
+
+    save_file({"weight": torch.arange(24.0).reshape(4, 6)}, str(tmp_path / "model.safetensors"))
+    before = torch.__future__.get_swap_module_params_on_conversion()
+    torch.__future__.set_swap_module_params_on_conversion(True)
+    try:
+        model = nn.Linear(6, 4, bias=False)
+        wb.load_hf(model, tmp_path, rank=0)
+        model.to(torch.float64)
+        wb.load_hf(model, tmp_path, rank=0, cast=True)  # the new dtype, seen: cast into it
+    finally:
+        torch.__future__.set_swap_module_params_on_conversion(before)
+    assert model.weight.dtype == torch.float64 and torch.equal(model.weight, torch.arange(24.0).reshape(4, 6).double())

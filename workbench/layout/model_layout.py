@@ -248,33 +248,46 @@ def local_tensors(model: torch.nn.Module | Mapping[str, torch.Tensor], layout: L
 
 @dataclass(frozen=True, slots=True)
 class _Remembered:
-    """A module's layout, valid while the module holds the very same tensors under the same names."""
+    """A module's layout, valid while the module holds the very same tensors under the same names.
+
+    It names each tensor by ``id`` and keeps no reference to it, not even a weak one: torch converts a module's
+    parameters in place (``swap_tensors`` in ``Module._apply``: ``model.to(dtype)``, ``to_empty``, FSDP2's
+    parameters always) and refuses a tensor that has a weak reference. An ``id`` outlives nothing it names, so an
+    entry also holds what the layout read of each tensor (dtype, shape, placements, device mesh), and weak references
+    to the DTensors' meshes: a mesh gone makes the entry stale, so its ``id`` cannot name a new mesh."""
 
     key_map: Any  # a callable key map itself; a table's entries, frozen (``_frozen_map``)
-    # per state-dict entry: its name, a weak reference to the tensor (an entry keeps no model alive), what the
-    # layout read of it, and its parameter name in the layout (None: not in the checkpoint)
-    tensors: tuple[tuple[str, weakref.ref, tuple[Any, ...], str | None], ...]
+    # per state-dict entry: its name, the tensor's id (an entry keeps no model alive, and no tensor unswappable),
+    # what the layout read of it, and its parameter name in the layout (None: not in the checkpoint)
+    tensors: tuple[tuple[str, int, tuple[Any, ...], str | None], ...]
+    meshes: tuple[weakref.ref, ...]  # the DTensors' meshes, whose ids the rows' metadata holds
     layout: Layout
 
     @staticmethod
     def of(key_map: KeyMap | None, tensors: Mapping[str, torch.Tensor], layout: Layout) -> _Remembered:
         """The entry for ``layout``, derived from ``tensors``."""
         rows = []
+        meshes: dict[int, weakref.ref] = {}
         for raw, tensor in tensors.items():
             name = clean_name(raw)
-            rows.append((raw, weakref.ref(tensor), _meta(tensor), name if name in layout.specs else None))
-        return _Remembered(_frozen_map(key_map), tuple(rows), layout)
+            rows.append((raw, id(tensor), _meta(tensor), name if name in layout.specs else None))
+            mesh = getattr(tensor, "device_mesh", None)
+            if mesh is not None and id(mesh) not in meshes:
+                meshes[id(mesh)] = weakref.ref(mesh)
+        return _Remembered(_frozen_map(key_map), tuple(rows), tuple(meshes.values()), layout)
 
     def locals_if_same(self, key_map: KeyMap | None, tensors: Mapping[str, torch.Tensor]) -> dict | None:
         """The layout's local tensors when ``tensors`` are the very objects the layout was read from, with the same
         metadata, under the same key map; else None."""
         if self.key_map != _frozen_map(key_map) or len(tensors) != len(self.tensors):
             return None
+        if any(mesh() is None for mesh in self.meshes):
+            return None
         from workbench._compat import dtensor_local
 
         out = {}
-        for (raw, ref, meta, name), (now, tensor) in zip(self.tensors, tensors.items()):
-            if raw != now or ref() is not tensor or meta != _meta(tensor):
+        for (raw, ident, meta, name), (now, tensor) in zip(self.tensors, tensors.items()):
+            if raw != now or ident != id(tensor) or meta != _meta(tensor):
                 return None
             if name is not None:  # a DTensor is the one with placements
                 out[name] = (dtensor_local(tensor) if meta[2] is not None else tensor).detach()
@@ -291,10 +304,13 @@ def _frozen_map(key_map: KeyMap | None) -> Any:
 
 
 def _meta(tensor: torch.Tensor) -> tuple[Any, ...]:
-    """What ``Layout.from_model`` reads of a tensor that can change while the object stays (``param.data =``);
-    placements are None for a plain tensor."""
+    """What ``Layout.from_model`` reads of a tensor that can change while the object stays (``param.data =``, a
+    conversion that swaps the tensor's contents): dtype, shape, placements and the device mesh's id (both None for a
+    plain tensor)."""
     placements = getattr(tensor, "placements", None)
-    return (tensor.dtype, tuple(tensor.shape), tuple(placements) if placements is not None else None)
+    if placements is None:
+        return (tensor.dtype, tuple(tensor.shape), None, None)
+    return (tensor.dtype, tuple(tensor.shape), tuple(placements), id(tensor.device_mesh))
 
 
 _MODEL_LAYOUTS = LRU(8)  # id(module) -> (weak reference to the module, _Remembered)
@@ -307,8 +323,9 @@ def layout_and_locals(
     ``layout`` given is used as it is: only the local tensors are read).
 
     A module's layout is remembered while it holds the very same tensor objects under the same names, with the
-    same shapes, dtypes and placements (checked on every call; weak references, so no module is kept alive), and
-    the key map is the same: a training loop's repeat save walks the module once and derives nothing. Resharding
+    same shapes, dtypes, placements and meshes, and the key map is the same (checked on every call; a weak reference
+    to the module and the ids of its tensors: nothing is kept alive, and torch may still swap a tensor's contents):
+    a training loop's repeat save walks the module once and derives nothing. Resharding
     (FSDP2's unshard, a ``redistribute``) installs new tensor objects, so a changed layout is a miss.
 
     Raises:
@@ -334,20 +351,21 @@ def layout_and_locals(
 
 
 def remembered_locals(model: Any, layout: Layout) -> dict[str, torch.Tensor] | None:
-    """The local tensors of ``layout``'s parameters, from the tensors remembered for ``model`` when ``layout`` was
-    derived (no walk of the model: not checked against what it holds now); None when that is not remembered or a
-    tensor is gone. For speculative work that is checked later (``io/hf/early_snapshot.py``)."""
+    """The local tensors of ``layout``'s parameters when ``model`` still holds the tensors it held when ``layout``
+    was derived (the same objects under the same names; their metadata is not checked here); None when that is not
+    remembered or a tensor was replaced. For speculative work that is checked later (``io/hf/early_snapshot.py``)."""
     from workbench._compat import dtensor_local
 
     hit = _MODEL_LAYOUTS.get(id(model))
     if hit is None or hit[0]() is not model or hit[1].layout is not layout:
         return None
+    tensors = _named_tensors(model)
     out = {}
-    for _, ref, meta, name in hit[1].tensors:
+    for raw, ident, meta, name in hit[1].tensors:
         if name is None:
             continue
-        tensor = ref()
-        if tensor is None or tensor.is_meta:
+        tensor = tensors.get(raw)
+        if tensor is None or id(tensor) != ident or tensor.is_meta:
             return None
         out[name] = (dtensor_local(tensor) if meta[2] is not None else tensor).detach()
     return out
