@@ -25,6 +25,8 @@ def _disagree(root: str) -> dict:
     cases = {
         "budget": {"budget_bytes": 64 if rank == 1 else 1 << 20, "write_mode": "gather"},  # other waves on rank 1
         "writers": {"max_writers": 1 if rank == 1 else None, "write_mode": "gather"},  # another writer map
+        # direct: rank 0 made the temporary directory and every file at full size before the refusal
+        "direct": {"max_writers": 1 if rank == 1 else None, "write_mode": "direct"},
     }
     for name, kwargs in cases.items():
         try:
@@ -39,13 +41,14 @@ def _disagree(root: str) -> dict:
 def test_ranks_with_different_arguments_are_refused_before_any_data_moves(tmp_path: Path) -> None:
     results = wb.launch(_disagree, nprocs=2, args=(str(tmp_path),), timeout=120)
     for rank, out in results.items():
-        budget, writers = out["budget"], out["writers"]
-        assert budget is not None and writers is not None, (rank, out)
+        budget, writers, direct = out["budget"], out["writers"], out["direct"]
+        assert budget is not None and writers is not None and direct is not None, (rank, out)
+        assert "refused before any data moved" in direct and "writer maps differ" in direct, direct
         assert "refused before any data moved" in budget and "group fsdp [0, 1]: call 0 differs" in budget, budget
         assert "rank 0: wave 0 round 0" in budget and "rank 1: wave 0 round 0" in budget, budget
         assert "writer maps differ between ranks [0] and [1]" in writers, writers
         assert "is written by rank" in writers, writers
-    assert not (tmp_path / "budget").exists() and not (tmp_path / "writers").exists()
+    assert sorted(p.name for p in tmp_path.iterdir()) == []  # not even a hidden .NAME.incomplete
 
 
 UNEVEN_NAMES = ("f0", "w1", "f2", "w3")

@@ -224,10 +224,14 @@ class SaveSession:
             raise SaveFailed(f"save to {self.path} refused before any data moved: {cause}",
                              [RankProblem(self.rank, "checking that the ranks save the same model", cause)])
         assert self.planned is not None
-        check_agreement(  # the digests came with the planning outcome: no exchange of their own
-            self.comm, self.planned.plan_set.schedules[self.rank], self.planned.plan_set.writers, self.layout.mesh,
-            what=f"save to {self.path}", digests=[d for d, _ in everyone],
-        )
+        try:
+            check_agreement(  # the digests came with the planning outcome: no exchange of their own
+                self.comm, self.planned.plan_set.schedules[self.rank], self.planned.plan_set.writers,
+                self.layout.mesh, what=f"save to {self.path}", digests=[d for d, _ in everyone],
+            )
+        except BaseException:  # refused on every rank alike: nothing of it stays on disk, as for the refusal above
+            self._abort()
+            raise
 
     # -- snapshot and write ------------------------------------------------------------------------------------
 
