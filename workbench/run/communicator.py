@@ -10,7 +10,17 @@ import torch
 from workbench.mesh import MeshDimRef
 from workbench.run.executor import GatherRequest, WaveOutput
 
-__all__ = ["Communicator", "drive"]
+__all__ = ["Communicator", "FinishFailed", "PreparedGather", "drive"]
+
+
+class FinishFailed(Exception):
+    """This rank's work after a collective that every rank of its group completed (a reorder copy) failed: a local
+    failure like any other, not a broken collective. The cause is ``__cause__``."""
+
+
+@runtime_checkable
+class PreparedGather(Protocol):
+    """What ``prepare_gather`` made ready for one all-gather (the flat send, the receive buffer)."""
 
 
 @runtime_checkable
@@ -22,6 +32,10 @@ class Communicator(Protocol):
     def all_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef) -> torch.Tensor:
         """Concatenate ``send`` of every rank in this rank's group along ``mesh_dim`` (group-rank order)."""
         ...
+
+    # Optional: ``prepare_gather(send, mesh_dim) -> PreparedGather`` does all of an all-gather that can fail on this
+    # rank alone (a contiguous copy, the receive buffer) before the ranks agree to make the call, and
+    # ``all_gather(send, mesh_dim, prepared=...)`` then only calls the collective (``guard.drive_guarded``).
 
     def any_flag(self, mesh_dim: MeshDimRef, flag: bool) -> bool:
         """True on every rank of this rank's group along ``mesh_dim`` when any of them passes True."""

@@ -37,7 +37,7 @@ from workbench.errors import CheckpointError
 from workbench.faults import fault_point
 from workbench.mesh import MeshSpec, format_mesh_dim
 from workbench.plan.schedule import GatherCall, UnshardSchedule
-from workbench.run.communicator import Communicator
+from workbench.run.communicator import Communicator, FinishFailed
 from workbench.run.executor import GatherRequest, WaveOutput
 
 __all__ = [
@@ -240,6 +240,7 @@ def _drive(
     """``drive_guarded``'s walk; ``caught(exc, stage, broken=...)`` makes the problem of anything raised."""
     rank = comm.rank
     calls = schedule.calls
+    prepare = getattr(comm, "prepare_gather", None)
     closed: set = set()  # mesh dims whose group skipped a call: every member skips the rest on it
     index, wave, gathering = 0, -1, -1  # gathering: the ordinal of the current wave among those that gather
     reply: torch.Tensor | None = None
@@ -280,6 +281,12 @@ def _drive(
         failed = failed or poll()
         if call.mesh_dim in closed:
             continue
+        prepared = None
+        if failed is None and prepare is not None and call.world > 1:
+            try:  # what can fail on this rank alone (the receive buffer) fails before its flag, not in the call
+                prepared = prepare(send, call.mesh_dim)
+            except BaseException as exc:
+                failed = caught(exc, f"gathering (wave {wave})")
         if call.world > 1:
             try:
                 stop = comm.any_flag(call.mesh_dim, failed is not None)
@@ -295,7 +302,10 @@ def _drive(
                 continue
         if failed is None:
             try:
-                reply = comm.all_gather(send, call.mesh_dim)
+                reply = (comm.all_gather(send, call.mesh_dim) if prepared is None
+                         else comm.all_gather(send, call.mesh_dim, prepared=prepared))
+            except FinishFailed as exc:  # the collective itself ended on every rank: walk on, raising flags
+                failed = caught(exc.__cause__ or exc, f"gathering (wave {wave})")
             except BaseException as exc:
                 return caught(exc, f"gathering (wave {wave})", broken=True)
 

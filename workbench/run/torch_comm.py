@@ -16,6 +16,7 @@ from __future__ import annotations
 
 import datetime
 from collections.abc import Iterable, Sequence
+from dataclasses import dataclass
 from typing import Any
 
 import torch
@@ -24,6 +25,7 @@ import torch.distributed as dist
 from workbench import _compat
 from workbench.errors import PlanError
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
+from workbench.run.communicator import FinishFailed
 
 __all__ = ["DEFAULT_TIMEOUT", "ControlChannel", "TorchCommunicator", "control_group", "forget_groups"]
 
@@ -57,6 +59,16 @@ def control_group(timeout: float = DEFAULT_TIMEOUT) -> Any:
     if key not in _GROUPS:
         _GROUPS[key] = dist.new_group(backend="gloo", timeout=_timedelta(timeout))
     return _GROUPS[key]
+
+
+@dataclass(frozen=True, slots=True)
+class _Prepared:
+    """An all-gather made ready on this rank (``TorchCommunicator.prepare_gather``): the caller's dtype, the flat
+    send and the receive buffer."""
+
+    dtype: torch.dtype
+    send: torch.Tensor
+    out: torch.Tensor
 
 
 class ControlChannel:
@@ -161,20 +173,35 @@ class TorchCommunicator:
             raise PlanError(f"rank {self.rank}: no process group was made for mesh dim {format_mesh_dim(ref)!r}")
         return ref, self._sizes[ref]
 
-    def all_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef) -> torch.Tensor:
-        """``W x send`` in group-rank order, through one flat all-gather over the group."""
+    def prepare_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef) -> _Prepared:
+        """All of an all-gather that can fail on this rank alone, done before the ranks agree to make the call: the
+        flat send (its bytes, for a float8: gloo has none) and the receive buffer, the largest allocation of a
+        save. An out-of-memory error here is this rank's failure, which its flag tells its peers."""
+        _, world = self._check(mesh_dim)
+        flat = send.contiguous()
+        if flat.dtype.itemsize == 1 and flat.dtype.is_floating_point:
+            flat = flat.view(torch.uint8)
+        return _Prepared(send.dtype, flat, flat.new_empty(world * flat.numel()) if world > 1 else flat)
+
+    def all_gather(
+        self, send: torch.Tensor, mesh_dim: MeshDimRef, *, prepared: _Prepared | None = None
+    ) -> torch.Tensor:
+        """``W x send`` in group-rank order, through one flat all-gather over the group (into ``prepared``'s buffer
+        when given). A failure after the collective, which every rank of the group completed, is ``FinishFailed``."""
         ref, world = self._check(mesh_dim)
         if world == 1:
             return send
-        if send.dtype.itemsize == 1 and send.dtype.is_floating_point:  # gloo has no float8: gather the bytes
-            return self.all_gather(send.contiguous().view(torch.uint8), mesh_dim).view(send.dtype)
-        send = send.contiguous()
-        out = send.new_empty(world * send.numel())
-        _compat.all_gather_flat(out, send, self._groups[ref])
-        reorder = self._reorder.get(ref)
-        if reorder is not None:  # torch's order (sorted ranks) to the mesh's
-            out = out.view(world, -1)[reorder.to(out.device)].reshape(-1)
-        return out
+        if prepared is None:
+            prepared = self.prepare_gather(send, mesh_dim)
+        out = prepared.out
+        _compat.all_gather_flat(out, prepared.send, self._groups[ref])
+        try:
+            reorder = self._reorder.get(ref)
+            if reorder is not None:  # torch's order (sorted ranks) to the mesh's
+                out = out.view(world, -1)[reorder.to(out.device)].reshape(-1)
+            return out.view(prepared.dtype) if out.dtype != prepared.dtype else out
+        except Exception as exc:  # every peer left the collective too: this rank's own failure
+            raise FinishFailed(f"after the all-gather over {format_mesh_dim(ref)}: {exc}") from exc
 
     def broadcast(self, tensor: torch.Tensor, mesh_dim: MeshDimRef, src: int) -> torch.Tensor:
         """``tensor`` of group rank ``src`` on every rank of this rank's group along ``mesh_dim`` (in place)."""
