@@ -194,3 +194,27 @@ def test_fp8_trims_copied_on_every_rank_are_predicted_exactly() -> None:
     schedule, plans = plan_set.schedules[0], list(plan_set.plans[0])
     local = {p.name: torch.randn(p.local_shape) for p in plans}
     assert measured_peak(schedule, plans, local, 0) == schedule.peak_bytes, schedule
+
+
+@pytest.mark.parametrize("budget", [None, 8256])
+def test_a_trim_after_a_wave_ending_in_an_in_place_gather_counts_the_drivers_reply(budget: int | None) -> None:
+    # the wave's last call merged in place ('a', Shard(0)); the driver keeps that buffer as its last reply until the
+    # wave is handed out, so it is alive while 'a' and then 'b' (replicated) are trimmed: the model counted it freed
+    # at 'a''s trim, and 8256 bytes (its prediction) packed one wave that took 12352
+    from workbench.layout.load_spec import LoadSpec
+    from workbench.layout.model_layout import Layout
+    from workbench.plan.policy import SavePolicy
+    from workbench.plan.save_set import plan_save
+
+    mesh = MeshSpec((2,), ("fsdp",))
+    layout = Layout(mesh, {
+        "a": LoadSpec.from_placements("a", "a.weight", (8, 130), mesh, [Shard(0)], origin_shape=(8, 128)),
+        "b": LoadSpec.from_placements("b", "b.weight", (8, 130), mesh, [Replicate()], origin_shape=(8, 128)),
+    }, {"a": "float32", "b": "float32"})
+    plan_set = plan_save(layout, policy=SavePolicy.full(), budget_bytes=budget, cache=False)
+    schedule, plans = plan_set.schedules[0], list(plan_set.plans[0])
+    local = {p.name: torch.randn(p.local_shape) for p in plans}
+    measured = measured_peak(schedule, plans, local, 0)
+    assert measured == schedule.peak_bytes, (measured, schedule)
+    if budget is not None:
+        assert measured <= budget, (measured, schedule)

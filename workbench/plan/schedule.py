@@ -592,6 +592,7 @@ def _run(
         peak = state.live
         foreign = pulled.get(w, [])
         depth = max((len(t.items) for t in wave), default=0)
+        pinned = None  # the tensor the wave's last call merged in place: the driver's last reply is its output
         for rnd in range(depth):
             # one call per (mesh dim, widest dtype) on every rank, split by this rank's dtypes (the members of a
             # group, whose covered keys are the same, split alike)
@@ -622,6 +623,7 @@ def _run(
                            live - freed + out + merged)
                 state.live = live - freed + (out if in_place else merged)
                 state.reply = 0 if in_place else out
+                pinned = items[0].name if in_place else None
                 for i in items:
                     held[i.name] = i.bound_numel * size
                 calls.append(GatherCall(wave=w, round=rnd, mesh_dim=ref, world=world, dtype=dtype, items=items))
@@ -630,6 +632,8 @@ def _run(
                 peak = max(peak, state.live + state.reply + t.trim_bytes)
                 # the copy replaces the untrimmed output; a rank whose trim is a view keeps the untrimmed one
                 kept = max(held[t.name], t.trim_bytes) if t.untrimmed_may_stay else t.trim_bytes
+                if t.name == pinned and kept != held[t.name]:  # the driver holds the untrimmed buffer as its reply
+                    state.reply += held[t.name]  # until the wave is handed out
                 state.live += kept - held[t.name]
                 held[t.name] = kept
         copies = [c for t in wave for c in t.split_copies]
