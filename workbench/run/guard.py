@@ -240,7 +240,8 @@ def _drive(
     """``drive_guarded``'s walk; ``caught(exc, stage, broken=...)`` makes the problem of anything raised."""
     rank = comm.rank
     calls = schedule.calls
-    prepare = getattr(comm, "prepare_gather", None)
+    # a communicator's own (a wrapper forwarding unknown names to another has an all_gather without ``prepared``)
+    prepare = comm.prepare_gather if getattr(type(comm), "prepare_gather", None) is not None else None
     closed: set = set()  # mesh dims whose group skipped a call: every member skips the rest on it
     index, wave, gathering = 0, -1, -1  # gathering: the ordinal of the current wave among those that gather
     reply: torch.Tensor | None = None

@@ -26,7 +26,12 @@ class TimedCommunicator:
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
 
-    def all_gather(self, send: Any, mesh_dim: Any) -> Any:
+    def prepare_gather(self, send: Any, mesh_dim: Any) -> Any:
+        """The wrapped ``prepare_gather`` (untimed: the allocation before the flag), or None where it has none."""
+        prepare = getattr(self.inner, "prepare_gather", None)
+        return prepare(send, mesh_dim) if prepare is not None else None
+
+    def all_gather(self, send: Any, mesh_dim: Any, **kwargs: Any) -> Any:
         """The wrapped ``all_gather``, timed."""
         cuda = getattr(send, "is_cuda", False)
         if cuda and not self._cuda:
@@ -35,7 +40,7 @@ class TimedCommunicator:
             torch.cuda.reset_peak_memory_stats(send.device)
             self._cuda = True
         start = time.perf_counter()
-        out = self.inner.all_gather(send, mesh_dim)
+        out = self.inner.all_gather(send, mesh_dim, **kwargs)
         if cuda:
             import torch
 
