@@ -247,6 +247,7 @@ def _drive(
     reply: torch.Tensor | None = None
     while True:
         send: torch.Tensor | None = None
+        prepared = None  # the last call's buffers: dropped before the executor runs on, as its send buffer is
         if failed is None:
             try:
                 request = program.send(reply)
@@ -282,7 +283,6 @@ def _drive(
         failed = failed or poll()
         if call.mesh_dim in closed:
             continue
-        prepared = None
         if failed is None and prepare is not None and call.world > 1:
             try:  # what can fail on this rank alone (the receive buffer) fails before its flag, not in the call
                 prepared = prepare(send, call.mesh_dim)
