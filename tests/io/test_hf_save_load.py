@@ -18,7 +18,7 @@ from torch.distributed.tensor import Replicate
 
 import workbench as wb
 from tests.io.support import bits, nbytes, random_tensor, small_model
-from workbench.errors import CheckpointError
+from workbench.errors import CheckpointError, LayoutError
 from workbench.io.files.index import INDEX_NAME
 from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
 
@@ -158,6 +158,18 @@ def test_round_trip_of_a_module_through_a_key_map(tmp_path: Path) -> None:
     assert wb.load_hf(copy, path, key_map=key_map).ok
     for (name, want), got in zip(model.state_dict().items(), copy.state_dict().values()):
         assert torch.equal(want, got), name
+
+
+def test_a_tensor_the_given_layout_does_not_list_is_refused_not_left_out(tmp_path: Path) -> None:
+    state = _mixed_model()
+    listed = {k: v for k, v in state.items() if k != "model.mask"}
+    layout = wb.Layout.from_model(listed)
+    with pytest.raises(LayoutError, match=r"1 tensor\(s\) that the layout .* does not list: \['model.mask'\]"):
+        wb.save_hf(state, tmp_path / "refused", layout=layout)
+    assert not (tmp_path / "refused").exists()
+    # left out on purpose: a key map that maps it to None
+    wb.save_hf(state, tmp_path / "ckpt", layout=layout, key_map=lambda name: None if name == "model.mask" else name)
+    assert set(_everything(tmp_path / "ckpt")) == set(listed)
 
 
 @pytest.mark.parametrize("patterns", [r".*layernorm\.weight", [r"nothing\.matches", r".*_layernorm\.weight$"]])

@@ -34,7 +34,7 @@ PARAMS = (
 @dataclass(frozen=True)
 class Scenario:
     name: str
-    fault: str | None  # None, "raise@write", "interrupt@write", "interrupt@gather", "missing-config"
+    fault: str | None  # None, "raise@write", "interrupt@write", "interrupt@gather", "missing-config", "unlisted-param"
     timeout: float  # each failing scenario its own: a timed-out group is never reused by the next one
     write_mode: str = "direct"
 
@@ -43,6 +43,8 @@ SCENARIOS = (
     Scenario("ok", None, 30.0),
     Scenario("raise-in-writer", "raise@write", 4.0),
     Scenario("missing-config", "missing-config", 4.0),  # rank 0 copies config files: it refuses before any write
+    # rank 3's stage model holds a tensor its stage layout does not list: it was left out of the checkpoint unsaid
+    Scenario("unlisted-param", "unlisted-param", 4.0),
     Scenario("interrupt-in-writer", "interrupt@write", 4.5),
     Scenario("interrupt-between-gathers", "interrupt@gather", 5.0, write_mode="gather"),
     # the same groups again (same timeout): those whose collectives timed out above must not be reused
@@ -90,7 +92,7 @@ def _arm(fault: str | None, rank: int):
     """Arm ``fault`` on this rank if it is the failing one; returns the undo."""
     from workbench.faults import FAULT_ENV, fault_hook
 
-    if fault in (None, "missing-config") or rank != FAILING:
+    if fault in (None, "missing-config", "unlisted-param") or rank != FAILING:
         return lambda: None
     action, point = fault.split("@")
     if action == "raise":  # fault points see stage-local ranks; only this process has the rule
@@ -121,6 +123,8 @@ def _ranks(root: str, names: list[str]) -> dict:
     outcomes = {}
     for scenario in (s for s in SCENARIOS if s.name in names):
         state = _local_state(stage, local)
+        if scenario.fault == "unlisted-param" and rank == FAILING:
+            state["model.layers.1.proj.bias"] = torch.ones(12, dtype=torch.bfloat16)
         undo = _arm(scenario.fault, rank)
         start = time.perf_counter()
         outcome: dict = {"error": None}
@@ -207,7 +211,7 @@ def _old_checkpoints(root: Path, names: list[str]) -> None:
 
 @pytest.mark.slow
 def test_an_error_in_one_stage_writer_fails_every_rank_naming_it(tmp_path: Path) -> None:
-    names = ["ok", "raise-in-writer", "missing-config"]
+    names = ["ok", "raise-in-writer", "missing-config", "unlisted-param"]
     _old_checkpoints(tmp_path, names)
     results = _launch(tmp_path, names, timeout=60)
 
@@ -227,6 +231,11 @@ def test_an_error_in_one_stage_writer_fails_every_rank_naming_it(tmp_path: Path)
         ], (rank, got)
     assert _same(_read(tmp_path / "missing-config"), old_values())
     assert not [p.name for p in tmp_path.iterdir() if "missing-config" in p.name and p.name != "missing-config"]
+    # a stage tensor the stage layout does not list: refused, naming it, and the old checkpoint stays
+    unlisted = ("LayoutError: the model holds 1 tensor(s) that the layout 'layout[pp=1]' does not list: "
+                "['model.layers.1.proj.bias']; they would be missing from the checkpoint. Add them to the layout, or "
+                "leave them out on purpose with a key map that maps them to None")
+    _check_failed(tmp_path, results, BY_NAME["unlisted-param"], unlisted)
 
 
 @pytest.mark.slow

@@ -317,10 +317,16 @@ _MODEL_LAYOUTS = LRU(8)  # id(module) -> (weak reference to the module, _Remembe
 
 
 def layout_and_locals(
-    model: torch.nn.Module | Mapping[str, torch.Tensor], key_map: KeyMap | None = None, *, layout: Layout | None = None
+    model: torch.nn.Module | Mapping[str, torch.Tensor],
+    key_map: KeyMap | None = None,
+    *,
+    layout: Layout | None = None,
+    refuse_unlisted: bool = False,
 ) -> tuple[Layout, dict[str, torch.Tensor]]:
     """``Layout.from_model(model, key_map)`` and ``local_tensors(model, layout)`` from one walk of the model (a
-    ``layout`` given is used as it is: only the local tensors are read).
+    ``layout`` given is used as it is: only the local tensors are read). ``refuse_unlisted``: a save's check that a
+    ``layout`` given lists every tensor of the model that ``key_map`` does not leave out (one it lacks would be
+    missing from the checkpoint, with no word said).
 
     A module's layout is remembered while it holds the very same tensor objects under the same names, with the
     same shapes, dtypes, placements and meshes, and the key map is the same (checked on every call; a weak reference
@@ -330,10 +336,13 @@ def layout_and_locals(
 
     Raises:
         LayoutError: as ``Layout.from_model``; or a local tensor is on the meta device (a model built under
-            ``torch.device("meta")`` and never materialized: it has no data to save, nor room to load into).
+            ``torch.device("meta")`` and never materialized: it has no data to save, nor room to load into); or
+            (``refuse_unlisted``) the model holds a tensor the layout does not list.
     """
     tensors = _named_tensors(model)
     if layout is not None:
+        if refuse_unlisted:
+            _refuse_unlisted(tensors, layout, key_map)
         return layout, _locals_of(tensors, layout)
     if not isinstance(model, torch.nn.Module):
         layout = Layout.from_model(tensors, key_map)
@@ -385,6 +394,20 @@ def _locals_of(tensors: Mapping[str, torch.Tensor], layout: Layout) -> dict[str,
         raise LayoutError(f"the layout names {len(missing)} parameter(s) the model does not have: {missing[:5]}")
     _refuse_meta(out)
     return out
+
+
+def _refuse_unlisted(tensors: Mapping[str, torch.Tensor], layout: Layout, key_map: KeyMap | None) -> None:
+    """Raise a LayoutError naming the model's tensors that ``layout`` does not list, unless ``key_map`` leaves them
+    out of the checkpoint (maps them to None)."""
+    lookup = resolve_key_map(key_map)
+    unlisted = [name for name in map(clean_name, tensors) if name not in layout.specs and lookup(name) is not None]
+    if unlisted:
+        more = f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else ""
+        raise LayoutError(
+            f"the model holds {len(unlisted)} tensor(s) that the layout {layout.name!r} does not list: "
+            f"{unlisted[:5]}{more}; they would be missing from the checkpoint. Add them to the layout, or leave them "
+            "out on purpose with a key map that maps them to None"
+        )
 
 
 def _refuse_meta(locals_: Mapping[str, torch.Tensor]) -> None:

@@ -199,7 +199,7 @@ def save_hf(
     mine: BaseException | None = None
     tensors: dict[str, torch.Tensor] = {}
     try:  # local checks first, agreed on over the whole world before any group is built: no rank may hang
-        layout, tensors = layout_and_locals(model_or_state_dict, key_map, layout=layout)
+        layout, tensors = layout_and_locals(model_or_state_dict, key_map, layout=layout, refuse_unlisted=True)
         # each tensor is written in its own dtype: a layout that says nothing is told it, one that disagrees fails
         layout = layout.with_tensor_dtypes(tensors)
     except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word (raised after it)
