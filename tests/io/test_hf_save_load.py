@@ -189,6 +189,13 @@ def test_fp32_keys_stay_float32_and_dtype_casts_the_other_floats(tmp_path: Path,
         assert read[key].dtype == want, key
         assert torch.equal(read[key], tensor.to(want)), key
     assert _index(path)["metadata"]["total_size"] == sum(nbytes(t) for t in read.values())
+    # the checkpoint's own layout file says what its files hold (it said the runtime dtypes): diagnosing the
+    # checkpoint against it finds nothing, and its fingerprint is the one the files carry
+    carried = read_checkpoint_layout(path)
+    assert {name: carried.dtypes[name] for name in state} == {k: str(t.dtype)[6:] for k, t in read.items()}
+    report = wb.diagnose(path, expected=path / LAYOUT_FILE_NAME)
+    assert report.ok, report
+    assert report.stats["layout_fingerprint"] == "same as the layout", report.stats
 
     # loading into the runtime dtypes: refused unless asked, naming each key and both dtypes
     target = {k: torch.zeros_like(v) for k, v in state.items()}

@@ -27,6 +27,7 @@ from workbench.plan.save_set import (
     plan_cache_info,
     plan_save,
     save_key_holders,
+    saved_layout,
 )
 from workbench.plan.schedule import schedule_unshard
 from workbench.plan.writers import assign_writers, key_holders
@@ -268,3 +269,18 @@ def test_plan_set_carries_the_file_plan_inputs() -> None:
     assert set(plan_set.key_meta) == set(layout.hf_keys) == set(plan_set.writers)
     assert plan_set.key_bytes == slow_key_bytes(layout, dtype=torch.bfloat16, fp32_keys_pattern="gate")
     assert {d for k, (d, _) in plan_set.key_meta.items() if "gate" in k} == {torch.float32}
+
+
+def test_the_saved_layout_gives_each_parameter_the_dtype_its_keys_are_written_in() -> None:
+    mesh = MeshSpec((2,), ("fsdp",))
+    layout = layout_of(mesh, spec("gate_up", ["gate", "up"], (8, 4), mesh, [Shard(0)], fused_dim=0),
+                       spec("norm", "norm", (4,), mesh, [Shard(0)]), spec("proj", "proj", (4, 4), mesh, [Shard(0)]),
+                       dtypes={"gate_up": "bfloat16", "norm": "bfloat16", "proj": "bfloat16"})
+    unchanged = plan_save(layout, ranks=[0], cache=False).key_meta
+    assert saved_layout(layout, unchanged) is layout
+    # "gate" alone in float32: its fused parameter has no single dtype on disk; "norm" is float32 there
+    meta = plan_save(layout, ranks=[0], fp32_keys_pattern=["gate", "norm"], cache=False).key_meta
+    saved = saved_layout(layout, meta)
+    assert saved.dtypes == {"norm": "float32", "proj": "bfloat16"}
+    assert saved.specs == layout.specs and saved.fingerprint() != layout.fingerprint()
+    assert saved_layout(layout, meta) is saved  # a repeat save: the same object, its fingerprint remembered

@@ -55,6 +55,7 @@ __all__ = [
     "plan_save",
     "plan_save_within_writers",
     "save_key_holders",
+    "saved_layout",
 ]
 
 KeyMeta = dict[str, tuple[torch.dtype, tuple[int, ...]]]
@@ -134,6 +135,7 @@ class PlanCacheInfo:
 
 
 _PLANS = LRU(16)  # a few models x policies x budgets; each entry holds one rank's plans (or a world's)
+_SAVED_LAYOUTS = LRU(8)  # id(layout) -> (layout, (specs, dtypes, key meta), layout with the dtypes written)
 _FINGERPRINTS = LRU(8)  # id(layout) -> (layout, (specs, dtypes), fingerprint): skips re-hashing a known layout
 
 
@@ -146,6 +148,7 @@ def clear_plan_cache() -> None:
     """Drop every cached plan set (and the remembered layout fingerprints)."""
     _PLANS.clear()
     _FINGERPRINTS.clear()
+    _SAVED_LAYOUTS.clear()
 
 
 def layout_fingerprint(layout: Layout) -> str:
@@ -409,6 +412,26 @@ def key_meta(
         key_dtypes = save_dtypes(spec.hf_keys, runtime[name], dtype=dtype, fp32_keys_pattern=fp32_keys_pattern)
         out.update({k: (d, shape) for k, d in zip(spec.hf_keys, key_dtypes)})
     return out
+
+
+def saved_layout(layout: Layout, meta: KeyMeta) -> Layout:
+    """``layout`` with the dtypes its keys are written in (``meta``: ``key_meta``'s answer), as a checkpoint's
+    layout file records it: a parameter whose keys are saved in different dtypes (``fp32_keys_pattern`` naming some
+    keys of a fused one) gives none. ``layout`` itself when the save writes every parameter in its dtype; the same
+    object again for a repeat save of an unchanged layout (its fingerprint is then remembered too)."""
+    return remember_while_same(_SAVED_LAYOUTS, layout, (layout.specs, layout.dtypes, meta),
+                               lambda: _saved_layout(layout, meta))
+
+
+def _saved_layout(layout: Layout, meta: KeyMeta) -> Layout:
+    dtypes = {}
+    for name, spec in layout.specs.items():
+        written = {meta[key][0] for key in spec.hf_keys}
+        if len(written) == 1:
+            dtypes[name] = str(written.pop()).removeprefix("torch.")
+    if dtypes == layout.dtypes:
+        return layout
+    return dataclasses.replace(layout, dtypes=dtypes)
 
 
 # -- sharing work between parameters of one geometry ---------------------------------------------------------

@@ -58,7 +58,7 @@ from workbench.layout.layout_file import write_checkpoint_layout
 from workbench.layout.load_spec import KeyRegion
 from workbench.layout.model_layout import Layout
 from workbench.plan.policy import SavePolicy
-from workbench.plan.save_set import layout_fingerprint
+from workbench.plan.save_set import layout_fingerprint, saved_layout
 from workbench.run.communicator import Communicator
 from workbench.run.executor import WaveOutput, unshard
 from workbench.run.guard import (
@@ -111,7 +111,11 @@ class SaveSession:
         self.publisher = AtomicRenamePublisher(path)
         self.heartbeat: Heartbeat | None = None
         self.planned: RankSavePlan | None = None
-        self.metadata = {"format": "pt", "workbench_version": __version__, "layout": layout_fingerprint(layout)}
+        # the ranks agree on the model they save (its layout in memory); the files name the layout as saved (the
+        # dtypes written: fp32_keys_pattern and dtype= change them), which is what the layout file records
+        self.model_fingerprint = layout_fingerprint(layout)
+        self.saved = layout
+        self.metadata = {"format": "pt", "workbench_version": __version__, "layout": self.model_fingerprint}
         self.problem: RankProblem | None = None
         self.interrupt: BaseException | None = None  # not an Exception: raised again once the ranks have agreed
         self.write_mode = "gather"
@@ -167,6 +171,8 @@ class SaveSession:
                 gather_scratch=getattr(self.comm, "gather_scratch", False), max_shard_bytes=self.max_shard_bytes,
                 config_files=self.config_files,
             )
+            self.saved = saved_layout(self.layout, self.planned.key_meta)
+            self.metadata["layout"] = layout_fingerprint(self.saved)
             if self.rank == 0:  # the one rank that publishes them
                 self.config_copies = [ConfigCopy.read(c) for c in self.config_files]
             self._prepare()
@@ -212,7 +218,7 @@ class SaveSession:
             digests = plan_digests(plan_set.schedules[self.rank], plan_set.writers, self.layout.mesh, self.rank)
         if self.early is not None and not self.direct_queued:
             self.early.release()  # taken for a direct plan this save does not follow
-        model = (self.metadata["layout"], len(self.layout.specs), next(iter(self.layout.specs), None))
+        model = (self.model_fingerprint, len(self.layout.specs), next(iter(self.layout.specs), None))
         everyone = self._agree(problem, what=f"save to {self.path}", on_failure=self._abort,
                                share=(digests, model))
         cause = same_model_problem([m for _, m in everyone])
@@ -396,7 +402,7 @@ class SaveSession:
         temporary = self.publisher.temporary
         write_index(temporary, self.planned.file_plan,
                     {"workbench_version": self.metadata["workbench_version"], "layout": self.metadata["layout"]})
-        write_checkpoint_layout(self.layout, temporary)  # so diagnose can name the ranks that wrote a region
+        write_checkpoint_layout(self.saved, temporary)  # so diagnose can name the ranks that wrote a region
         for config in self.config_copies:
             config.write_into(temporary)
         if self.heartbeat is not None:
