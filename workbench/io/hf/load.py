@@ -14,7 +14,7 @@ from typing import Any, Literal, TypeVar
 import torch
 
 from workbench.display import html_of
-from workbench.errors import CheckpointError
+from workbench.errors import CheckpointError, LayoutError
 from workbench.faults import fault_point
 from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.direct import replicating_dims
@@ -138,7 +138,9 @@ def load_hf(
             (its raw values mean nothing without their scales).
         read_replicas_once: a parameter replicated over mesh dims (HSDP's replicas, a replicated norm) is read by
             one replica of each group (replicas take turns over the parameters) and broadcast to the others,
-            instead of being read by every replica.
+            instead of being read by every replica. Only where the layout's mesh is the whole world: a pipeline
+            stage loaded with its own layout (``layout=pipeline.stages[stage]``, ``rank=`` its place in the stage)
+            reads each replica on its own rank.
         timeout: seconds to wait for a peer at an agreement before failing.
         rank: the rank to load for (default: this process's rank).
         read_threads: threads reading the files.
@@ -181,10 +183,15 @@ def load_hf(
     started: _StartedReads | None = None
     try:
         layout, targets = layout_and_locals(model_or_state_dict, key_map, layout=layout)
+        if rank >= layout.mesh.size:  # before the checks: say what a pipeline stage's load needs
+            raise LayoutError(
+                f"rank {rank} is not in the layout's mesh {layout.mesh!r} ({layout.mesh.size} ranks): a pipeline "
+                "stage's layout takes rank=, this rank's place in its stage (pipeline.stage_of_rank(rank)[1])"
+            )
         fault_point("load.plan", rank)
         reader = CheckpointReader(path)
         checked = _checked(reader.index, layout, targets, adapters, cast, rank,
-                           read_replicas_once and rank == channel.rank and _live())
+                           read_replicas_once and rank == channel.rank and _live_over(layout))
         missing, unexpected, mismatched = checked.missing, checked.unexpected, checked.mismatched
         if strict and (missing or unexpected or mismatched):
             raise CheckpointError(_problem(path, missing, unexpected, mismatched))
@@ -463,10 +470,13 @@ class ReplicaRead:
     reads: bool
 
 
-def _live() -> bool:
+def _live_over(layout: Layout) -> bool:
+    """Whether the replicas of ``layout`` can share their reads: a live world of several ranks that is the layout's
+    mesh (a pipeline stage loaded with its own layout has a smaller mesh: each of its replicas reads for itself)."""
     import torch.distributed as dist
 
-    return dist.is_initialized() and dist.get_world_size() > 1 and str(dist.get_backend()) != "fake"
+    return (dist.is_initialized() and dist.get_world_size() > 1 and str(dist.get_backend()) != "fake"
+            and dist.get_world_size() == layout.mesh.size)
 
 
 def replica_readers(
@@ -645,7 +655,10 @@ def _check_replica_groups(shared: list[Any], mesh: MeshSpec, what: str) -> None:
                 problem = RankProblem(
                     rank, "planning the replica reads",
                     f"ranks {rank} and {peer} are replicas over {dims!r} but hold different replicated parameters "
-                    f"({differs}); every rank must hold the same model (a pipeline stage loads with its own layout)",
+                    f"({differs}); every rank must hold the same model. A pipeline stage loads with its own layout: "
+                    "stage, local = pipeline.stage_of_rank(rank); load_hf(model, path, layout=pipeline.stages[stage], "
+                    "rank=local, strict=False), where pipeline = read_checkpoint_pipeline_layout(path) (or the "
+                    "PipelineLayout it was saved with)",
                 )
                 raise LoadFailed(f"{what} failed; no tensor was changed.\n  {problem.cause}", [problem])
 
