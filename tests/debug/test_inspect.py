@@ -146,6 +146,41 @@ def test_dcp_pickle_needs_opt_in(tmp_path) -> None:
     assert {g.pattern for g in opened.groups} == {"w", "layers.0.b"}
 
 
+def test_a_dcp_checkpoint_with_a_short_or_missing_data_file_is_a_finding(tmp_path) -> None:
+    import subprocess
+    import sys
+
+    import torch.distributed.checkpoint as dcp
+
+    path = tmp_path / "dcp"
+    dcp.save({"w": torch.randn(64, 64), "b": torch.randn(64)}, checkpoint_id=str(path), no_dist=True)
+    (data,) = sorted(p.name for p in path.glob("*.distcp"))
+    full = (path / data).stat().st_size
+
+    def cli(*extra: str) -> int:
+        return subprocess.run([sys.executable, "-m", "workbench", "inspect", str(path), *extra],
+                              capture_output=True, text=True).returncode
+
+    healthy = inspect_checkpoint(path, allow_pickle=True)
+    assert healthy.ok and healthy.exit_status == 0 and "integrity: ok" in str(healthy)
+    assert cli("--allow-pickle") == 0
+    # without the pickle read, nothing is known of the files: no claim, and not ok
+    closed = inspect_checkpoint(path)
+    assert not closed.ok and closed.exit_status == 2 and "integrity: NOT checked" in str(closed)
+    assert "integrity: ok" not in str(closed) and cli() == 2
+
+    os.truncate(path / data, 100)  # a copy cut short: every byte range the metadata reads lies past 100
+    short = inspect_checkpoint(path, allow_pickle=True)
+    assert [(f.kind, f.key) for f in short.findings] == [("truncated_file", data)]
+    assert f"truncated file: 100 bytes, .metadata reads up to byte {full}" in short.findings[0].evidence["detail"]
+    assert short.exit_status == 1 and cli("--allow-pickle") == 1
+    (path / data).unlink()
+    gone = inspect_checkpoint(path, allow_pickle=True)
+    assert [(f.kind, f.key) for f in gone.findings] == [("index_inconsistent", data)]
+    assert gone.findings[0].evidence["detail"].startswith("missing file")
+    assert cli("--allow-pickle") == 1
+
+
 @pytest.mark.parametrize("n_keys", [0, 1])
 def test_tiny_files(tmp_path, n_keys) -> None:
     save_file({f"k{i}": torch.zeros(0) for i in range(n_keys)}, str(tmp_path / "t.safetensors"))

@@ -70,6 +70,8 @@ class Inspection:
         findings: integrity problems (``Finding``), as ``diagnose`` reports them.
         notes: what was not examined, and why (e.g. a DCP pickle not read without opt-in).
         error: why nothing could be read ("" when readable).
+        unchecked: why the files' integrity was not checked ("" when it was): a DCP folder whose ``.metadata``
+            pickle was not read cannot say which files and bytes it needs. Such an inspection is not ``ok``.
     """
 
     path: str
@@ -85,16 +87,17 @@ class Inspection:
     findings: tuple[Finding, ...] = ()
     notes: tuple[str, ...] = ()
     error: str = ""
+    unchecked: str = ""
 
     @property
     def ok(self) -> bool:
-        """Readable and nothing wrong."""
-        return not self.error and not self.findings
+        """Read, checked, and nothing wrong."""
+        return not self.error and not self.findings and not self.unchecked
 
     @property
     def exit_status(self) -> int:
-        """0 healthy, 1 findings, 2 could not read (the CLI's exit status)."""
-        return 2 if self.error else (1 if self.findings else 0)
+        """0 healthy, 1 findings, 2 could not read or not checked (the CLI's exit status)."""
+        return 2 if self.error else (1 if self.findings else (2 if self.unchecked else 0))
 
     @property
     def layout_fingerprint(self) -> str | None:
@@ -104,7 +107,7 @@ class Inspection:
     def to_dict(self) -> dict[str, Any]:
         """A JSON-ready dict (what ``workbench inspect --json`` prints)."""
         return {
-            "path": self.path, "format": self.format, "ok": self.ok, "error": self.error,
+            "path": self.path, "format": self.format, "ok": self.ok, "error": self.error, "unchecked": self.unchecked,
             "num_keys": self.num_keys, "params": self.params, "nbytes": self.nbytes, "dtypes": self.dtypes,
             "layout_fingerprints": {k: list(v) for k, v in self.layout_fingerprints.items()},
             "workbench_version": self.workbench_version,
@@ -119,6 +122,9 @@ class Inspection:
     def _headline(self) -> str:
         if self.error:
             return f"{self.path}: could not be read: {self.error}"
+        if self.unchecked and not self.num_keys:
+            return (f"{self.path} ({self.format}): {len(self.files)} data file(s), {format_bytes(self.nbytes)} on "
+                    "disk; keys not read")
         dtypes = ", ".join(f"{d} x{n}" for d, n in self.dtypes.items())
         return (f"{self.path} ({self.format}): {self.num_keys} keys in {len(self.files)} file(s), "
                 f"{format_count(self.params)} params, {format_bytes(self.nbytes)} [{dtypes}]")
@@ -146,6 +152,8 @@ class Inspection:
         if self.findings:
             lines.append(f"  {len(self.findings)} finding(s):")
             lines.extend("  " + str(f).replace("\n", "\n  ") for f in self.findings)
+        elif self.unchecked:
+            lines.append(f"  integrity: NOT checked ({self.unchecked})")
         elif not self.error:
             lines.append("  integrity: ok (index, headers and file sizes agree)")
         lines.extend(f"  note: {n}" for n in self.notes)
@@ -319,8 +327,10 @@ def _inspect_dcp(path: Path, allow_pickle: bool) -> Inspection:
     if not allow_pickle:
         note = (f"torch DCP checkpoint: {DCP_METADATA} is a Python pickle and was NOT read (unpickling can run "
                 "code). Pass allow_pickle=True (CLI: --allow-pickle) if you trust where it came from, to list "
-                "its keys, shapes and dtypes.")
-        return Inspection(path=str(path), format="dcp", files=files, nbytes=total, notes=(note,))
+                "its keys, shapes and dtypes and check its files.")
+        return Inspection(path=str(path), format="dcp", files=files, nbytes=total, notes=(note,),
+                          unchecked=f"{DCP_METADATA} was not read: it alone says which files and bytes the "
+                                    "checkpoint needs; pass --allow-pickle")
     from torch.distributed.checkpoint import FileSystemReader  # lazy: only on explicit opt-in
 
     try:
@@ -343,5 +353,29 @@ def _inspect_dcp(path: Path, allow_pickle: bool) -> Inspection:
     return Inspection(
         path=str(path), format="dcp", groups=group_keys(entries), files=files, num_keys=len(entries),
         params=sum(math.prod(e[2]) for e in entries), nbytes=sum(e[3] for e in entries),
-        dtypes=_dtype_counts(e[1] for e in entries), notes=notes,
+        dtypes=_dtype_counts(e[1] for e in entries), notes=notes, findings=_dcp_file_findings(path, metadata),
     )
+
+
+def _dcp_file_findings(path: Path, metadata: Any) -> tuple[Finding, ...]:
+    """The DCP data files ``metadata`` names that are missing, or shorter than the bytes it reads from them."""
+    needed: dict[str, tuple[int, str]] = {}  # file -> (bytes the metadata reads from it, one entry it holds)
+    for index, info in getattr(metadata, "storage_data", {}).items():
+        file = str(getattr(info, "relative_path", ""))
+        end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
+        if file and end > needed.get(file, (-1, ""))[0]:
+            needed[file] = (end, str(getattr(index, "fqn", index)))
+    out = []
+    for file, (end, fqn) in sorted(needed.items()):
+        target = path / file
+        if not target.is_file():
+            out.append(Finding("index_inconsistent", file, {"file": file, "detail": f"missing file: {DCP_METADATA} "
+                                                            f"reads {end} bytes from it (entry {fqn!r} among them)"},
+                               "copy the missing file (an incomplete copy or upload?), or re-save the checkpoint"))
+        elif target.stat().st_size < end:
+            size = target.stat().st_size
+            out.append(Finding("truncated_file", file, {"file": file, "detail": f"truncated file: {size} bytes, "
+                                                        f"{DCP_METADATA} reads up to byte {end} (entry {fqn!r})"},
+                               "the write or copy was interrupted: re-save the checkpoint, or restore this file "
+                               "from the copy it was made from"))
+    return tuple(out)
