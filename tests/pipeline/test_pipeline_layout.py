@@ -12,7 +12,14 @@ from workbench.layout.layout_file import load_layout
 from workbench.layout.layout_file import parse_layout as load_layout_text
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
-from workbench.layout.pipeline import PipelineLayout, load_pipeline_layout, parse_pipeline_layout, stage_rule
+from workbench.layout.pipeline import (
+    PipelineLayout,
+    has_pipeline_table,
+    load_pipeline_layout,
+    parse_pipeline_layout,
+    read_checkpoint_pipeline_layout,
+    stage_rule,
+)
 from workbench.mesh import MeshSpec
 
 SAMPLES = Path(__file__).resolve().parents[2] / "sample_meshes"
@@ -101,3 +108,50 @@ def test_stage_params_name_every_parameter_once() -> None:
     ]:
         with pytest.raises(LayoutFileError, match=message):
             parse_pipeline_layout(_listed(table), source="toy.toml")
+
+
+@pytest.mark.parametrize("header, table", [
+    ("[pipeline]", 'stage_params = [\n  ["b"],\n  ["a"],\n]'),  # a stage a line: the old reader saw "[" headers
+    ("[pipeline]  # the stages", 'stage_params = [["b"], ["a"]]'),  # the old checkpoint reader took it for flat
+    ("[ pipeline ]", 'stage_params = [["b"],\n ["a"]]'),
+    ("[pipeline]", 'first_stage = ["b"]\nlast_stage = ["a"]\nstage_layers = [\n  [],\n  [],\n]'),  # lists over lines
+])
+def test_a_pipeline_table_is_read_as_toml_whatever_its_text(tmp_path: Path, header: str, table: str) -> None:
+    text = _listed(table).replace("[pipeline]", header)
+    pipeline = parse_pipeline_layout(text, source="toy.toml")
+    assert [list(s.specs) for s in pipeline.stages] == [["b"], ["a"]]
+    assert has_pipeline_table(text)
+    (tmp_path / "workbench_layout.toml").write_text(text)
+    assert read_checkpoint_pipeline_layout(tmp_path) == pipeline
+
+
+def test_a_pipeline_word_in_a_comment_or_string_leaves_a_layout_flat(tmp_path: Path) -> None:
+    text = _listed("").split("[pipeline]")[0].replace('name = "toy"', 'name = "[pipeline]"\n# [pipeline]')
+    assert not has_pipeline_table(text) and load_layout_text(text).name == "[pipeline]"
+    (tmp_path / "workbench_layout.toml").write_text(text)
+    assert read_checkpoint_pipeline_layout(tmp_path) is None
+
+
+def test_a_mesh_of_the_pipeline_dim_alone_gives_one_rank_stages() -> None:
+    mesh = MeshSpec((3,), ("pp",))
+    specs = {n: LoadSpec.from_placements(n, n, (4, 2), mesh, [Replicate()]) for n in "abc"}
+    pipeline = PipelineLayout.from_layout(Layout(mesh, specs, dict.fromkeys("abc", "bfloat16")), "pp", "abc".index)
+    assert pipeline.stage_mesh == MeshSpec((1,), ("world",))
+    assert [list(s.specs) for s in pipeline.stages] == [["a"], ["b"], ["c"]]
+    assert [pipeline.stage_ranks(s) for s in range(3)] == [(0,), (1,), (2,)]
+    assert pipeline.stage_of_rank(2) == (2, 0)
+    assert pipeline.stages[1]["b"].key_regions(0) == specs["b"].key_regions(0)  # held whole
+    assert parse_pipeline_layout(pipeline.to_toml()) == pipeline
+
+
+def test_the_cli_reads_a_pipeline_file_whose_lists_span_lines(tmp_path: Path, capsys) -> None:
+    import torch
+
+    import workbench as wb
+    from workbench.cli import main
+
+    wb.save_hf({"a": torch.arange(4.0), "b": torch.ones(4)}, tmp_path / "ckpt")
+    layout = tmp_path / "toy.toml"
+    layout.write_text(_listed('stage_params = [\n  ["b"],\n  ["a"],\n]'))
+    assert main(["diff", str(tmp_path / "ckpt"), str(tmp_path / "ckpt"), "--layout", str(layout)]) == 0, (
+        capsys.readouterr())

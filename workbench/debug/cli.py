@@ -155,7 +155,7 @@ def _load_layout(path: str | None, *, pipelines: bool = True) -> Any:
 
     from workbench.errors import LayoutFileError
     from workbench.layout.layout_file import LAYOUT_FILE_NAME, load_layout, read_checkpoint_layout
-    from workbench.layout.pipeline import load_pipeline_layout, read_checkpoint_pipeline_layout
+    from workbench.layout.pipeline import has_pipeline_table, load_pipeline_layout, read_checkpoint_pipeline_layout
 
     try:
         if Path(path).is_dir():
@@ -165,7 +165,7 @@ def _load_layout(path: str | None, *, pipelines: bool = True) -> Any:
                                       "(TOML)")
             return layout
         layout = load_layout(path)
-        if pipelines and any(line.strip() == "[pipeline]" for line in Path(path).read_text().splitlines()):
+        if pipelines and has_pipeline_table(Path(path).read_text(encoding="utf-8")):
             return load_pipeline_layout(path)
         return layout
     except UnicodeDecodeError as exc:  # a binary file: the decoder's message does not say which

@@ -46,8 +46,8 @@ from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
 
-__all__ = ["PipelineLayout", "load_pipeline_layout", "parse_pipeline_layout", "read_checkpoint_pipeline_layout",
-           "stage_rule"]
+__all__ = ["PipelineLayout", "has_pipeline_table", "load_pipeline_layout", "parse_pipeline_layout",
+           "read_checkpoint_pipeline_layout", "stage_rule"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -89,10 +89,9 @@ class PipelineLayout:
 
     @property
     def stage_mesh(self) -> MeshSpec:
-        """The mesh of one stage: every mesh dim but ``pp_dim``, stage-local ranks ``0..S-1``."""
-        pp = self.mesh.mesh_dim_index(self.pp_dim)
-        keep = [i for i in range(self.mesh.ndim) if i != pp]
-        return MeshSpec(tuple(self.mesh.shape[i] for i in keep), tuple(self.mesh.dim_names[i] for i in keep))
+        """The mesh of one stage: every mesh dim but ``pp_dim``, stage-local ranks ``0..S-1`` (one rank, as a plain
+        model's ``world``, for a mesh of ``pp_dim`` alone)."""
+        return _stage_mesh(self.mesh, self.pp_dim)
 
     def stage_ranks(self, stage: int) -> tuple[int, ...]:
         """Global ranks of ``stage``, indexed by stage-local rank."""
@@ -186,7 +185,7 @@ class PipelineLayout:
         into an equal ``PipelineLayout`` (stage layouts named ``NAME[pp=s]``, as ``from_layout`` names them)."""
         from workbench.layout.layout_toml import layout_to_toml
 
-        # one name a line, and no line of the table starts with "[": a reader blanks the table up to the next header
+        # one name a line
         lines = ["", "[pipeline]", f"mesh_dim = {_toml_str(self.pp_dim)}", "stage_params = [["]
         for s, layout in enumerate(self.stages):
             if s:
@@ -207,10 +206,16 @@ def _toml_str(text: str) -> str:
     return json.dumps(text, ensure_ascii=False).replace("\x7f", "\\u007f")
 
 
-def _empty(mesh: MeshSpec, pp_dim: str) -> Layout:
+def _stage_mesh(mesh: MeshSpec, pp_dim: str) -> MeshSpec:
     pp = mesh.mesh_dim_index(pp_dim)
     keep = [i for i in range(mesh.ndim) if i != pp]
-    return Layout(MeshSpec(tuple(mesh.shape[i] for i in keep), tuple(mesh.dim_names[i] for i in keep)), {})
+    if not keep:  # pure pipeline parallelism: each stage is one rank holding its parameters whole
+        return MeshSpec((1,), ("world",))
+    return MeshSpec(tuple(mesh.shape[i] for i in keep), tuple(mesh.dim_names[i] for i in keep))
+
+
+def _empty(mesh: MeshSpec, pp_dim: str) -> Layout:
+    return Layout(_stage_mesh(mesh, pp_dim), {})
 
 
 def stage_rule(
@@ -287,9 +292,18 @@ def read_checkpoint_pipeline_layout(directory: str | Path) -> PipelineLayout | N
         text = path.read_text(encoding="utf-8")
     except (OSError, UnicodeDecodeError) as exc:
         raise LayoutFileError(f"cannot read pipeline layout file {str(path)!r}: {exc}") from None
-    if not any(line.strip() == "[pipeline]" for line in text.splitlines()):  # a one-mesh layout: not parsed twice
+    if not has_pipeline_table(text):  # a one-mesh layout
         return None
     return parse_pipeline_layout(text, source=str(path))
+
+
+def has_pipeline_table(text: str) -> bool:
+    """Whether a layout file's TOML text has a ``[pipeline]`` table (parsed, not searched as text: a header may carry
+    a comment or spaces, and a table's lists may span lines). Text that is not TOML has none (its parser says why)."""
+    try:
+        return isinstance(tomllib.loads(text).get("pipeline"), Mapping)
+    except tomllib.TOMLDecodeError:
+        return False
 
 
 def parse_pipeline_layout(text: str, *, source: str = "<string>") -> PipelineLayout:
@@ -308,7 +322,7 @@ def parse_pipeline_layout(text: str, *, source: str = "<string>") -> PipelineLay
     if set(table) - known or ("stage_layers" in table) == ("stage_params" in table):
         raise LayoutFileError(f"{source}: [pipeline]: fields {sorted(table)}; known: {sorted(known)}, with "
                               "stage_layers (and its rule) or stage_params, not both")
-    layout = parse_layout(_without_table(text, "pipeline"), source=source)
+    layout = parse_layout(text, source=source)  # the one-mesh reader skips the [pipeline] table
     pp_dim = table.get("mesh_dim", "pp")
     try:
         if "stage_params" in table:
@@ -344,12 +358,3 @@ def _listed_stages(stage_params: Any, layout: Layout, pp_dim: str) -> Callable[[
     return owner.__getitem__
 
 
-def _without_table(text: str, name: str) -> str:
-    """``text`` with the ``[name]`` table blanked out line for line (line numbers in errors stay right)."""
-    out, inside = [], False
-    for line in text.splitlines():
-        stripped = line.strip()
-        if stripped.startswith("["):
-            inside = stripped == f"[{name}]"
-        out.append("" if inside else line)
-    return "\n".join(out) + "\n"

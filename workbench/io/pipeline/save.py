@@ -45,8 +45,10 @@ from workbench.io.files.publish import AtomicRenamePublisher
 from workbench.io.files.publish_types import temporary_path
 from workbench.io.hf.save_planning import RESERVED_NAMES
 from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
+from workbench.layout.load_spec import LoadSpec
+from workbench.layout.model_layout import Layout
 from workbench.layout.pipeline import PipelineLayout
-from workbench.mesh import MeshDimRef, format_mesh_dim
+from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 from workbench.run.guard import (
     RankProblem,
     RanksFailed,
@@ -135,7 +137,8 @@ def pipeline_layout_from_model(
 ) -> PipelineLayout:
     """The pipeline layout of a live model whose ranks each hold their stage only (every rank calls it).
 
-    Each rank reads its stage's layout (``Layout.from_model``: the root mesh, ``pp_dim`` included); the ranks
+    Each rank reads its stage's layout (``Layout.from_model``: the root mesh, ``pp_dim`` included; a model of plain
+    tensors on every rank of a world of several is pure pipeline parallelism, rank ``r`` holding stage ``r``); the ranks
     exchange them (small metadata, over the control group: a rank that fails or does not answer within ``timeout``
     seconds is named on every rank) and every rank gets the same ``PipelineLayout``.
 
@@ -143,13 +146,12 @@ def pipeline_layout_from_model(
         LayoutError: this rank's own model could not be read, a parameter name held by two stages, or stages that
             disagree on the mesh. RanksFailed: another rank could not read its model (named with the cause).
     """
-    from workbench.layout.model_layout import Layout
-
     channel = ControlChannel(timeout)
     mine: Any = None
     problem = None
     try:
-        mine = Layout.from_model(model, key_map)
+        mine = _pure_pipeline(Layout.from_model(model, key_map), pp_dim, dist.get_world_size() if
+                              dist.is_initialized() else 1)
         stage = mine.mesh.coordinate(channel.rank)[mine.mesh.mesh_dim_index(pp_dim)]
     except Exception as exc:
         problem = problem_from(exc, channel.rank, "reading its stage's layout")
@@ -173,6 +175,18 @@ def pipeline_layout_from_model(
                 dtypes[name] = layout.dtypes[name]
     merged = Layout(mine.mesh, specs, dtypes, name=mine.name)
     return PipelineLayout.from_layout(merged, pp_dim, owner.__getitem__)
+
+
+def _pure_pipeline(layout: Layout, pp_dim: str, world: int) -> Layout:
+    """A model of plain tensors (a layout of one rank, no DTensor) in a world of several ranks: each rank is a stage
+    and holds its parameters whole, on a mesh of ``pp_dim`` alone. Any other layout as it is."""
+    if world == 1 or layout.mesh.size != 1 or pp_dim in layout.mesh.dim_names:
+        return layout
+    mesh = MeshSpec((world,), (pp_dim,))
+    specs = {name: LoadSpec(name=name, hf_keys=spec.hf_keys, global_shape=spec.global_shape, mesh=mesh,
+                            fused_dim=spec.fused_dim, origin_shape=spec.origin_shape)
+             for name, spec in layout.specs.items()}
+    return Layout(mesh, specs, dict(layout.dtypes), name=layout.name)
 
 
 def save_hf_pipeline(
