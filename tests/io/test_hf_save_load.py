@@ -172,6 +172,18 @@ def test_a_tensor_the_given_layout_does_not_list_is_refused_not_left_out(tmp_pat
     assert set(_everything(tmp_path / "ckpt")) == set(listed)
 
 
+def test_a_tied_weight_the_layout_lists_under_one_name_is_saved_once(tmp_path: Path) -> None:
+    model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(6, 4), "head": torch.nn.Linear(4, 6, bias=False)})
+    model["head"].weight = model["embed"].weight  # as tie_word_embeddings does
+    layout = wb.Layout.from_model({"embed.weight": model["embed"].weight})  # HF's checkpoint: one key of the tie
+    wb.save_hf(model, tmp_path / "ckpt", layout=layout)
+    saved = _everything(tmp_path / "ckpt")
+    assert list(saved) == ["embed.weight"] and torch.equal(saved["embed.weight"], model["embed"].weight.detach())
+    model["head"].weight = torch.nn.Parameter(model["embed"].weight.detach().clone())  # untied: its own values
+    with pytest.raises(LayoutError, match=r"does not list: \['head.weight'\]"):
+        wb.save_hf(model, tmp_path / "untied", layout=layout)
+
+
 @pytest.mark.parametrize("patterns", [r".*layernorm\.weight", [r"nothing\.matches", r".*_layernorm\.weight$"]])
 def test_fp32_keys_stay_float32_and_dtype_casts_the_other_floats(tmp_path: Path, patterns: object) -> None:
     state = _mixed_model()

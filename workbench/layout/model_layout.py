@@ -398,9 +398,14 @@ def _locals_of(tensors: Mapping[str, torch.Tensor], layout: Layout) -> dict[str,
 
 def _refuse_unlisted(tensors: Mapping[str, torch.Tensor], layout: Layout, key_map: KeyMap | None) -> None:
     """Raise a LayoutError naming the model's tensors that ``layout`` does not list, unless ``key_map`` leaves them
-    out of the checkpoint (maps them to None)."""
+    out of the checkpoint (maps them to None) or they are a listed tensor under another name (tied weights: HF's
+    ``tie_word_embeddings`` saves one key of the tie)."""
     lookup = resolve_key_map(key_map)
-    unlisted = [name for name in map(clean_name, tensors) if name not in layout.specs and lookup(name) is not None]
+    names = {raw: clean_name(raw) for raw in tensors}
+    unlisted = [raw for raw, name in names.items() if name not in layout.specs and lookup(name) is not None]
+    if unlisted:
+        listed = {_view_of(t) for raw, t in tensors.items() if names[raw] in layout.specs}
+        unlisted = [names[raw] for raw in unlisted if _view_of(tensors[raw]) not in listed]
     if unlisted:
         more = f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else ""
         raise LayoutError(
@@ -408,6 +413,18 @@ def _refuse_unlisted(tensors: Mapping[str, torch.Tensor], layout: Layout, key_ma
             f"{unlisted[:5]}{more}; they would be missing from the checkpoint. Add them to the layout, or leave them "
             "out on purpose with a key map that maps them to None"
         )
+
+
+def _view_of(tensor: torch.Tensor) -> tuple:
+    """What makes two tensors the same values: the local tensor's memory and view (the same object under two names,
+    or two views of one storage alike)."""
+    from workbench import _compat
+
+    local = _compat.dtensor_local(tensor) if _compat.is_dtensor(tensor) else tensor
+    if local.is_meta or not local.numel():
+        return (id(tensor),)
+    return (local.device, local.untyped_storage().data_ptr(), local.storage_offset(), tuple(local.shape),
+            local.stride(), local.dtype)
 
 
 def _refuse_meta(locals_: Mapping[str, torch.Tensor]) -> None:
