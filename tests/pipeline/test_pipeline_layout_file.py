@@ -69,7 +69,10 @@ def test_the_checkpoint_carries_the_pipeline_it_was_saved_with(saved: Path) -> N
     # read as one mesh it is the whole model: every key of the checkpoint with its shape and dtype
     flat = load_layout(saved / LAYOUT_FILE_NAME)
     assert set(flat.hf_keys) == set(new_values())
-    assert wb.diagnose(saved, str(saved / LAYOUT_FILE_NAME)).ok
+    report = wb.diagnose(saved, str(saved / LAYOUT_FILE_NAME))
+    assert report.ok, report
+    # the stages' fingerprints are the carried pipeline's, not "saved from layout [...], this layout is ..."
+    assert report.stats["layout_fingerprint"] == "same as the layout (saved stage by stage: one per pipeline stage)"
     # each stage's files carry its own layout's fingerprint: those of the carried stages, not different checkpoints
     inspection = wb.inspect_checkpoint(saved)
     assert sorted(inspection.layout_fingerprints) == sorted(s.fingerprint() for s in carried.stages)

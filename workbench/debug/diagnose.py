@@ -16,6 +16,7 @@ from workbench.debug.provenance import held_by
 from workbench.debug.renames import find_renames, rename_hint
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, MemorySource
 from workbench.debug.transforms import chunk_shard, joined_on, joined_words
+from workbench.errors import LayoutError
 from workbench.io.files.index import safetensors_dtype
 from workbench.layout.chunking import local_sizes
 from workbench.layout.model_layout import Layout
@@ -135,6 +136,19 @@ def _explain_shape(layout: Layout, name: str, want: tuple[int, ...], got: tuple[
     return "shape_mismatch", "", "the checkpoint's shape is not the layout's: saved from another model config?"
 
 
+def _saved_by_stages_of(path: Path | str, fingerprints: set[str], mine: str) -> bool:
+    """Whether the files were written by the stages of the pipeline the folder carries, and the layout is that
+    pipeline's whole model (a pipeline save writes each stage's files from the stage's own layout)."""
+    from workbench.layout.pipeline import read_checkpoint_pipeline_layout
+
+    try:
+        pipeline = read_checkpoint_pipeline_layout(path) if Path(path).is_dir() else None
+    except (LayoutError, OSError, ValueError):  # an unreadable layout file explains nothing
+        return False
+    return (pipeline is not None and pipeline.flat_layout().fingerprint() == mine
+            and fingerprints <= {stage.fingerprint() for stage in pipeline.stages})
+
+
 def _against_layout(path: Path | str, layout: Layout) -> Report:
     act, findings, error = open_checkpoint(path)
     subject, reference = str(path), f"layout {layout.name}"
@@ -199,9 +213,12 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
         fps = {m.get("layout") for m in act.index.file_metadata.values() if m.get("layout")}
         if fps:
             mine = layout.fingerprint()
-            stats["layout_fingerprint"] = (
-                "same as the layout" if fps == {mine} else f"saved from layout {sorted(fps)}, this layout is {mine}"
-            )
+            if fps == {mine}:
+                stats["layout_fingerprint"] = "same as the layout"
+            elif _saved_by_stages_of(path, fps, mine):
+                stats["layout_fingerprint"] = "same as the layout (saved stage by stage: one per pipeline stage)"
+            else:
+                stats["layout_fingerprint"] = f"saved from layout {sorted(fps)}, this layout is {mine}"
         return Report(subject=subject, reference=reference, findings=tuple(out), stats=stats)
     finally:
         act.close()
