@@ -155,7 +155,9 @@ class Inspection:
         elif self.unchecked:
             lines.append(f"  integrity: NOT checked ({self.unchecked})")
         elif not self.error:
-            lines.append("  integrity: ok (index, headers and file sizes agree)")
+            agree = ("every byte range of the metadata is in its file" if self.format == "dcp"
+                     else "index, headers and file sizes agree")
+            lines.append(f"  integrity: ok ({agree})")
         lines.extend(f"  note: {n}" for n in self.notes)
         return "\n".join(lines)
 
@@ -330,7 +332,7 @@ def _inspect_dcp(path: Path, allow_pickle: bool) -> Inspection:
                 "its keys, shapes and dtypes and check its files.")
         return Inspection(path=str(path), format="dcp", files=files, nbytes=total, notes=(note,),
                           unchecked=f"{DCP_METADATA} was not read: it alone says which files and bytes the "
-                                    "checkpoint needs; pass --allow-pickle")
+                                    "checkpoint needs; pass allow_pickle=True (CLI: --allow-pickle)")
     from torch.distributed.checkpoint import FileSystemReader  # lazy: only on explicit opt-in
 
     try:
