@@ -172,6 +172,22 @@ def test_a_tensor_the_given_layout_does_not_list_is_refused_not_left_out(tmp_pat
     assert set(_everything(tmp_path / "ckpt")) == set(listed)
 
 
+def test_allow_unexpected_lets_other_keys_be_but_still_needs_every_key_of_the_layout(tmp_path: Path) -> None:
+    state = _mixed_model()
+    wb.save_hf(state, tmp_path / "ckpt")
+    mine = {k: torch.zeros_like(v) for k, v in state.items() if "layers.0" in k}  # a stage's share of the keys
+    report = wb.load_hf(mine, tmp_path / "ckpt", allow_unexpected=True)
+    others = sorted(k for k in state if "layers.0" not in k)
+    assert report.ok and sorted(report.unexpected) == others and "unexpected (allowed)" in str(report)
+    assert all(torch.equal(mine[k], state[k]) for k in mine)
+    with pytest.raises(CheckpointError, match="in the checkpoint but not in the layout"):
+        wb.load_hf(mine, tmp_path / "ckpt")  # without it, strict refuses them as before
+    # a key of its own missing is still an error, naming it (strict=False would have skipped it and gone on)
+    mine["model.layers.0.extra.weight"] = torch.zeros(2)
+    with pytest.raises(CheckpointError, match=r"missing from the checkpoint.*model\.layers\.0\.extra\.weight"):
+        wb.load_hf(mine, tmp_path / "ckpt", allow_unexpected=True)
+
+
 def test_a_tied_weight_the_layout_lists_under_one_name_is_saved_once(tmp_path: Path) -> None:
     model = torch.nn.ModuleDict({"embed": torch.nn.Embedding(6, 4), "head": torch.nn.Linear(4, 6, bias=False)})
     model["head"].weight = model["embed"].weight  # as tie_word_embeddings does

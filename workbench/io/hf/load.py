@@ -70,6 +70,7 @@ class LoadReport:
     unexpected: tuple[str, ...] = ()
     mismatched: tuple[str, ...] = ()
     timings: LoadTimings = field(default_factory=LoadTimings)
+    unexpected_allowed: bool = False
 
     @property
     def read_ratio(self) -> float:
@@ -80,8 +81,9 @@ class LoadReport:
 
     @property
     def ok(self) -> bool:
-        """True when every expected key was found with its expected shape, and no other key was there."""
-        return not (self.missing or self.unexpected or self.mismatched)
+        """True when every expected key was found with its expected shape, and no other key was there (other keys
+        are fine where the load allowed them: ``allow_unexpected``, a pipeline stage's)."""
+        return not (self.missing or self.mismatched or (self.unexpected and not self.unexpected_allowed))
 
     def __str__(self) -> str:
         lines = [
@@ -90,7 +92,8 @@ class LoadReport:
             + (f"; {self.bytes_received} received from replicas" if self.bytes_received else "")
             + f") in {self.seconds:.2f} s"
         ]
-        for what, keys in (("missing", self.missing), ("unexpected", self.unexpected), ("mis-shaped", self.mismatched)):
+        unexpected = "unexpected (allowed)" if self.unexpected_allowed else "unexpected"
+        for what, keys in (("missing", self.missing), (unexpected, self.unexpected), ("mis-shaped", self.mismatched)):
             if keys:
                 lines.append(f"  {len(keys)} {what}: {list(keys[:5])}{' ...' if len(keys) > 5 else ''}")
         return "\n".join(lines)
@@ -108,6 +111,7 @@ def load_hf(
     layout: Layout | None = None,
     key_map: KeyMap | None = None,
     strict: bool = True,
+    allow_unexpected: bool = False,
     adapters: Mapping[str, Adapter] | None = None,
     cast: bool = False,
     read_replicas_once: bool = True,
@@ -133,6 +137,9 @@ def load_hf(
     Args:
         strict: every missing, unexpected, mis-shaped or differently typed key is an error (else those
             parameters are skipped and listed in the report).
+        allow_unexpected: keys of the checkpoint that the layout does not name are no error under ``strict`` (they
+            are listed in the report, which stays ``ok``): a pipeline stage's load, whose checkpoint holds the other
+            stages' keys too, and which still must find every key of its own.
         cast: convert a key whose checkpoint dtype differs from the model's (else that is a mismatch); a float8
             key that has a scale key (``_scale_inv``, ``_scale``) into a parameter that is not float8 is refused
             (its raw values mean nothing without their scales).
@@ -186,15 +193,16 @@ def load_hf(
         if rank >= layout.mesh.size:  # before the checks: say what a pipeline stage's load needs
             raise LayoutError(
                 f"rank {rank} is not in the layout's mesh {layout.mesh!r} ({layout.mesh.size} ranks): a pipeline "
-                "stage's layout takes rank=, this rank's place in its stage (pipeline.stage_of_rank(rank)[1])"
+                "stage's layout takes rank=, this rank's place in its stage (pipeline.stage_of_rank(rank)[1]), and "
+                "allow_unexpected=True (the other stages' keys)"
             )
         fault_point("load.plan", rank)
         reader = CheckpointReader(path)
         checked = _checked(reader.index, layout, targets, adapters, cast, rank,
                            read_replicas_once and rank == channel.rank and _live_over(layout))
         missing, unexpected, mismatched = checked.missing, checked.unexpected, checked.mismatched
-        if strict and (missing or unexpected or mismatched):
-            raise CheckpointError(_problem(path, missing, unexpected, mismatched))
+        if strict and (missing or mismatched or (unexpected and not allow_unexpected)):
+            raise CheckpointError(_problem(path, missing, () if allow_unexpected else unexpected, mismatched))
         wanted, replicas, batches = checked.wanted, checked.replicas, checked.batches
         # tied parameters the load fills: each read into a tensor of its own, compared below (one it skips would
         # compare a tensor nothing was read into; one it fills alone fills the shared tensor)
@@ -280,6 +288,7 @@ def load_hf(
             unexpected=unexpected,
             mismatched=mismatched,
             timings=clock.timings(),
+            unexpected_allowed=allow_unexpected,
         )
     finally:
         if started is not None:
@@ -657,8 +666,8 @@ def _check_replica_groups(shared: list[Any], mesh: MeshSpec, what: str) -> None:
                     f"ranks {rank} and {peer} are replicas over {dims!r} but hold different replicated parameters "
                     f"({differs}); every rank must hold the same model. A pipeline stage loads with its own layout: "
                     "stage, local = pipeline.stage_of_rank(rank); load_hf(model, path, layout=pipeline.stages[stage], "
-                    "rank=local, strict=False), where pipeline = read_checkpoint_pipeline_layout(path) (or the "
-                    "PipelineLayout it was saved with)",
+                    "rank=local, allow_unexpected=True), where pipeline = read_checkpoint_pipeline_layout(path) (or "
+                    "the PipelineLayout it was saved with)",
                 )
                 raise LoadFailed(f"{what} failed; no tensor was changed.\n  {problem.cause}", [problem])
 
@@ -865,7 +874,8 @@ def _problem(path: str | Path, missing: tuple[str, ...], unexpected: tuple[str, 
     lines = [f"checkpoint {path} does not match the model's layout:"]
     for what, keys, hint in (
         ("missing from the checkpoint", missing, "check the key map, or load with strict=False"),
-        ("in the checkpoint but not in the layout", unexpected, "map them to parameters, or load with strict=False"),
+        ("in the checkpoint but not in the layout", unexpected, "map them to parameters, or load with strict=False "
+         "(allow_unexpected=True where they belong to other pipeline stages)"),
         ("with another shape or dtype", mismatched, "saved from another config, with padding, or in fp32?"),
     ):
         if keys:
