@@ -143,7 +143,7 @@ class PipelineLayout:
         """
         pp = layout.mesh.mesh_dim_index(pp_dim)
         count = layout.mesh.shape[pp]
-        stage_mesh = _empty(layout.mesh, pp_dim).mesh
+        stage_mesh = _stage_mesh(layout.mesh, pp_dim)
         specs: list[dict[str, LoadSpec]] = [{} for _ in range(count)]
         dtypes: list[dict[str, str]] = [{} for _ in range(count)]
         for param, spec in layout.specs.items():
@@ -212,10 +212,6 @@ def _stage_mesh(mesh: MeshSpec, pp_dim: str) -> MeshSpec:
     if not keep:  # pure pipeline parallelism: each stage is one rank holding its parameters whole
         return MeshSpec((1,), ("world",))
     return MeshSpec(tuple(mesh.shape[i] for i in keep), tuple(mesh.dim_names[i] for i in keep))
-
-
-def _empty(mesh: MeshSpec, pp_dim: str) -> Layout:
-    return Layout(_stage_mesh(mesh, pp_dim), {})
 
 
 def stage_rule(
