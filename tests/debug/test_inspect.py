@@ -2,9 +2,12 @@
 
 from __future__ import annotations
 
+import functools
 import json
 import os
 import struct
+import subprocess
+import sys
 from pathlib import Path
 
 import pytest
@@ -147,9 +150,6 @@ def test_dcp_pickle_needs_opt_in(tmp_path) -> None:
 
 
 def test_a_dcp_checkpoint_with_a_short_or_missing_data_file_is_a_finding(tmp_path) -> None:
-    import subprocess
-    import sys
-
     import torch.distributed.checkpoint as dcp
 
     path = tmp_path / "dcp"
@@ -157,9 +157,7 @@ def test_a_dcp_checkpoint_with_a_short_or_missing_data_file_is_a_finding(tmp_pat
     (data,) = sorted(p.name for p in path.glob("*.distcp"))
     full = (path / data).stat().st_size
 
-    def cli(*extra: str) -> int:
-        return subprocess.run([sys.executable, "-m", "workbench", "inspect", str(path), *extra],
-                              capture_output=True, text=True).returncode
+    cli = functools.partial(_inspect_cli, path)
 
     healthy = inspect_checkpoint(path, allow_pickle=True)
     assert healthy.ok and healthy.exit_status == 0 and "integrity: ok" in str(healthy)
@@ -179,6 +177,85 @@ def test_a_dcp_checkpoint_with_a_short_or_missing_data_file_is_a_finding(tmp_pat
     assert [(f.kind, f.key) for f in gone.findings] == [("index_inconsistent", data)]
     assert gone.findings[0].evidence["detail"].startswith("missing file")
     assert cli("--allow-pickle") == 1
+
+
+def _inspect_cli(path: Path, *extra: str) -> int:
+    """``workbench inspect PATH [extra]``'s exit status."""
+    return subprocess.run([sys.executable, "-m", "workbench", "inspect", str(path), *extra],
+                          capture_output=True, text=True).returncode
+
+
+def _dcp_save(path: Path, tensors: dict[str, torch.Tensor], *, thread_count: int = 1) -> Path:
+    """A one-process DCP save of ``tensors`` into ``path`` (``thread_count`` data files)."""
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save(tensors, storage_writer=dcp.FileSystemWriter(str(path), thread_count=thread_count), no_dist=True)
+    return path
+
+
+def test_dcp_data_files_each_named_with_a_tensor_they_hold(tmp_path) -> None:
+    # two writer threads: two data files; the finding names the one removed and a tensor torch put in it
+    from torch.distributed.checkpoint import FileSystemReader
+
+    path = _dcp_save(tmp_path / "dcp", {"a": torch.randn(32, 32), "b": torch.randn(16)}, thread_count=2)
+    held = {info.relative_path: index.fqn for index, info in FileSystemReader(str(path)).read_metadata()
+            .storage_data.items()}
+    assert len(held) == 2 and inspect_checkpoint(path, allow_pickle=True).ok
+    gone = sorted(held)[1]
+    (path / gone).unlink()
+    ins = inspect_checkpoint(path, allow_pickle=True)
+    assert [(f.kind, f.key) for f in ins.findings] == [("index_inconsistent", gone)]
+    assert f"entry {held[gone]!r}" in ins.findings[0].evidence["detail"]
+    # without the pickle read nothing says the file is needed: still not ok, and no claim of integrity
+    closed = inspect_checkpoint(path)
+    assert (closed.ok, closed.exit_status, closed.findings) == (False, 2, ())
+    assert "integrity: NOT checked" in str(closed) and "integrity: ok" not in str(closed)
+
+
+def test_dcp_empty_data_files_of_idle_writer_threads_are_healthy(tmp_path) -> None:
+    # four writer threads, one tensor: torch leaves three empty data files, which the metadata reads nothing from
+    path = _dcp_save(tmp_path / "dcp", {"w": torch.randn(8)}, thread_count=4)
+    assert sorted(p.stat().st_size == 0 for p in path.glob("*.distcp")) == [False, True, True, True]
+    assert inspect_checkpoint(path, allow_pickle=True).ok
+    assert inspect_checkpoint(path).exit_status == 2  # not read, so not checked
+
+
+@pytest.mark.parametrize("keep", [0, 0.5])
+def test_a_dcp_metadata_cut_short_is_a_finding_with_or_without_the_pickle_read(tmp_path, keep: float) -> None:
+    path = _dcp_save(tmp_path / "dcp", {"w": torch.randn(8, 8)})
+    cut = int((path / ".metadata").stat().st_size * keep)
+    os.truncate(path / ".metadata", cut)
+    for ins in (inspect_checkpoint(path), inspect_checkpoint(path, allow_pickle=True)):
+        assert [(f.kind, f.key) for f in ins.findings] == [("truncated_file", ".metadata")]
+        assert ins.findings[0].evidence["detail"].startswith(f"truncated file: {cut} bytes")
+        assert (ins.ok, ins.exit_status, ins.error) == (False, 1, "")
+    if keep:
+        assert _inspect_cli(path) == 1
+
+
+def test_a_dcp_metadata_that_is_no_pickle_is_a_finding(tmp_path) -> None:
+    path = _dcp_save(tmp_path / "dcp", {"w": torch.randn(8, 8)})
+    (path / ".metadata").write_bytes(b"\xff" * 64)  # 0xff is no pickle opcode
+    for ins in (inspect_checkpoint(path), inspect_checkpoint(path, allow_pickle=True)):
+        assert [(f.kind, f.key) for f in ins.findings] == [("index_inconsistent", ".metadata")]
+        assert "64 bytes that are not one pickle (at position 0, opcode b'\\xff' unknown)" in \
+            ins.findings[0].evidence["detail"]
+        assert ins.exit_status == 1
+
+
+def test_a_dcp_metadata_without_storage_entries_is_not_checked(tmp_path) -> None:
+    # a storage writer other than torch's file system one may leave storage_data None: no file can be checked
+    import pickle
+
+    from torch.distributed.checkpoint.metadata import Metadata, TensorProperties, TensorStorageMetadata
+
+    path = _dcp_save(tmp_path / "dcp", {"w": torch.randn(8, 8)})
+    tensor = TensorStorageMetadata(properties=TensorProperties(dtype=torch.float32), size=torch.Size([8, 8]),
+                                   chunks=[])
+    (path / ".metadata").write_bytes(pickle.dumps(Metadata(state_dict_metadata={"w": tensor}, storage_data=None)))
+    ins = inspect_checkpoint(path, allow_pickle=True)
+    assert (ins.num_keys, ins.findings, ins.error, ins.ok, ins.exit_status) == (1, (), "", False, 2)
+    assert "storage_data is NoneType" in ins.unchecked and "integrity: NOT checked" in str(ins)
 
 
 @pytest.mark.parametrize("n_keys", [0, 1])

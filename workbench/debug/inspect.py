@@ -9,8 +9,9 @@ from __future__ import annotations
 
 import html
 import math
+import pickletools
 import warnings
-from collections.abc import Iterable
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -254,7 +255,10 @@ def inspect_checkpoint(path: Path | str, *, allow_pickle: bool = False) -> Inspe
         path: an HF folder (``model.safetensors.index.json``), a folder with ``model.safetensors``, one
             ``.safetensors`` file, or a torch DCP folder (``.metadata`` + ``*.distcp``).
         allow_pickle: read a DCP folder's ``.metadata``, which is a Python pickle: only for checkpoints
-            whose origin you trust (unpickling runs code). Without it a DCP folder lists its files only.
+            whose origin you trust (unpickling runs code). With it every data file the metadata reads from must
+            exist and be long enough. Without it a DCP folder lists its files, its integrity is not checked
+            (``unchecked``, exit status 2), and only a ``.metadata`` that is not one whole pickle is a finding (its
+            opcodes are walked, none run).
 
     Example::
 
@@ -323,23 +327,52 @@ def _stages_of_one_pipeline(path: Path, fingerprints: dict[str, list[str]]) -> b
 
 
 def _inspect_dcp(path: Path, allow_pickle: bool) -> Inspection:
-    data = sorted(path.glob("*.distcp"))
-    files = tuple(FileSummary(p.name, 0, p.stat().st_size, p.stat().st_size) for p in data)
-    total = sum(f.file_bytes for f in files)
+    files = tuple(FileSummary(p.name, 0, p.stat().st_size, p.stat().st_size) for p in sorted(path.glob("*.distcp")))
     if not allow_pickle:
-        note = (f"torch DCP checkpoint: {DCP_METADATA} is a Python pickle and was NOT read (unpickling can run "
-                "code). Pass allow_pickle=True (CLI: --allow-pickle) if you trust where it came from, to list "
-                "its keys, shapes and dtypes and check its files.")
-        return Inspection(path=str(path), format="dcp", files=files, nbytes=total, notes=(note,),
-                          unchecked=f"{DCP_METADATA} was not read: it alone says which files and bytes the "
-                                    "checkpoint needs; pass allow_pickle=True (CLI: --allow-pickle)")
+        return _dcp_unread(path, files)
     from torch.distributed.checkpoint import FileSystemReader  # lazy: only on explicit opt-in
 
     try:
         metadata = FileSystemReader(str(path)).read_metadata()
     except Exception as exc:
+        # a .metadata cut short, or not a pickle, is damage; anything else (a class this torch lacks) is not
+        damage = _dcp_metadata_damage(path)
+        if damage:
+            return Inspection(path=str(path), format="dcp", files=files, nbytes=sum(f.file_bytes for f in files),
+                              findings=damage, unchecked=f"{DCP_METADATA} is damaged: which files and bytes the "
+                                                         "checkpoint needs is unknown")
         return Inspection(path=str(path), format="dcp", files=files,
                           error=f"{path / DCP_METADATA}: cannot read DCP metadata: {type(exc).__name__}: {exc}")
+    entries, others = _dcp_entries(metadata)
+    notes = (f"{len(others)} non-tensor entries (pickled objects), e.g. {others[:3]}",) if others else ()
+    storage = getattr(metadata, "storage_data", None)
+    checked = isinstance(storage, Mapping)
+    return Inspection(
+        path=str(path), format="dcp", groups=group_keys(entries), files=files, num_keys=len(entries),
+        params=sum(math.prod(e[2]) for e in entries), nbytes=sum(e[3] for e in entries),
+        dtypes=_dtype_counts(e[1] for e in entries), notes=notes,
+        findings=_dcp_file_findings(path, storage) if checked else (),
+        unchecked="" if checked else (f"{DCP_METADATA} has no storage entries (storage_data is "
+                                      f"{type(storage).__name__}: written by a storage writer other than torch's "
+                                      "file system one?): which files and bytes it needs is unknown"),
+    )
+
+
+def _dcp_unread(path: Path, files: tuple[FileSummary, ...]) -> Inspection:
+    """A DCP folder whose ``.metadata`` pickle is not to be read: its files, integrity not checked, and a finding
+    only for a ``.metadata`` that is not a whole pickle. The data files alone prove nothing: a save with several
+    writer threads leaves empty ones, a save of an empty state dict may leave none."""
+    note = (f"torch DCP checkpoint: {DCP_METADATA} is a Python pickle and was NOT read (unpickling can run "
+            "code). Pass allow_pickle=True (CLI: --allow-pickle) if you trust where it came from, to list "
+            "its keys, shapes and dtypes and check its files.")
+    return Inspection(path=str(path), format="dcp", files=files, nbytes=sum(f.file_bytes for f in files),
+                      notes=(note,), findings=_dcp_metadata_damage(path),
+                      unchecked=f"{DCP_METADATA} was not read: it alone says which files and bytes the checkpoint "
+                                "needs; pass allow_pickle=True (CLI: --allow-pickle)")
+
+
+def _dcp_entries(metadata: Any) -> tuple[list[tuple[str, str, tuple[int, ...], int]], list[str]]:
+    """The DCP metadata's tensors as ``(fqn, dtype, shape, nbytes)``, and the FQNs of its other (pickled) entries."""
     entries, others = [], []
     for fqn, meta in metadata.state_dict_metadata.items():
         size = getattr(meta, "size", None)
@@ -347,22 +380,50 @@ def _inspect_dcp(path: Path, allow_pickle: bool) -> Inspection:
         if size is None or props is None:
             others.append(fqn)
             continue
-        dtype = str(props.dtype).removeprefix("torch.")
-        itemsize = props.dtype.itemsize
         shape = tuple(size)
-        entries.append((fqn, dtype, shape, math.prod(shape) * itemsize))
-    notes = (f"{len(others)} non-tensor entries (pickled objects), e.g. {others[:3]}",) if others else ()
-    return Inspection(
-        path=str(path), format="dcp", groups=group_keys(entries), files=files, num_keys=len(entries),
-        params=sum(math.prod(e[2]) for e in entries), nbytes=sum(e[3] for e in entries),
-        dtypes=_dtype_counts(e[1] for e in entries), notes=notes, findings=_dcp_file_findings(path, metadata),
-    )
+        entries.append((fqn, str(props.dtype).removeprefix("torch."), shape, math.prod(shape) * props.dtype.itemsize))
+    return entries, others
 
 
-def _dcp_file_findings(path: Path, metadata: Any) -> tuple[Finding, ...]:
-    """The DCP data files ``metadata`` names that are missing, or shorter than the bytes it reads from them."""
+def _dcp_metadata_damage(path: Path) -> tuple[Finding, ...]:
+    """A finding when the DCP ``.metadata`` is not one whole pickle: empty or cut short (``truncated_file``), or not
+    a pickle (``index_inconsistent``, as for an HF index that does not parse)."""
+    try:
+        size = (path / DCP_METADATA).stat().st_size
+        broken = _pickle_break(path / DCP_METADATA)
+    except OSError:  # not readable: reading the metadata, or not reading it, says so
+        return ()
+    if broken is None:
+        return ()
+    position, reason = broken
+    if position >= size:
+        detail = f"truncated file: {size} bytes, the pickle ends before its STOP opcode"
+        return (Finding("truncated_file", DCP_METADATA, {"file": DCP_METADATA, "detail": detail},
+                        "the copy was cut short (dcp.save publishes it whole): restore this file from the copy it "
+                        "was made from, or re-save the checkpoint"),)
+    detail = f"corrupt index: {size} bytes that are not one pickle ({reason})"
+    return (Finding("index_inconsistent", DCP_METADATA, {"file": DCP_METADATA, "detail": detail},
+                    f"{DCP_METADATA} is damaged (or crafted): restore it from the copy it was made from, or re-save; "
+                    "do not load this checkpoint"),)
+
+
+def _pickle_break(file: Path) -> tuple[int, str] | None:
+    """Where and why ``file`` stops being a pickle (None: one whole pickle). ``pickletools.genops`` only walks the
+    opcodes and runs none of them, so this is safe on a pickle of any origin."""
+    with file.open("rb") as stream:
+        try:
+            for _ in pickletools.genops(stream):
+                pass
+        except ValueError as exc:  # genops raises it both for a stream cut short and for an unknown opcode
+            return stream.tell(), str(exc)
+    return None
+
+
+def _dcp_file_findings(path: Path, storage: Mapping[Any, Any]) -> tuple[Finding, ...]:
+    """The DCP data files ``storage`` (the metadata's ``storage_data``) names that are missing, or shorter than the
+    bytes it reads from them."""
     needed: dict[str, tuple[int, str]] = {}  # file -> (bytes the metadata reads from it, one entry it holds)
-    for index, info in getattr(metadata, "storage_data", {}).items():
+    for index, info in storage.items():
         file = str(getattr(info, "relative_path", ""))
         end = int(getattr(info, "offset", 0)) + int(getattr(info, "length", 0))
         if file and end > needed.get(file, (-1, ""))[0]:
