@@ -258,6 +258,19 @@ def test_a_dcp_metadata_without_storage_entries_is_not_checked(tmp_path) -> None
     assert "storage_data is NoneType" in ins.unchecked and "integrity: NOT checked" in str(ins)
 
 
+def test_an_unchecked_dcp_report_goes_to_stdout(tmp_path, capsys) -> None:
+    # read but not checked is a report, not an error: stdout, with exit status 2 (an unreadable path: stderr)
+    from workbench.cli import main
+
+    path = _dcp_save(tmp_path / "dcp", {"w": torch.randn(8, 8)})
+    assert main(["inspect", str(path)]) == 2
+    out, err = capsys.readouterr()
+    assert "integrity: NOT checked" in out and err == ""
+    assert main(["inspect", str(tmp_path / "none")]) == 2
+    out, err = capsys.readouterr()
+    assert "could not be read" in err and out == ""
+
+
 @pytest.mark.parametrize("n_keys", [0, 1])
 def test_tiny_files(tmp_path, n_keys) -> None:
     save_file({f"k{i}": torch.zeros(0) for i in range(n_keys)}, str(tmp_path / "t.safetensors"))

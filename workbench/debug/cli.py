@@ -133,12 +133,13 @@ def _internal_error(command: str, exc: Exception) -> int:
 
 
 def _emit(command: str, result: Any, as_json: bool) -> int:
-    """Print a report and return its exit status. An unreadable subject or reference (status 2) is an error: its
-    text, which names the path, goes to stderr; ``--json`` still prints the report to stdout."""
+    """Print a report and return its exit status. An unreadable subject or reference (status 2 with an error) is an
+    error: its text, which names the path, goes to stderr; ``--json`` still prints the report to stdout. A report
+    read but not checked (status 2, a DCP folder not unpickled) goes to stdout like any other."""
     status = result.exit_status
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
-    if status == 2:
+    if status == 2 and (getattr(result, "error", "") or not getattr(result, "unchecked", "")):
         print(f"workbench {command}: {result.to_text()}", file=sys.stderr)
     elif not as_json:
         print(result.to_text())
