@@ -147,7 +147,9 @@ def load_hf(
             one replica of each group (replicas take turns over the parameters) and broadcast to the others,
             instead of being read by every replica. Only where the layout's mesh is the whole world: a pipeline
             stage loaded with its own layout (``layout=pipeline.stages[stage]``, ``rank=`` its place in the stage)
-            reads each replica on its own rank.
+            reads each replica on its own rank, as ``read_replicas_once=False`` does (a group of the stage's ranks
+            alone would have to be made by every rank of the world at once; reading is safe, and costs each replica
+            only its replicated parameters' bytes).
         timeout: seconds to wait for a peer at an agreement before failing.
         rank: the rank to load for (default: this process's rank).
         read_threads: threads reading the files.
@@ -180,6 +182,7 @@ def load_hf(
     clock = LoadClock()
     channel = ControlChannel(timeout)
     rank = channel.rank if rank is None else rank
+    who, place = _problem_rank(channel, rank)  # whom a failure names: a stage's place is every stage's too
     what = f"load of {path}"
     reader: CheckpointReader | None = None
     mine: BaseException | None = None
@@ -222,7 +225,7 @@ def load_hf(
         clock.lap("plan" if stage == _PLANNING else "check")
     try:
         parsed = parsed_checkpoint(reader.index) if reader is not None else None
-        shared = _agree(channel, mine, rank, stage, what, share=(parsed, replica_digests(batches)))
+        shared = _agree(channel, mine, who, stage + place, what, share=(parsed, replica_digests(batches)))
         _check_same_checkpoint([p for p, _ in shared], what)
         _check_replica_groups([d for _, d in shared], layout.mesh, what)
         assert reader is not None and started is not None
@@ -254,7 +257,7 @@ def load_hf(
             clock.lap("drain")
             clock.add("read_wait", boxes.wait_seconds)
         except BaseException as exc:  # an interrupt is this rank's problem first, raised after the agreement
-            problem = problem_from(exc, rank, "reading its slices")
+            problem = problem_from(exc, who, "reading its slices" + place)
             interrupt = interrupt or (None if isinstance(exc, Exception) else exc)
         if batches:
             problem, stopped = _share_replicas(layout, batches, targets, rank, timeout, problem)
@@ -262,11 +265,11 @@ def load_hf(
             clock.lap("share")
         tied = tie_problem(ties, targets, layout, rank) if ties and problem is None else None
         if tied is not None:
-            problem = problem_from(tied, rank, "checking its tied parameters")
+            problem = problem_from(tied, who, "checking its tied parameters" + place)
         try:
             fault_point("load.status", rank)
         except BaseException as exc:  # an interrupt too: the peers wait for this rank's status
-            problem = problem or problem_from(exc, rank, "reporting its status")
+            problem = problem or problem_from(exc, who, "reporting its status" + place)
             interrupt = interrupt or (None if isinstance(exc, Exception) else exc)
         try:
             agree(channel, problem, what=what, error=LoadFailed, outcome="the model's values must not be used")
@@ -479,6 +482,18 @@ class ReplicaRead:
     reads: bool
 
 
+def _problem_rank(channel: ControlChannel, rank: int) -> tuple[int, str]:
+    """The rank a failure of this load names, and what it adds to the stage the rank was in: in a world of several
+    processes, this process's own rank, with ``rank`` (its place in the layout's mesh) where that differs. A
+    pipeline stage loads with ``rank=`` its place in the stage, which a rank of every other stage shares: that place
+    alone named a healthy rank of another stage. A process loading as any rank, in a world of one, names ``rank``."""
+    import torch.distributed as dist
+
+    if rank == channel.rank or not (dist.is_initialized() and dist.get_world_size() > 1):
+        return rank, ""
+    return channel.rank, f" as rank {rank} of its layout's mesh"
+
+
 def _live_over(layout: Layout) -> bool:
     """Whether the replicas of ``layout`` can share their reads: a live world of several ranks that is the layout's
     mesh (a pipeline stage loaded with its own layout has a smaller mesh: each of its replicas reads for itself)."""
@@ -666,8 +681,9 @@ def _check_replica_groups(shared: list[Any], mesh: MeshSpec, what: str) -> None:
                     f"ranks {rank} and {peer} are replicas over {dims!r} but hold different replicated parameters "
                     f"({differs}); every rank must hold the same model. A pipeline stage loads with its own layout: "
                     "stage, local = pipeline.stage_of_rank(rank); load_hf(model, path, layout=pipeline.stages[stage], "
-                    "rank=local, allow_unexpected=True), where pipeline = read_checkpoint_pipeline_layout(path) (or "
-                    "the PipelineLayout it was saved with)",
+                    "rank=local, allow_unexpected=True), where pipeline = "
+                    "workbench.layout.pipeline.read_checkpoint_pipeline_layout(path) (or the PipelineLayout it was "
+                    "saved with)",
                 )
                 raise LoadFailed(f"{what} failed; no tensor was changed.\n  {problem.cause}", [problem])
 
