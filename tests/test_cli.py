@@ -11,6 +11,9 @@ from pathlib import Path
 
 import pytest
 
+from tests.pipeline.toy_pipeline_text import FLAT as TOY_PIPELINE
+from tests.pipeline.toy_pipeline_text import TABLES as PIPELINE_TABLES
+from tests.pipeline.toy_pipeline_text import with_table
 from workbench.cli import build_parser, main
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -280,3 +283,51 @@ def test_console_script_exit_status_of_a_missing_checkpoint(tmp_path: Path) -> N
     done = subprocess.run([str(exe), "inspect", str(missing)], capture_output=True, text=True, check=False)
     assert done.returncode == 2, (done.stdout, done.stderr)
     assert done.stdout == "" and f"{missing}: checkpoint does not exist" in done.stderr, (done.stdout, done.stderr)
+
+
+@pytest.fixture(scope="module")
+def b_differs(tmp_path_factory: pytest.TempPathFactory) -> Path:
+    """Checkpoints ``A`` and ``B`` of the two parameters of ``tests/pipeline``'s toy pipeline; only ``b`` differs, and
+    ``B`` carries no layout file, so the ranks a report names come from ``--layout``."""
+    import torch
+
+    import workbench as wb
+
+    root = tmp_path_factory.mktemp("b-differs")
+    wb.save_hf({"a": torch.arange(4.0), "b": torch.ones(4)}, root / "A")
+    wb.save_hf({"a": torch.arange(4.0), "b": torch.zeros(4)}, root / "B")
+    (root / "B" / "workbench_layout.toml").unlink()
+    return root
+
+
+def _differing_ranks(root: Path, layout_text: str, capsys: pytest.CaptureFixture[str]) -> list[list[int]]:
+    """``differing_ranks`` of ``diff A B`` and of ``diagnose B --expected A``, each given ``--layout`` that text."""
+    (root / "layout.toml").write_text(layout_text)
+    a, b, layout = str(root / "A"), str(root / "B"), str(root / "layout.toml")
+    ranks = []
+    for argv in (["diff", a, b], ["diagnose", b, "--expected", a]):
+        assert main([*argv, "--layout", layout, "--json"]) == 1
+        [finding] = json.loads(capsys.readouterr().out)["findings"]
+        ranks.append(finding["evidence"]["differing_ranks"])
+    return ranks
+
+
+@pytest.mark.parametrize(("header", "body"), PIPELINE_TABLES)
+def test_a_pipeline_layout_names_the_ranks_of_the_stage_whatever_its_table_text(
+        b_differs: Path, capsys: pytest.CaptureFixture[str], header: str, body: str) -> None:
+    text = with_table(header, body)
+    # b is on stage 0: global ranks 0 and 1 of the row-major (pp=2, fsdp=2) mesh; read as one mesh, all four
+    assert _differing_ranks(b_differs, text, capsys) == [[0, 1], [0, 1]]
+
+
+def test_the_word_pipeline_in_a_string_or_comment_leaves_a_layout_one_mesh(b_differs: Path, capsys) -> None:
+    text = TOY_PIPELINE.replace('name = "toy"', 'name = "[pipeline]"\n# [pipeline]')
+    assert _differing_ranks(b_differs, text, capsys) == [[0, 1, 2, 3], [0, 1, 2, 3]]  # b replicated on every rank
+
+
+def test_a_pipeline_that_is_not_a_table_is_an_error(b_differs: Path, capsys: pytest.CaptureFixture[str]) -> None:
+    layout = b_differs / "not_a_table.toml"
+    layout.write_text('pipeline = "pp"\n' + TOY_PIPELINE)
+    assert main(["diff", str(b_differs / "A"), str(b_differs / "B"), "--layout", str(layout)]) == 2
+    err = capsys.readouterr().err
+    assert "not_a_table.toml: a pipeline layout file needs a [pipeline] table" in err, err

@@ -155,23 +155,15 @@ def _load_layout(path: str | None, *, pipelines: bool = True) -> Any:
     from pathlib import Path
 
     from workbench.errors import LayoutFileError
-    from workbench.layout.layout_file import LAYOUT_FILE_NAME, load_layout, read_checkpoint_layout
-    from workbench.layout.pipeline import has_pipeline_table, load_pipeline_layout, read_checkpoint_pipeline_layout
+    from workbench.layout.layout_file import LAYOUT_FILE_NAME, checkpoint_layout_path
+    from workbench.layout.pipeline import load_any_layout
 
-    try:
-        if Path(path).is_dir():
-            layout = (pipelines and read_checkpoint_pipeline_layout(path)) or read_checkpoint_layout(path)
-            if layout is None:
-                raise LayoutFileError(f"--layout {path}: a folder without {LAYOUT_FILE_NAME}; give a layout file "
-                                      "(TOML)")
-            return layout
-        layout = load_layout(path)
-        if pipelines and has_pipeline_table(Path(path).read_text(encoding="utf-8")):
-            return load_pipeline_layout(path)
-        return layout
-    except UnicodeDecodeError as exc:  # a binary file: the decoder's message does not say which
-        raise LayoutFileError(f"cannot read layout file {path!r}: not UTF-8 text ({exc.reason} at byte "
-                              f"{exc.start})") from None
+    if Path(path).is_dir():
+        carried = checkpoint_layout_path(path)
+        if carried is None:
+            raise LayoutFileError(f"--layout {path}: a folder without {LAYOUT_FILE_NAME}; give a layout file (TOML)")
+        path = str(carried)
+    return load_any_layout(path, pipelines=pipelines)  # parsed once: a pipeline's is one with a pipeline table
 
 
 def _inspect(args: argparse.Namespace) -> int:

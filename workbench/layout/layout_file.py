@@ -43,8 +43,8 @@ from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
 
 __all__ = [
-    "LAYOUT_FILE_NAME", "layout_to_toml", "load_layout", "parse_layout", "parse_placement", "read_checkpoint_layout",
-    "save_layout", "write_checkpoint_layout",
+    "LAYOUT_FILE_NAME", "layout_from_toml", "layout_to_toml", "load_layout", "parse_layout", "parse_placement",
+    "read_checkpoint_layout", "read_layout_toml", "save_layout", "write_checkpoint_layout",
 ]
 
 MAX_LAYOUT_KEYS = 10_000_000  # HF keys a layout file may expand to (DeepSeek-V3 has ~47k; a 2T MoE a few 100k)
@@ -95,10 +95,24 @@ def load_layout(path: str | Path) -> Layout:
 
 def parse_layout(text: str, *, source: str = "<string>") -> Layout:
     """Parse the TOML text of a layout file (see the module docstring for the format)."""
+    return layout_from_toml(read_layout_toml(text, source=source), source=source, text=text)
+
+
+def read_layout_toml(text: str, *, source: str = "<string>") -> dict[str, Any]:
+    """The parsed TOML of a layout file's text, for ``layout_from_toml``.
+
+    Raises:
+        LayoutFileError: the text is not TOML (named with ``source`` and the parser's line).
+    """
     try:
-        doc = tomllib.loads(text)
+        return tomllib.loads(text)
     except tomllib.TOMLDecodeError as exc:
         raise LayoutFileError(f"{source}: not valid TOML: {exc}") from None
+
+
+def layout_from_toml(doc: Mapping[str, Any], *, source: str = "<string>", text: str = "") -> Layout:
+    """The ``Layout`` of a parsed layout file (``read_layout_toml``), its errors named with ``source``; ``text``, the
+    file's text where the caller has it, adds the line of a bad ``[[param]]`` to them."""
     header_lines = [i + 1 for i, line in enumerate(text.splitlines()) if line.strip() == "[[param]]"]
     unknown = set(doc) - {"name", "description", "mesh", "param", "defaults", "notes", "pipeline"}
     if unknown:

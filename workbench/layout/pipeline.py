@@ -46,7 +46,7 @@ from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
 
-__all__ = ["PipelineLayout", "has_pipeline_table", "load_pipeline_layout", "parse_pipeline_layout",
+__all__ = ["PipelineLayout", "has_pipeline_table", "load_any_layout", "load_pipeline_layout", "parse_pipeline_layout",
            "read_checkpoint_pipeline_layout", "stage_rule"]
 
 
@@ -265,11 +265,24 @@ def load_pipeline_layout(path: str | Path) -> PipelineLayout:
             parameter falls in no stage (all named with the file).
     """
     path = Path(path)
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LayoutFileError(f"cannot read pipeline layout file {str(path)!r}: {exc}") from None
-    return parse_pipeline_layout(text, source=str(path))
+    return parse_pipeline_layout(_read_layout_text(path), source=str(path))
+
+
+def load_any_layout(path: str | Path, *, pipelines: bool = True) -> Layout | PipelineLayout:
+    """A layout file, read and parsed once: with ``pipelines``, a ``PipelineLayout`` when it is a pipeline's (a
+    ``pipeline`` table); else its ``Layout`` on one mesh (a pipeline's whole model, as ``load_layout`` reads it).
+
+    Raises:
+        LayoutFileError: the file cannot be read, is not TOML, or is not a valid layout (all named with the file).
+    """
+    from workbench.layout.layout_file import layout_from_toml, read_layout_toml
+
+    path = Path(path)
+    text = _read_layout_text(path)
+    doc = read_layout_toml(text, source=str(path))
+    if pipelines and _is_pipeline(doc):
+        return _pipeline_from_toml(doc, text, str(path))
+    return layout_from_toml(doc, source=str(path), text=text)
 
 
 def read_checkpoint_pipeline_layout(directory: str | Path) -> PipelineLayout | None:
@@ -279,37 +292,55 @@ def read_checkpoint_pipeline_layout(directory: str | Path) -> PipelineLayout | N
     Raises:
         LayoutFileError: the file is there but cannot be read or parsed (the message names it).
     """
-    from workbench.layout.layout_file import checkpoint_layout_path
+    from workbench.layout.layout_file import checkpoint_layout_path, read_layout_toml
 
     path = checkpoint_layout_path(directory)
     if path is None:
         return None
-    try:
-        text = path.read_text(encoding="utf-8")
-    except (OSError, UnicodeDecodeError) as exc:
-        raise LayoutFileError(f"cannot read pipeline layout file {str(path)!r}: {exc}") from None
-    if not has_pipeline_table(text):  # a one-mesh layout
-        return None
-    return parse_pipeline_layout(text, source=str(path))
+    text = _read_layout_text(path)
+    doc = read_layout_toml(text, source=str(path))
+    return _pipeline_from_toml(doc, text, str(path)) if _is_pipeline(doc) else None  # a one-mesh layout: None
 
 
 def has_pipeline_table(text: str) -> bool:
-    """Whether a layout file's TOML text has a ``[pipeline]`` table (parsed, not searched as text: a header may carry
-    a comment or spaces, and a table's lists may span lines). Text that is not TOML has none (its parser says why)."""
+    """Whether a layout file's TOML text is a pipeline's: it has a top-level ``pipeline`` (parsed, not searched as
+    text: a header may carry a comment or spaces, and a table's lists may span lines). Text that is not TOML has
+    none (its parser says why)."""
     try:
-        return isinstance(tomllib.loads(text).get("pipeline"), Mapping)
+        return _is_pipeline(tomllib.loads(text))
     except tomllib.TOMLDecodeError:
         return False
 
 
 def parse_pipeline_layout(text: str, *, source: str = "<string>") -> PipelineLayout:
     """Parse the TOML text of a pipeline layout file (a layout file with a ``[pipeline]`` table)."""
-    from workbench.layout.layout_file import parse_layout
+    from workbench.layout.layout_file import read_layout_toml
 
+    return _pipeline_from_toml(read_layout_toml(text, source=source), text, source)
+
+
+def _is_pipeline(doc: Mapping[str, Any]) -> bool:
+    """Whether a parsed layout file is a pipeline's. Any top-level ``pipeline`` counts, a table or not: one that is
+    not a table is refused by ``_pipeline_from_toml``, never quietly read as a one-mesh layout."""
+    return "pipeline" in doc
+
+
+def _read_layout_text(path: Path) -> str:
+    """A layout file's text (UTF-8); a ``LayoutFileError`` naming the file when it cannot be read."""
     try:
-        doc = tomllib.loads(text)
-    except tomllib.TOMLDecodeError as exc:
-        raise LayoutFileError(f"cannot read pipeline layout file {source!r}: {exc}") from None
+        return path.read_text(encoding="utf-8")
+    except OSError as exc:
+        raise LayoutFileError(f"cannot read layout file {str(path)!r}: {exc.strerror}") from None
+    except UnicodeDecodeError as exc:  # a binary file: the decoder's message does not say which
+        raise LayoutFileError(f"cannot read layout file {str(path)!r}: not UTF-8 text ({exc.reason} at byte "
+                              f"{exc.start})") from None
+
+
+def _pipeline_from_toml(doc: Mapping[str, Any], text: str, source: str) -> PipelineLayout:
+    """The ``PipelineLayout`` of a parsed pipeline layout file: its ``pipeline`` table splits the one-mesh layout
+    of the rest of the file into stages (``text`` only gives errors their line)."""
+    from workbench.layout.layout_file import layout_from_toml
+
     table = doc.get("pipeline")
     if not isinstance(table, Mapping):
         raise LayoutFileError(f"{source}: a pipeline layout file needs a [pipeline] table (mesh_dim, stage_layers, "
@@ -318,7 +349,7 @@ def parse_pipeline_layout(text: str, *, source: str = "<string>") -> PipelineLay
     if set(table) - known or ("stage_layers" in table) == ("stage_params" in table):
         raise LayoutFileError(f"{source}: [pipeline]: fields {sorted(table)}; known: {sorted(known)}, with "
                               "stage_layers (and its rule) or stage_params, not both")
-    layout = parse_layout(text, source=source)  # the one-mesh reader skips the [pipeline] table
+    layout = layout_from_toml({k: v for k, v in doc.items() if k != "pipeline"}, source=source, text=text)
     pp_dim = table.get("mesh_dim", "pp")
     try:
         if "stage_params" in table:
