@@ -10,7 +10,7 @@ import torch
 from workbench.mesh import MeshDimRef
 from workbench.run.executor import GatherRequest, WaveOutput
 
-__all__ = ["Communicator", "FinishFailed", "PreparedGather", "drive"]
+__all__ = ["Communicator", "FinishFailed", "PreparedGather", "drive", "own_prepare_gather"]
 
 
 class FinishFailed(Exception):
@@ -48,6 +48,13 @@ class Communicator(Protocol):
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Small Python objects from every rank, in rank order."""
         ...
+
+
+def own_prepare_gather(comm: Any) -> Callable[[torch.Tensor, MeshDimRef], Any] | None:
+    """``comm.prepare_gather`` where ``comm``'s own class defines it, else None. A wrapper that forwards unknown names
+    to the communicator it wraps (``__getattr__``) hands out the inner one's, whose buffer its own ``all_gather``
+    would not take: only a class that defines both prepares a gather."""
+    return comm.prepare_gather if getattr(type(comm), "prepare_gather", None) is not None else None
 
 
 def drive(

@@ -37,7 +37,7 @@ from workbench.errors import CheckpointError
 from workbench.faults import fault_point
 from workbench.mesh import MeshSpec, format_mesh_dim
 from workbench.plan.schedule import GatherCall, UnshardSchedule
-from workbench.run.communicator import Communicator, FinishFailed
+from workbench.run.communicator import Communicator, FinishFailed, own_prepare_gather
 from workbench.run.executor import GatherRequest, WaveOutput
 
 __all__ = [
@@ -241,7 +241,7 @@ def _drive(
     rank = comm.rank
     calls = schedule.calls
     # a communicator's own (a wrapper forwarding unknown names to another has an all_gather without ``prepared``)
-    prepare = comm.prepare_gather if getattr(type(comm), "prepare_gather", None) is not None else None
+    prepare = own_prepare_gather(comm)
     closed: set = set()  # mesh dims whose group skipped a call: every member skips the rest on it
     index, wave, gathering = 0, -1, -1  # gathering: the ordinal of the current wave among those that gather
     reply: torch.Tensor | None = None

@@ -28,7 +28,9 @@ class TimedCommunicator:
 
     def prepare_gather(self, send: Any, mesh_dim: Any) -> Any:
         """The wrapped ``prepare_gather`` (untimed: the allocation before the flag), or None where it has none."""
-        prepare = getattr(self.inner, "prepare_gather", None)
+        from workbench.run.communicator import own_prepare_gather
+
+        prepare = own_prepare_gather(self.inner)
         return prepare(send, mesh_dim) if prepare is not None else None
 
     def all_gather(self, send: Any, mesh_dim: Any, **kwargs: Any) -> Any:

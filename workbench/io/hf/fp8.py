@@ -20,6 +20,7 @@ from workbench.errors import LayoutError
 from workbench.layout.fp8 import DEFAULT_BLOCK, FLOAT8_DTYPES, SCALE_SUFFIX, fp8_scale_names, with_fp8_scales
 from workbench.layout.model_layout import Layout, local_tensors
 from workbench.mesh import MeshDimRef
+from workbench.run.communicator import own_prepare_gather
 
 __all__ = ["Float8Communicator", "dequantize_blocks", "dequantized_state"]
 
@@ -56,11 +57,18 @@ class Float8Communicator:
         self.inner = inner
         self.rank = inner.rank
 
-    def all_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef) -> torch.Tensor:
-        """``inner.all_gather`` on the bytes of a float8 tensor, viewed back as float8."""
-        if send.dtype in _BYTE_FLOATS:
-            return self.inner.all_gather(send.contiguous().view(torch.uint8), mesh_dim).view(send.dtype)
-        return self.inner.all_gather(send, mesh_dim)
+    def prepare_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef) -> Any:
+        """The wrapped communicator's ``prepare_gather`` of what ``send`` travels as (a float8 tensor's bytes), so a
+        receive buffer that cannot be made fails before the ranks' flags; None where it has none."""
+        prepare = own_prepare_gather(self.inner)
+        return prepare(_travelling(send), mesh_dim) if prepare is not None else None
+
+    def all_gather(self, send: torch.Tensor, mesh_dim: MeshDimRef, *, prepared: Any = None) -> torch.Tensor:
+        """``inner.all_gather`` on the bytes of a float8 tensor, viewed back as float8 (into ``prepared``'s buffer
+        when given)."""
+        extra = {} if prepared is None else {"prepared": prepared}
+        out = self.inner.all_gather(_travelling(send), mesh_dim, **extra)
+        return out.view(send.dtype) if send.dtype in _BYTE_FLOATS else out
 
     def any_flag(self, mesh_dim: MeshDimRef, flag: bool) -> bool:
         """As the wrapped communicator."""
@@ -76,6 +84,11 @@ class Float8Communicator:
 
     def __getattr__(self, name: str) -> Any:
         return getattr(self.inner, name)
+
+
+def _travelling(send: torch.Tensor) -> torch.Tensor:
+    """What ``send`` is gathered as: a float8 tensor's bytes, any other tensor itself."""
+    return send.contiguous().view(torch.uint8) if send.dtype in _BYTE_FLOATS else send
 
 
 def dequantized_state(
