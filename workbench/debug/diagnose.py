@@ -12,11 +12,11 @@ import torch
 from workbench.debug.damage import damaged_keys
 from workbench.debug.diff import compare_sources, diff_checkpoints, fused_by_shape, listing, open_checkpoint
 from workbench.debug.findings import VALUES_NOT_COMPARED, Finding, Report
+from workbench.debug.inspect import pipeline_of_stages
 from workbench.debug.provenance import held_by
 from workbench.debug.renames import find_renames, rename_hint
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, MemorySource
 from workbench.debug.transforms import chunk_shard, joined_on, joined_words
-from workbench.errors import LayoutError
 from workbench.io.files.index import safetensors_dtype
 from workbench.layout.chunking import local_sizes
 from workbench.layout.model_layout import Layout
@@ -138,15 +138,9 @@ def _explain_shape(layout: Layout, name: str, want: tuple[int, ...], got: tuple[
 
 def _saved_by_stages_of(path: Path | str, fingerprints: set[str], mine: str) -> bool:
     """Whether the files were written by the stages of the pipeline the folder carries, and the layout is that
-    pipeline's whole model (a pipeline save writes each stage's files from the stage's own layout)."""
-    from workbench.layout.pipeline import read_checkpoint_pipeline_layout
-
-    try:
-        pipeline = read_checkpoint_pipeline_layout(path) if Path(path).is_dir() else None
-    except (LayoutError, OSError, ValueError):  # an unreadable layout file explains nothing
-        return False
-    return (pipeline is not None and pipeline.flat_layout().fingerprint() == mine
-            and fingerprints <= {stage.fingerprint() for stage in pipeline.stages})
+    pipeline's whole model."""
+    pipeline = pipeline_of_stages(path, fingerprints)
+    return pipeline is not None and pipeline.flat_layout().fingerprint() == mine
 
 
 def _against_layout(path: Path | str, layout: Layout) -> Report:

@@ -14,13 +14,16 @@ import warnings
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from workbench.debug._text import _SPLIT, format_count
 from workbench.debug.findings import Finding
 from workbench.debug.integrity import scan_for_findings
 from workbench.name_patterns import compress_indices
 from workbench.units import format_bytes
+
+if TYPE_CHECKING:
+    from workbench.layout.pipeline import PipelineLayout
 
 __all__ = ["FileSummary", "Inspection", "KeyGroup", "inspect_checkpoint"]
 
@@ -294,7 +297,7 @@ def inspect_checkpoint(path: Path | str, *, allow_pickle: bool = False) -> Inspe
         if "workbench_version" in meta:
             versions.add(meta["workbench_version"])
     findings = list(scan.findings)
-    if len(fingerprints) > 1 and not _stages_of_one_pipeline(path, fingerprints):
+    if len(fingerprints) > 1 and pipeline_of_stages(path, fingerprints) is None:
         findings.append(Finding("index_inconsistent", "", {"layout_fingerprints": sorted(fingerprints)},
                                 "the files were written by saves of different layouts: they come from different "
                                 "checkpoints; re-save"))
@@ -313,17 +316,20 @@ def inspect_checkpoint(path: Path | str, *, allow_pickle: bool = False) -> Inspe
     )
 
 
-def _stages_of_one_pipeline(path: Path, fingerprints: dict[str, list[str]]) -> bool:
-    """Whether the files' layout fingerprints are those of the stages of the pipeline the folder carries: a pipeline
-    save writes each stage's files from that stage's layout, so their fingerprints differ by stage."""
+def pipeline_of_stages(path: Path | str, fingerprints: Iterable[str]) -> PipelineLayout | None:
+    """The pipeline the folder carries when the files' layout fingerprints are those of its stages (a pipeline save
+    writes each stage's files from that stage's layout, so their fingerprints differ by stage); else None (no
+    pipeline, an unreadable layout file, or fingerprints it does not explain)."""
     from workbench.errors import LayoutError
     from workbench.layout.pipeline import read_checkpoint_pipeline_layout
 
     try:
-        pipeline = read_checkpoint_pipeline_layout(path) if path.is_dir() else None
+        pipeline = read_checkpoint_pipeline_layout(path) if Path(path).is_dir() else None
     except (LayoutError, OSError, ValueError):  # an unreadable layout file: the fingerprints stay unexplained
-        return False
-    return pipeline is not None and set(fingerprints) <= {stage.fingerprint() for stage in pipeline.stages}
+        return None
+    if pipeline is None or not set(fingerprints) <= {stage.fingerprint() for stage in pipeline.stages}:
+        return None
+    return pipeline
 
 
 def _inspect_dcp(path: Path, allow_pickle: bool) -> Inspection:
