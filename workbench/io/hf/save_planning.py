@@ -28,11 +28,15 @@ from workbench.plan.policy import SavePolicy
 from workbench.plan.save_set import SavePlanSet, key_meta, layout_fingerprint, plan_save_within_writers
 from workbench.plan.writers import writer_pool
 
-__all__ = ["RankSavePlan", "dtype_problem", "dtype_summary", "plan_rank_save", "same_model_problem"]
+__all__ = [
+    "RankSavePlan", "dtype_problem", "dtype_summary", "files_digest", "files_problem", "files_summary",
+    "plan_rank_save", "same_model_problem",
+]
 
 RESERVED_NAMES = frozenset({INDEX_NAME, MARKER_NAME, LAYOUT_FILE_NAME})  # files of the save that configs may not be
 KeyMeta = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 DtypeSummary = tuple[str, tuple[str, ...]]  # (digest of the layout without its dtypes, every parameter's dtype)
+FilesSummary = tuple[tuple[tuple[str, str], ...], int, int]  # ((key, save dtype) in order, files, max_shard_bytes)
 
 
 @dataclass(frozen=True, slots=True)
@@ -152,6 +156,58 @@ def dtype_problem(names: Sequence[str], summaries: Sequence[DtypeSummary]) -> st
     more = f" ({len(differing) - 1} more parameter(s) differ in dtype)" if len(differing) > 1 else ""
     return (f"parameter {names[first]!r} is {held}: every rank must hold it in one dtype (cast the model, or give "
             f"the layout its dtypes){more}")
+
+
+_FILES_DIGESTS = LRU(16)
+
+
+def files_digest(planned: RankSavePlan) -> str:
+    """A digest of what this rank will write where: every file's name, writer and keys, and every key's save dtype
+    and shape. Ranks whose gathers agree can still differ here (``max_shard_bytes``, ``dtype=``,
+    ``fp32_keys_pattern``; in direct mode nothing is gathered at all); remembered per (cached) plan, so a repeat save
+    pays nothing."""
+
+    def digest() -> str:
+        files = tuple((f.name, f.writer, f.keys) for f in planned.file_plan.files)
+        meta = tuple((k, str(d), shape) for k, (d, shape) in planned.key_meta.items())
+        return hashlib.sha256(repr((files, meta)).encode()).hexdigest()[:16]
+
+    return remember_by_identity(_FILES_DIGESTS, (planned.file_plan, planned.key_meta), None, digest)
+
+
+def files_summary(planned: RankSavePlan, max_shard_bytes: int) -> FilesSummary:
+    """What ranks whose ``files_digest`` differ share to name the argument behind it: every key's save dtype, the
+    number of files and ``max_shard_bytes``."""
+    dtypes = tuple((key, _dtype_name(dtype)) for key, (dtype, _) in planned.key_meta.items())
+    return dtypes, len(planned.file_plan.files), max_shard_bytes
+
+
+def files_problem(summaries: Sequence[FilesSummary], *, same_writers: bool) -> str | None:
+    """Why the ranks' files differ (each rank's ``files_summary``): the first key saved in two dtypes, with each
+    rank's dtype; else, when the ranks agree on the writer of every gathered key (``same_writers``), each rank's
+    number of files and ``max_shard_bytes``; else None (the writer maps differ: ``check_agreement`` names them)."""
+    first = summaries[0][0]
+    differing = [i for i, (key, _) in enumerate(first)
+                 if any(len(s[0]) != len(first) or s[0][i] != (key, first[i][1]) for s in summaries)]
+    if differing:
+        index = differing[0]
+        key = first[index][0]
+        by_dtype: dict[str, list[int]] = {}
+        for rank, (dtypes, _, _) in enumerate(summaries):
+            by_dtype.setdefault(dtypes[index][1] if index < len(dtypes) else "absent", []).append(rank)
+        held = " and ".join(f"{dtype} on rank(s) {_ranks(ranks)}" for dtype, ranks in by_dtype.items())
+        more = f" ({len(differing) - 1} more key(s) differ)" if len(differing) > 1 else ""
+        return (f"key {key!r} is saved as {held}: every rank must pass the same dtype= and fp32_keys_pattern"
+                f"{more}")
+    if not same_writers:
+        return None
+    by_files: dict[tuple[int, int], list[int]] = {}
+    for rank, (_, files, max_shard_bytes) in enumerate(summaries):
+        by_files.setdefault((files, max_shard_bytes), []).append(rank)
+    plans = "; ".join(f"rank(s) {_ranks(ranks)}: {files} file(s) of at most {shard} bytes"
+                      for (files, shard), ranks in by_files.items())
+    argument = "max_shard_bytes" if len({shard for _, shard in by_files}) > 1 else "call arguments"
+    return f"the ranks plan different files ({plans}): every rank must pass the same {argument}"
 
 
 def _dtype_name(dtype: torch.dtype | str | None) -> str:

@@ -48,6 +48,9 @@ from workbench.io.hf.save_planning import (
     RankSavePlan,
     dtype_problem,
     dtype_summary,
+    files_digest,
+    files_problem,
+    files_summary,
     plan_rank_save,
     same_model_problem,
 )
@@ -209,19 +212,21 @@ class SaveSession:
                 self.checkpoint_files.create_all()
 
     def _agree_on_plan(self, problem: RankProblem | None) -> None:
-        """Every rank's outcome, the digests of its schedule and writers, and its model's fingerprint in one
-        exchange; then every rank checks that all save one model and that their gathers match."""
-        digests = None
+        """Every rank's outcome, the digests of its schedule, writers and files, and its model's fingerprint in one
+        exchange; then every rank checks that all save one model, into the same files, and that their gathers
+        match."""
+        digests = files = None
         if problem is None:
             assert self.planned is not None
             plan_set = self.planned.plan_set
             digests = plan_digests(plan_set.schedules[self.rank], plan_set.writers, self.layout.mesh, self.rank)
+            files = files_digest(self.planned)
         if self.early is not None and not self.direct_queued:
             self.early.release()  # taken for a direct plan this save does not follow
         model = (self.model_fingerprint, len(self.layout.specs), next(iter(self.layout.specs), None))
         everyone = self._agree(problem, what=f"save to {self.path}", on_failure=self._abort,
-                               share=(digests, model))
-        cause = same_model_problem([m for _, m in everyone])
+                               share=(digests, model, files))
+        cause = same_model_problem([m for _, m, _ in everyone])
         if cause is not None:  # every rank knows it: a second exchange, of each parameter's dtype, names a dtype apart
             summaries = self._agree(None, what=f"save to {self.path}", on_failure=self._abort,
                                     share=dtype_summary(self.layout))
@@ -230,10 +235,19 @@ class SaveSession:
             raise SaveFailed(f"save to {self.path} refused before any data moved: {cause}",
                              [RankProblem(self.rank, "checking that the ranks save the same model", cause)])
         assert self.planned is not None
+        if len({f for _, _, f in everyone}) > 1:  # one model, other files or save dtypes: name the argument if known
+            summaries = self._agree(None, what=f"save to {self.path}", on_failure=self._abort,
+                                    share=files_summary(self.planned, self.max_shard_bytes))
+            cause = files_problem(summaries, same_writers=len({d[1] for d, _, _ in everyone}) == 1)
+            if cause is not None:
+                self._abort()
+                stage = "checking that the ranks agree on the plan"
+                raise SaveFailed(f"save to {self.path} refused before any data moved: the ranks' plans differ: "
+                                 f"{cause}", [RankProblem(self.rank, stage, cause)])
         try:
             check_agreement(  # the digests came with the planning outcome: no exchange of their own
                 self.comm, self.planned.plan_set.schedules[self.rank], self.planned.plan_set.writers,
-                self.layout.mesh, what=f"save to {self.path}", digests=[d for d, _ in everyone],
+                self.layout.mesh, what=f"save to {self.path}", digests=[d for d, _, _ in everyone],
             )
         except BaseException:  # refused on every rank alike: nothing of it stays on disk, as for the refusal above
             self._abort()
