@@ -243,6 +243,48 @@ def test_a_dcp_metadata_that_is_no_pickle_is_a_finding(tmp_path) -> None:
         assert ins.exit_status == 1
 
 
+def test_every_cut_of_a_dcp_metadata_breaks_where_pickletools_says(tmp_path) -> None:
+    # the whole pickle is proved by an unpickler of inert stand-ins; every prefix of it must still be found broken,
+    # at the place and for the reason an opcode walk of its own gives
+    import pickletools
+
+    from workbench.debug.inspect import _pickle_break
+
+    path = _dcp_save(tmp_path / "dcp", {f"layers.{i}.w": torch.randn(4, 2) for i in range(3)})
+    whole = (path / ".metadata").read_bytes()
+    cut_file = tmp_path / "cut"
+    assert _pickle_break(path / ".metadata") is None
+    for cut in range(len(whole)):
+        cut_file.write_bytes(whole[:cut])
+        with cut_file.open("rb") as stream:
+            with pytest.raises(ValueError) as walked:
+                for _ in pickletools.genops(stream):
+                    pass
+            want = (stream.tell(), str(walked.value))
+        assert _pickle_break(cut_file) == want, cut
+
+
+def test_a_crafted_dcp_metadata_is_walked_without_running_what_it_names(tmp_path) -> None:
+    import pickle
+
+    from workbench.debug.inspect import _pickle_break
+
+    ran = tmp_path / "ran"
+
+    class Crafted:
+        def __reduce__(self) -> tuple:
+            return os.mkdir, (str(ran),)
+
+    path = _dcp_save(tmp_path / "dcp", {"w": torch.randn(2)})
+    crafted = Crafted()
+    (path / ".metadata").write_bytes(pickle.dumps({"storage_data": crafted, "x": [crafted] * 3}))
+    assert _pickle_break(path / ".metadata") is None  # one whole pickle
+    ins = inspect_checkpoint(path)
+    assert not ran.exists() and ins.exit_status == 2, ins
+    pickle.loads((path / ".metadata").read_bytes())  # what the walk did not do: the pickle runs os.mkdir
+    assert ran.is_dir()
+
+
 def test_a_dcp_metadata_without_storage_entries_is_not_checked(tmp_path) -> None:
     # a storage writer other than torch's file system one may leave storage_data None: no file can be checked
     import pickle
