@@ -57,3 +57,11 @@ def test_a_checkpoint_with_non_ascii_layer_names_keeps_a_readable_layout_file(tm
     back = read_checkpoint_layout(tmp_path / "ckpt")
     assert back is not None and list(back.specs) == list(state)
     assert [back.specs[n].hf_keys for n in state] == [(n,) for n in state]
+
+
+def test_a_layout_read_from_a_state_dict_is_named_so_and_one_of_a_module_by_its_class() -> None:
+    # reports say "against layout <name>": a mapping's class ("dict") named nothing a reader knows
+    state = {"w": torch.zeros(2, 2)}
+    assert Layout.from_model(state).name == "state_dict"
+    assert Layout.from_model(torch.nn.Linear(2, 2)).name == "Linear"
+    assert Layout.from_model(state, name="mine").name == "mine"

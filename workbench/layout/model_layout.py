@@ -111,7 +111,9 @@ class Layout:
                 f"the key map covers no HF key for {len(unmapped)} parameter(s): {unmapped[:5]}; add a pattern "
                 "for them, or map them to None in a callable key map to leave them out of the checkpoint"
             )
-        return cls(mesh, specs, dtypes, name=name or type(model).__name__)
+        # a module by its class (``Qwen3MoeForCausalLM``); a mapping's class says nothing of the model ("dict")
+        default = type(model).__name__ if isinstance(model, torch.nn.Module) else "state_dict"
+        return cls(mesh, specs, dtypes, name=name or default)
 
     def __getitem__(self, name: str) -> LoadSpec:
         try:
