@@ -72,3 +72,36 @@ def test_a_model_with_a_module_named_like_a_wrapper_saves_and_loads_its_own_keys
     saved = _saved_keys(tmp_path / "saved")
     assert sorted(saved) == ["head.weight", "text_module.weight"]
     assert torch.equal(saved["text_module.weight"], own["text_module.weight"])
+
+
+def test_ddp_prefix_goes_only_when_every_name_has_it() -> None:
+    from workbench.layout.key_map import clean_names
+
+    ddp = ["module.layer.weight", "module._orig_mod.head.weight", "module.module.weight"]
+    assert list(clean_names(ddp).values()) == ["layer.weight", "head.weight", "module.weight"]
+    own = ["module.weight", "head.weight"]  # a model whose own child is named "module", beside another
+    assert clean_names(own) == {"module.weight": "module.weight", "head.weight": "head.weight"}
+    assert clean_names(["_orig_mod.module.w", "_orig_mod.module.v"]) == {"_orig_mod.module.w": "w",
+                                                                          "_orig_mod.module.v": "v"}
+
+
+class _WithChildNamedModule(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.module = torch.nn.Linear(4, 4, bias=False)  # an adapter, a block: a child that happens to be "module"
+        self.head = torch.nn.Linear(4, 2, bias=False)
+
+
+def test_a_model_whose_own_child_is_named_module_saves_and_loads_its_own_keys(tmp_path: Path) -> None:
+    torch.manual_seed(0)
+    net = _WithChildNamedModule()
+    want = {k: v.detach().clone() for k, v in net.state_dict().items()}
+    wb.save_hf(net, tmp_path / "saved")
+    saved = _saved_keys(tmp_path / "saved")
+    assert sorted(saved) == ["head.weight", "module.weight"]  # the model's own state_dict keys
+    assert all(torch.equal(saved[k], want[k]) for k in want)
+    target = _WithChildNamedModule()
+    assert wb.load_hf(target, tmp_path / "saved").ok
+    assert torch.equal(target.module.weight.detach(), want["module.weight"])
+    wb.save_hf(_Wrapped(_WithChildNamedModule()), tmp_path / "wrapped")  # DDP around it: its names, as HF has them
+    assert sorted(_saved_keys(tmp_path / "wrapped")) == ["head.weight", "module.weight"]

@@ -3,12 +3,12 @@
 from __future__ import annotations
 
 import re
-from collections.abc import Callable, Mapping, Sequence
+from collections.abc import Callable, Iterable, Mapping, Sequence
 from dataclasses import dataclass
 
 from workbench.errors import LayoutError
 
-__all__ = ["HFKeys", "KeyMap", "clean_name", "resolve_key_map"]
+__all__ = ["HFKeys", "KeyMap", "clean_name", "clean_names", "resolve_key_map"]
 
 # the attributes wrappers hold a module under, as whole components of a name at any depth (activation
 # checkpointing, torch.compile, FSDP1), and DDP's (DataParallel's), which leads the name once
@@ -35,13 +35,20 @@ KeyMap = Callable[[str], "str | Sequence[str] | HFKeys | None"] | Mapping[str, "
 
 
 def clean_name(name: str) -> str:
-    """A runtime name without wrapper prefixes (activation checkpointing, torch.compile, FSDP1, DDP): only whole
+    """One runtime name without wrapper prefixes (activation checkpointing, torch.compile, FSDP1, DDP): only whole
     dotted components go, so ``text_module.weight`` stays itself (a text replace of ``module.`` made it
-    ``text_weight``), and of DDP's ``module`` only the leading one (a child of the model may be named so)."""
-    parts = [p for p in name.split(".") if p not in _WRAPPER_COMPONENTS]
-    if len(parts) > 1 and parts[0] == _DDP_PREFIX:
-        parts = parts[1:]
-    return ".".join(parts)
+    ``text_weight``). A name alone cannot tell DDP's leading ``module`` from a child of that name: it goes here;
+    ``clean_names`` decides from all of a model's names."""
+    return clean_names((name,))[name]
+
+
+def clean_names(names: Iterable[str]) -> dict[str, str]:
+    """Every runtime name of one model (or state dict) without wrapper prefixes: the wrappers' components at any
+    depth, and DDP's (DataParallel's) leading ``module`` only when every name has it (a wrapper holds the whole
+    model there), so a model whose own child is named ``module`` beside others keeps that child's names."""
+    parts = {raw: [p for p in raw.split(".") if p not in _WRAPPER_COMPONENTS] for raw in names}
+    wrapped = bool(parts) and all(len(p) > 1 and p[0] == _DDP_PREFIX for p in parts.values())
+    return {raw: ".".join(p[1:] if wrapped else p) for raw, p in parts.items()}
 
 
 def resolve_key_map(key_map: KeyMap | None) -> Callable[[str], HFKeys | None]:

@@ -13,7 +13,7 @@ import torch
 from workbench.display import html_of
 from workbench.errors import LayoutError
 from workbench.layout.coverage import CoverageReport
-from workbench.layout.key_map import KeyMap, clean_name, resolve_key_map
+from workbench.layout.key_map import KeyMap, clean_names, resolve_key_map
 from workbench.layout.layout_toml import layout_to_toml
 from workbench.layout.load_spec import LoadSpec
 from workbench.memo import LRU
@@ -94,8 +94,9 @@ class Layout:
         specs: dict[str, LoadSpec] = {}
         dtypes: dict[str, str] = {}
         unmapped = []
+        names = clean_names(tensors)
         for raw, tensor in tensors.items():
-            param = clean_name(raw)
+            param = names[raw]
             keys = lookup(param)
             if keys is None:
                 if key_map is not None and not callable(key_map):
@@ -270,8 +271,9 @@ class _Remembered:
         """The entry for ``layout``, derived from ``tensors``."""
         rows = []
         meshes: dict[int, weakref.ref] = {}
+        names = clean_names(tensors)
         for raw, tensor in tensors.items():
-            name = clean_name(raw)
+            name = names[raw]
             rows.append((raw, id(tensor), _meta(tensor), name if name in layout.specs else None))
             mesh = getattr(tensor, "device_mesh", None)
             if mesh is not None and id(mesh) not in meshes:
@@ -386,8 +388,9 @@ def _locals_of(tensors: Mapping[str, torch.Tensor], layout: Layout) -> dict[str,
     from workbench import _compat
 
     out = {}
+    names = clean_names(tensors)
     for raw, tensor in tensors.items():
-        name = clean_name(raw)
+        name = names[raw]
         if name in layout.specs:
             local = _compat.dtensor_local(tensor) if _compat.is_dtensor(tensor) else tensor
             out[name] = local.detach()
@@ -403,7 +406,7 @@ def _refuse_unlisted(tensors: Mapping[str, torch.Tensor], layout: Layout, key_ma
     out of the checkpoint (maps them to None) or they are a listed tensor under another name (tied weights: HF's
     ``tie_word_embeddings`` saves one key of the tie)."""
     lookup = resolve_key_map(key_map)
-    names = {raw: clean_name(raw) for raw in tensors}
+    names = clean_names(tensors)
     unlisted = [raw for raw, name in names.items() if name not in layout.specs and lookup(name) is not None]
     if unlisted:
         listed = {_view_of(t) for raw, t in tensors.items() if names[raw] in layout.specs}
