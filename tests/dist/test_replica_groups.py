@@ -155,3 +155,31 @@ def test_a_replica_that_cannot_make_its_batch_buffer_fails_every_rank_at_once(tm
     assert all(r[0].startswith("rank 0 failed while sharing replicated parameters: OutOfMemoryError")
                for r in results.values()), results
     assert max(r[1] for r in results.values()) < 20  # not the 60 s timeout
+
+
+def _replicas_once_on_rank_0(root: str) -> tuple[str, list[float]]:
+    """Rank 0 shares its replicas' reads, rank 1 reads them itself (the ranks passed different arguments)."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate
+
+    rank = dist.get_rank()
+    mesh = wb.MeshSpec((2,), ("dp",))
+    layout = wb.Layout(mesh, {"norm": wb.LoadSpec.from_placements("norm", "model.norm.weight", (8,), mesh,
+                                                                  [Replicate()])})
+    target = {"norm": torch.zeros(8)}
+    try:
+        wb.load_hf(target, Path(root) / "source", layout=layout, strict=False, read_replicas_once=rank == 0,
+                   timeout=60)
+    except wb.LoadFailed as exc:
+        return str(exc).splitlines()[1].strip(), target["norm"].tolist()
+    return "loaded", target["norm"].tolist()
+
+
+@pytest.mark.slow
+def test_ranks_that_pass_different_read_replicas_once_are_told_so(tmp_path: Path) -> None:
+    wb.save_hf(FULL, tmp_path / "source")
+    results = wb.launch(_replicas_once_on_rank_0, nprocs=2, args=(str(tmp_path),), timeout=120)
+    for message, values in results.values():
+        assert message == ("the ranks passed different read_replicas_once (True on rank(s) 0 and False on rank(s) "
+                           "1): every rank must pass the same"), message
+        assert values == [0.0] * 8  # no tensor was changed

@@ -189,6 +189,7 @@ def load_hf(
     interrupt: BaseException | None = None  # not an Exception: raised again once every rank has agreed
     replicas: dict[str, ReplicaRead] = {}
     batches: dict[str, ReplicaBatch] = {}
+    shares_replicas = False  # replicas read once and broadcast (only over a mesh that is the whole world)
     stage = _CHECKING
     started: _StartedReads | None = None
     try:
@@ -201,8 +202,8 @@ def load_hf(
             )
         fault_point("load.plan", rank)
         reader = CheckpointReader(path)
-        checked = _checked(reader.index, layout, targets, adapters, cast, rank,
-                           read_replicas_once and rank == channel.rank and _live_over(layout))
+        shares_replicas = read_replicas_once and rank == channel.rank and _live_over(layout)
+        checked = _checked(reader.index, layout, targets, adapters, cast, rank, shares_replicas)
         missing, unexpected, mismatched = checked.missing, checked.unexpected, checked.mismatched
         if strict and (missing or mismatched or (unexpected and not allow_unexpected)):
             raise CheckpointError(_problem(path, missing, () if allow_unexpected else unexpected, mismatched))
@@ -225,9 +226,11 @@ def load_hf(
         clock.lap("plan" if stage == _PLANNING else "check")
     try:
         parsed = parsed_checkpoint(reader.index) if reader is not None else None
-        shared = _agree(channel, mine, who, stage + place, what, share=(parsed, replica_digests(batches)))
-        _check_same_checkpoint([p for p, _ in shared], what)
-        _check_replica_groups([d for _, d in shared], layout.mesh, what)
+        shared = _agree(channel, mine, who, stage + place, what,
+                        share=(parsed, replica_digests(batches), shares_replicas))
+        _check_same_checkpoint([p for p, _, _ in shared], what)
+        _check_same_replica_reads([once for _, _, once in shared], what)
+        _check_replica_groups([d for _, d, _ in shared], layout.mesh, what)
         assert reader is not None and started is not None
         plans, landed, transfers, on_gpu, boxes = (started.plans, started.landed, started.transfers, started.on_gpu,
                                                    started.boxes)
@@ -655,6 +658,19 @@ def _copy_out(flat: torch.Tensor, tensors: list[torch.Tensor]) -> None:
     for t in tensors:
         t.copy_(flat[offset : offset + t.numel()].view(t.shape))
         offset += t.numel()
+
+
+def _check_same_replica_reads(once: list[bool], what: str) -> None:
+    """Raise LoadFailed on every rank when some ranks share their replicas' reads and others do not (they passed
+    different ``read_replicas_once``: a rank that reads its replicas itself would leave its group's broadcasts
+    unanswered), naming the ranks of each value."""
+    if len(set(once)) < 2:
+        return
+    by_value = " and ".join(f"{value} on rank(s) {', '.join(str(r) for r, o in enumerate(once) if o == value)}"
+                            for value in (True, False))
+    cause = f"the ranks passed different read_replicas_once ({by_value}): every rank must pass the same"
+    raise LoadFailed(f"{what} failed; no tensor was changed.\n  {cause}",
+                     [RankProblem(r, "planning the replica reads", cause) for r, o in enumerate(once) if not o])
 
 
 def _check_replica_groups(shared: list[Any], mesh: MeshSpec, what: str) -> None:
