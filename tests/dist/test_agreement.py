@@ -11,6 +11,17 @@ import torch
 import workbench as wb
 
 
+def _planned_on_rank_1(rank: int, **changed: object) -> None:
+    """On rank 1 only, the save's planner runs with ``changed`` arguments: two ranks whose planners differ though
+    their calls are the same (``save_hf`` refuses different call arguments before it plans)."""
+    from workbench.io.hf import save_session
+
+    original = save_session.__dict__.setdefault("_original_plan_rank_save", save_session.plan_rank_save)
+    save_session.plan_rank_save = original
+    if rank == 1 and changed:
+        save_session.plan_rank_save = lambda *args, **kwargs: original(*args, **{**kwargs, **changed})
+
+
 def _disagree(root: str) -> dict:
     import torch
     import torch.distributed as dist
@@ -23,22 +34,24 @@ def _disagree(root: str) -> dict:
     state = {n: torch.full((4, 4), float(rank)) for n in specs}
     out = {}
     cases = {
-        "budget": {"budget_bytes": 64 if rank == 1 else 1 << 20, "write_mode": "gather"},  # other waves on rank 1
-        "writers": {"max_writers": 1 if rank == 1 else None, "write_mode": "gather"},  # another writer map
+        "budget": ({"budget": 64}, {"write_mode": "gather"}),  # other waves on rank 1
+        "writers": ({"max_writers": 1}, {"write_mode": "gather"}),  # another writer map
         # direct: rank 0 made the temporary directory and every file at full size before the refusal
-        "direct": {"max_writers": 1 if rank == 1 else None, "write_mode": "direct"},
+        "direct": ({"max_writers": 1}, {"write_mode": "direct"}),
     }
-    for name, kwargs in cases.items():
+    for name, (planned, kwargs) in cases.items():
+        _planned_on_rank_1(rank, **planned)
         try:
             wb.save_hf(state, Path(root) / name, layout=layout, policy=wb.SavePolicy.full(), **kwargs)
             out[name] = None
         except wb.SaveFailed as exc:
             out[name] = str(exc)
+    _planned_on_rank_1(rank)
     return out
 
 
 @pytest.mark.slow
-def test_ranks_with_different_arguments_are_refused_before_any_data_moves(tmp_path: Path) -> None:
+def test_ranks_whose_planners_differ_are_refused_before_any_data_moves(tmp_path: Path) -> None:
     results = wb.launch(_disagree, nprocs=2, args=(str(tmp_path),), timeout=120)
     for rank, out in results.items():
         budget, writers, direct = out["budget"], out["writers"], out["direct"]
@@ -92,8 +105,9 @@ def test_ranks_of_uneven_shards_with_the_same_arguments_save_together(tmp_path: 
 
 
 def _disagree_on_files(root: str) -> dict:
-    """Ranks that pass a different ``max_shard_bytes``, ``fp32_keys_pattern`` or ``dtype``: the same gathers (or none,
-    in direct mode), other files or other bytes in them."""
+    """Ranks that pass different arguments (refused by name before anything is written), and ranks whose planners
+    plan other files or save dtypes from the same arguments (in direct mode nothing is gathered: no schedule
+    differs)."""
     import torch
     import torch.distributed as dist
     from torch.distributed.tensor import Shard
@@ -103,54 +117,72 @@ def _disagree_on_files(root: str) -> dict:
     specs = {f"w{i}": wb.LoadSpec.from_placements(f"w{i}", f"model.w{i}", (8, 4), mesh, [Shard(0)]) for i in range(4)}
     layout = wb.Layout(mesh, specs)
     state = {n: torch.full((4, 4), float(rank)) for n in specs}
-    cases = {
+    passed = {
         "shard": {"max_shard_bytes": 64 if rank == 1 else 1 << 20},
         "fp32": {"dtype": torch.bfloat16, "fp32_keys_pattern": r"w1$" if rank == 1 else None},
         "dtype": {"dtype": torch.bfloat16 if rank == 1 else None},
+        "async": {"async_save": rank == 0},  # rank 1 used to report a save that was never published as done
+    }
+    planned = {
+        "shard": {"max_shard_bytes": 64},
+        "fp32": {"dtype": torch.bfloat16, "fp32_keys_pattern": r"w1$"},
+        "dtype": {"dtype": torch.bfloat16},
     }
     out = {}
     for mode in ("direct", "gather"):
-        for name, kwargs in cases.items():
+        for name, kwargs in passed.items():
             try:
-                wb.save_hf(state, Path(root) / f"{name}-{mode}", layout=layout, write_mode=mode, timeout=30, **kwargs)
-                out[name, mode] = None
+                done = wb.save_hf(state, Path(root) / f"{name}-{mode}", layout=layout, write_mode=mode, timeout=30,
+                                  **kwargs)
+                getattr(done, "wait", lambda: None)()
+                out["passed", name, mode] = None
             except wb.SaveFailed as exc:
-                out[name, mode] = str(exc)
+                out["passed", name, mode] = str(exc)
+        for name, changed in planned.items():
+            _planned_on_rank_1(rank, **changed)
+            try:
+                wb.save_hf(state, Path(root) / f"planned-{name}-{mode}", layout=layout, write_mode=mode, timeout=30)
+                out["planned", name, mode] = None
+            except wb.SaveFailed as exc:
+                out["planned", name, mode] = str(exc)
+            _planned_on_rank_1(rank)
     return out
 
 
 @pytest.mark.slow
-def test_ranks_with_different_files_or_save_dtypes_are_refused_naming_the_argument(tmp_path: Path) -> None:
+def test_ranks_with_different_arguments_or_files_are_refused_naming_what_differs(tmp_path: Path) -> None:
     results = wb.launch(_disagree_on_files, nprocs=2, args=(str(tmp_path),), timeout=180)
+    passed = {
+        "shard": "max_shard_bytes (1048576 on rank(s) 0, 64 on rank(s) 1)",
+        "fp32": "fp32_keys_pattern (None on rank(s) 0, 'w1$' on rank(s) 1)",
+        "dtype": "dtype (None on rank(s) 0, bfloat16 on rank(s) 1)",
+        "async": "async_save (True on rank(s) 0, False on rank(s) 1)",
+    }
+    planned = {
+        "shard": "the ranks plan different files (rank(s) 0: 2 file(s); rank(s) 1: 4 file(s))",
+        "fp32": "key 'model.w0' is saved as float32 on rank(s) 0 and bfloat16 on rank(s) 1 (2 more key(s) differ)",
+        "dtype": "key 'model.w0' is saved as float32 on rank(s) 0 and bfloat16 on rank(s) 1 (3 more key(s) differ)",
+    }
     for rank, out in results.items():
-        for (case, mode), message in out.items():
-            assert message is not None, (rank, case, mode)
-            assert "refused before any data moved" in message and "the ranks' plans differ" in message, message
-        for mode in ("direct", "gather"):
-            assert "max_shard_bytes" in out["shard", mode] and (
-                "rank(s) 0: 2 file(s) of at most 1048576 bytes; rank(s) 1: 4 file(s) of at most 64 bytes"
-                in out["shard", mode]), out
-            fp32 = out["fp32", mode]
-            assert "key 'model.w1' is saved as bfloat16 on rank(s) 0 and float32 on rank(s) 1" in fp32, fp32
-            assert "dtype= and fp32_keys_pattern" in fp32, fp32
-            dtype = out["dtype", mode]
-            assert "key 'model.w0' is saved as float32 on rank(s) 0 and bfloat16 on rank(s) 1" in dtype, dtype
-            assert "(3 more key(s) differ)" in dtype, dtype
+        for (kind, case, mode), message in out.items():
+            assert message is not None, (rank, kind, case, mode)
+            if kind == "passed":
+                assert message.endswith(f"refused before anything was written: the ranks passed different "
+                                        f"arguments: {passed[case]}; every rank must pass the same"), message
+            else:
+                assert "refused before any data moved: the ranks' plans differ: " in message, message
+                assert planned[case] in message and "their planners differ" in message, message
     assert sorted(p.name for p in tmp_path.iterdir()) == []
 
 
-def test_files_problem_names_the_first_key_dtype_or_the_shard_size_and_leaves_writer_maps_to_check_agreement() -> None:
+def test_files_problem_names_the_first_key_dtype_or_the_files_and_leaves_writer_maps_to_check_agreement() -> None:
     from workbench.io.hf.save_planning import files_problem
 
-    same = ((("a", "float32"), ("b", "bfloat16")), 2, 1000)
-    b_fp32 = ((("a", "float32"), ("b", "float32")), 2, 1000)
-    smaller = ((("a", "float32"), ("b", "bfloat16")), 3, 500)
-    assert files_problem([same, b_fp32, same], same_writers=False) == (
-        "key 'b' is saved as bfloat16 on rank(s) 0, 2 and float32 on rank(s) 1: every rank must pass the same dtype= "
-        "and fp32_keys_pattern")
-    assert files_problem([same, smaller], same_writers=True) == (
-        "the ranks plan different files (rank(s) 0: 2 file(s) of at most 1000 bytes; rank(s) 1: 3 file(s) of at most "
-        "500 bytes): every rank must pass the same max_shard_bytes")
-    assert files_problem([same, smaller], same_writers=False) is None  # check_agreement names the writer maps
-    other = ((("a", "float32"), ("b", "bfloat16")), 3, 1000)
-    assert files_problem([same, other], same_writers=True).endswith("every rank must pass the same call arguments")
+    same = ((("a", "float32"), ("b", "bfloat16")), 2)
+    b_fp32 = ((("a", "float32"), ("b", "float32")), 2)
+    more = ((("a", "float32"), ("b", "bfloat16")), 3)
+    assert files_problem([same, b_fp32, same], same_writers=False).startswith(
+        "key 'b' is saved as bfloat16 on rank(s) 0, 2 and float32 on rank(s) 1: the ranks passed the same arguments")
+    assert files_problem([same, more], same_writers=True).startswith(
+        "the ranks plan different files (rank(s) 0: 2 file(s); rank(s) 1: 3 file(s)): the ranks passed the same")
+    assert files_problem([same, more], same_writers=False) is None  # check_agreement names the writer maps

@@ -41,8 +41,9 @@ from workbench.layout.key_map import KeyMap
 from workbench.layout.model_layout import Layout, layout_and_locals
 from workbench.plan.policy import SavePolicy
 from workbench.run.communicator import Communicator
-from workbench.run.guard import SaveFailed, agree, problem_from
+from workbench.run.guard import RankProblem, SaveFailed, agree, problem_from
 from workbench.run.torch_comm import DEFAULT_TIMEOUT
+from workbench.version import __version__
 
 __all__ = ["AsyncSave", "SaveFailed", "SaveResult", "local_communicator", "save_hf", "warm_host_pool"]
 
@@ -207,8 +208,15 @@ def save_hf(
     # the write mode's host names (and rank 0's probe file) travel with the agreement: one exchange for both
     wanted = write_mode == "auto" and mine is None and _rank(comm) == 0 and not _one_host_known(comm)
     probe = _write_probe(Path(path)) if wanted else None
+    # the arguments every rank must pass alike travel with it too: ranks that differ are refused before any write
+    options = _call_options(async_save=async_save, write_mode=write_mode, policy=policy or SavePolicy.minimal(),
+                            budget_bytes=budget_bytes, max_shard_bytes=max_shard_bytes, dtype=dtype,
+                            fp32_keys_pattern=fp32_keys_pattern, max_writers=max_writers,
+                            min_segment_bytes=min_segment_bytes, workbench_version=__version__)
     try:
-        seen = _agree_before_groups(mine, path, timeout, comm, share=(socket.gethostname(), probe))
+        everyone = _agree_before_groups(mine, path, timeout, comm, share=(socket.gethostname(), probe, options))
+        _refuse_other_arguments([o for _, _, o in everyone], path)
+        seen = [(host, probed) for host, probed, _ in everyone]
         _remember_hosts(comm, seen)
         assert layout is not None
         comm = comm or default_communicator(layout, timeout)
@@ -385,6 +393,40 @@ def _abandon_pending() -> None:
 
 
 atexit.register(_abandon_pending)
+
+
+def _call_options(**options: Any) -> tuple[tuple[str, str], ...]:
+    """The arguments of a ``save_hf`` call that every rank must pass alike (and the workbench version, which
+    plans them), as text: ranks that differ in one would plan other files or gathers, or (``async_save``) take part
+    in other agreements."""
+    def text(value: Any) -> str:
+        if isinstance(value, list | tuple):
+            return repr(tuple(value))
+        return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else repr(value)
+
+    return tuple((name, text(value)) for name, value in options.items())
+
+
+def _refuse_other_arguments(options: Sequence[tuple[tuple[str, str], ...]], path: Path) -> None:
+    """SaveFailed on every rank (each sees every rank's ``_call_options``) naming each argument the ranks passed
+    differently, with the ranks of each value; nothing is written yet."""
+    differing = []
+    for index, (name, _) in enumerate(options[0]):
+        by_value: dict[str, list[int]] = {}
+        for rank, mine in enumerate(options):
+            by_value.setdefault(mine[index][1], []).append(rank)
+        if len(by_value) > 1:
+            values = ", ".join(f"{value} on rank(s) {_ranks_text(ranks)}" for value, ranks in by_value.items())
+            differing.append(f"{name} ({values})")
+    if differing:
+        cause = f"the ranks passed different arguments: {'; '.join(differing)}; every rank must pass the same"
+        raise SaveFailed(f"save to {path} refused before anything was written: {cause}",
+                         [RankProblem(r, "checking the call's arguments", cause) for r in range(len(options))])
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > 8 else "")
 
 
 def _agree_before_groups(

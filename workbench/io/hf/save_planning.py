@@ -36,7 +36,7 @@ __all__ = [
 RESERVED_NAMES = frozenset({INDEX_NAME, MARKER_NAME, LAYOUT_FILE_NAME})  # files of the save that configs may not be
 KeyMeta = dict[str, tuple[torch.dtype, tuple[int, ...]]]
 DtypeSummary = tuple[str, tuple[str, ...]]  # (digest of the layout without its dtypes, every parameter's dtype)
-FilesSummary = tuple[tuple[tuple[str, str], ...], int, int]  # ((key, save dtype) in order, files, max_shard_bytes)
+FilesSummary = tuple[tuple[tuple[str, str], ...], int]  # ((key, save dtype) in order, number of files)
 
 
 @dataclass(frozen=True, slots=True)
@@ -159,6 +159,8 @@ def dtype_problem(names: Sequence[str], summaries: Sequence[DtypeSummary]) -> st
 
 
 _FILES_DIGESTS = LRU(16)
+_DEFECT = ("the ranks passed the same arguments, so their planners differ (every rank must run the same workbench; "
+           "if they do, this is a planner defect: please report it)")
 
 
 def files_digest(planned: RankSavePlan) -> str:
@@ -175,17 +177,17 @@ def files_digest(planned: RankSavePlan) -> str:
     return remember_by_identity(_FILES_DIGESTS, (planned.file_plan, planned.key_meta), None, digest)
 
 
-def files_summary(planned: RankSavePlan, max_shard_bytes: int) -> FilesSummary:
-    """What ranks whose ``files_digest`` differ share to name the argument behind it: every key's save dtype, the
-    number of files and ``max_shard_bytes``."""
+def files_summary(planned: RankSavePlan) -> FilesSummary:
+    """What ranks whose ``files_digest`` differ share to say how: every key's save dtype and the number of files."""
     dtypes = tuple((key, _dtype_name(dtype)) for key, (dtype, _) in planned.key_meta.items())
-    return dtypes, len(planned.file_plan.files), max_shard_bytes
+    return dtypes, len(planned.file_plan.files)
 
 
 def files_problem(summaries: Sequence[FilesSummary], *, same_writers: bool) -> str | None:
     """Why the ranks' files differ (each rank's ``files_summary``): the first key saved in two dtypes, with each
     rank's dtype; else, when the ranks agree on the writer of every gathered key (``same_writers``), each rank's
-    number of files and ``max_shard_bytes``; else None (the writer maps differ: ``check_agreement`` names them)."""
+    number of files; else None (the writer maps differ: ``check_agreement`` names them).
+    ``save_hf`` has proved by then that the ranks passed the same arguments: what differs is how they planned."""
     first = summaries[0][0]
     differing = [i for i, (key, _) in enumerate(first)
                  if any(len(s[0]) != len(first) or s[0][i] != (key, first[i][1]) for s in summaries)]
@@ -193,21 +195,18 @@ def files_problem(summaries: Sequence[FilesSummary], *, same_writers: bool) -> s
         index = differing[0]
         key = first[index][0]
         by_dtype: dict[str, list[int]] = {}
-        for rank, (dtypes, _, _) in enumerate(summaries):
+        for rank, (dtypes, _) in enumerate(summaries):
             by_dtype.setdefault(dtypes[index][1] if index < len(dtypes) else "absent", []).append(rank)
         held = " and ".join(f"{dtype} on rank(s) {_ranks(ranks)}" for dtype, ranks in by_dtype.items())
         more = f" ({len(differing) - 1} more key(s) differ)" if len(differing) > 1 else ""
-        return (f"key {key!r} is saved as {held}: every rank must pass the same dtype= and fp32_keys_pattern"
-                f"{more}")
+        return f"key {key!r} is saved as {held}{more}: {_DEFECT}"
     if not same_writers:
         return None
-    by_files: dict[tuple[int, int], list[int]] = {}
-    for rank, (_, files, max_shard_bytes) in enumerate(summaries):
-        by_files.setdefault((files, max_shard_bytes), []).append(rank)
-    plans = "; ".join(f"rank(s) {_ranks(ranks)}: {files} file(s) of at most {shard} bytes"
-                      for (files, shard), ranks in by_files.items())
-    argument = "max_shard_bytes" if len({shard for _, shard in by_files}) > 1 else "call arguments"
-    return f"the ranks plan different files ({plans}): every rank must pass the same {argument}"
+    by_files: dict[int, list[int]] = {}
+    for rank, (_, files) in enumerate(summaries):
+        by_files.setdefault(files, []).append(rank)
+    plans = "; ".join(f"rank(s) {_ranks(ranks)}: {files} file(s)" for files, ranks in by_files.items())
+    return f"the ranks plan different files ({plans}): {_DEFECT}"
 
 
 def _dtype_name(dtype: torch.dtype | str | None) -> str:

@@ -237,7 +237,7 @@ class SaveSession:
         assert self.planned is not None
         if len({f for _, _, f in everyone}) > 1:  # one model, other files or save dtypes: name the argument if known
             summaries = self._agree(None, what=f"save to {self.path}", on_failure=self._abort,
-                                    share=files_summary(self.planned, self.max_shard_bytes))
+                                    share=files_summary(self.planned))
             cause = files_problem(summaries, same_writers=len({d[1] for d, _, _ in everyone}) == 1)
             if cause is not None:
                 self._abort()
