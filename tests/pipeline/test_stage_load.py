@@ -118,3 +118,30 @@ def test_pure_pipeline_parallelism_saves_and_loads_each_rank_as_a_stage(tmp_path
     with CheckpointReader(tmp_path / "ckpt") as reader:  # every parameter once, as it was
         assert sorted(reader.keys()) == sorted(_values())
         assert all(torch.equal(reader.read(k), v) for k, v in _values().items())
+
+
+def _stages_with_other_dtypes(path: str) -> str:
+    """Stage 0 saves in bf16, stage 1 as it holds its tensors (fp32)."""
+    import torch.distributed as dist
+
+    import workbench as wb
+    from workbench.io.pipeline.save import pipeline_layout_from_model, save_hf_pipeline
+
+    rank = dist.get_rank()
+    mine = {name: _values()[name].clone() for name, _, _, s in PARAMS if s == rank}
+    pipeline = pipeline_layout_from_model(mine, timeout=30)
+    try:
+        save_hf_pipeline(mine, path, pipeline, timeout=30, dtype=torch.bfloat16 if rank == 0 else None)
+    except wb.SaveFailed as exc:
+        return str(exc)
+    return "published"
+
+
+@pytest.mark.slow
+def test_stages_that_pass_other_arguments_publish_nothing(tmp_path: Path) -> None:
+    # each stage's save agreed within its stage only: the checkpoint came out half bf16, half fp32, silently
+    results = launch(_stages_with_other_dtypes, nprocs=2, args=(str(tmp_path / "ckpt"),), timeout=120)
+    for message in results.values():
+        assert message.endswith("refused before anything was written: the ranks passed different arguments: dtype "
+                                "(bfloat16 on rank(s) 0, None on rank(s) 1); every rank must pass the same"), message
+    assert list(tmp_path.iterdir()) == []

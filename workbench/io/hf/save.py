@@ -18,6 +18,7 @@ a collective broke (timed out), every rank drops its cached process groups and t
 from __future__ import annotations
 
 import atexit
+import inspect
 import os
 import socket
 import time
@@ -209,10 +210,10 @@ def save_hf(
     wanted = write_mode == "auto" and mine is None and _rank(comm) == 0 and not _one_host_known(comm)
     probe = _write_probe(Path(path)) if wanted else None
     # the arguments every rank must pass alike travel with it too: ranks that differ are refused before any write
-    options = _call_options(async_save=async_save, write_mode=write_mode, policy=policy or SavePolicy.minimal(),
-                            budget_bytes=budget_bytes, max_shard_bytes=max_shard_bytes, dtype=dtype,
-                            fp32_keys_pattern=fp32_keys_pattern, max_writers=max_writers,
-                            min_segment_bytes=min_segment_bytes, workbench_version=__version__)
+    options = call_options({"async_save": async_save, "write_mode": write_mode, "policy": policy,
+                            "budget_bytes": budget_bytes, "max_shard_bytes": max_shard_bytes, "dtype": dtype,
+                            "fp32_keys_pattern": fp32_keys_pattern, "max_writers": max_writers,
+                            "min_segment_bytes": min_segment_bytes})
     try:
         everyone = _agree_before_groups(mine, path, timeout, comm, share=(socket.gethostname(), probe, options))
         _refuse_other_arguments([o for _, _, o in everyone], path)
@@ -395,21 +396,30 @@ def _abandon_pending() -> None:
 atexit.register(_abandon_pending)
 
 
-def _call_options(**options: Any) -> tuple[tuple[str, str], ...]:
-    """The arguments of a ``save_hf`` call that every rank must pass alike (and the workbench version, which
-    plans them), as text: ranks that differ in one would plan other files or gathers, or (``async_save``) take part
-    in other agreements."""
+_ALIKE = ("async_save", "write_mode", "policy", "budget_bytes", "max_shard_bytes", "dtype", "fp32_keys_pattern",
+          "max_writers", "min_segment_bytes")  # the arguments of save_hf every rank must pass alike
+
+
+def call_options(arguments: Mapping[str, Any]) -> tuple[tuple[str, str], ...]:
+    """The arguments of a ``save_hf`` call that every rank must pass alike (``arguments`` by name; one not given
+    takes ``save_hf``'s default), and the workbench version, which plans them, as text: ranks that differ in one
+    would plan other files or gathers, or (``async_save``) take part in other agreements."""
+    defaults = {name: p.default for name, p in inspect.signature(save_hf).parameters.items()}
+    values = {name: arguments.get(name, defaults[name]) for name in _ALIKE}
+    values["policy"] = values["policy"] or SavePolicy.minimal()
+    values["workbench_version"] = __version__
+
     def text(value: Any) -> str:
         if isinstance(value, list | tuple):
             return repr(tuple(value))
         return str(value).removeprefix("torch.") if isinstance(value, torch.dtype) else repr(value)
 
-    return tuple((name, text(value)) for name, value in options.items())
+    return tuple((name, text(value)) for name, value in values.items())
 
 
-def _refuse_other_arguments(options: Sequence[tuple[tuple[str, str], ...]], path: Path) -> None:
-    """SaveFailed on every rank (each sees every rank's ``_call_options``) naming each argument the ranks passed
-    differently, with the ranks of each value; nothing is written yet."""
+def other_arguments_problem(options: Sequence[tuple[tuple[str, str], ...]]) -> str | None:
+    """Each argument the ranks passed differently (every rank's ``call_options``), with the ranks of each value;
+    None when they agree."""
     differing = []
     for index, (name, _) in enumerate(options[0]):
         by_value: dict[str, list[int]] = {}
@@ -418,8 +428,16 @@ def _refuse_other_arguments(options: Sequence[tuple[tuple[str, str], ...]], path
         if len(by_value) > 1:
             values = ", ".join(f"{value} on rank(s) {_ranks_text(ranks)}" for value, ranks in by_value.items())
             differing.append(f"{name} ({values})")
-    if differing:
-        cause = f"the ranks passed different arguments: {'; '.join(differing)}; every rank must pass the same"
+    if not differing:
+        return None
+    return f"the ranks passed different arguments: {'; '.join(differing)}; every rank must pass the same"
+
+
+def _refuse_other_arguments(options: Sequence[tuple[tuple[str, str], ...]], path: Path) -> None:
+    """SaveFailed on every rank (each sees every rank's ``call_options``) naming what differs; nothing is written
+    yet."""
+    cause = other_arguments_problem(options)
+    if cause is not None:
         raise SaveFailed(f"save to {path} refused before anything was written: {cause}",
                          [RankProblem(r, "checking the call's arguments", cause) for r in range(len(options))])
 

@@ -216,7 +216,7 @@ def save_hf_pipeline(
 
     .. note:: SPMD: every rank of the whole pipeline mesh calls it, with the same arguments.
     """
-    from workbench.io.hf.save import save_hf
+    from workbench.io.hf.save import call_options, other_arguments_problem, save_hf
 
     path = Path(path)
     if not dist.is_initialized():
@@ -243,7 +243,14 @@ def save_hf_pipeline(
         if publisher is not None:
             publisher.abort()
 
-    _across_stages(world, problem, what, outcome="nothing was written", on_failure=abort, cause=failure)
+    # every stage saves with the same arguments: stages that differ would publish one checkpoint of mixed dtypes
+    options = _across_stages(world, problem, what, outcome="nothing was written", on_failure=abort, cause=failure,
+                             share=call_options(save_kwargs))
+    differ = other_arguments_problem(options)
+    if differ is not None:
+        abort()
+        raise SaveFailed(f"{what} refused before anything was written: {differ}",
+                         [RankProblem(r, "checking the arguments", differ) for r in range(len(options))])
     comm = StageCommunicator(pipeline, timeout=timeout)
     mine: RankProblem | None = None
     try:
@@ -313,9 +320,10 @@ def _across_stages(
     on_failure: Callable[[], None] | None = None,
     cause: BaseException | None = None,
     suspect: bool = False,
-) -> None:
+    share: Any = None,
+) -> list[Any]:
     """Every rank's problem (or None) over the world's control group; if any rank has one, every rank raises the
-    same ``SaveFailed`` (chained to this rank's own exception, ``cause``).
+    same ``SaveFailed`` (chained to this rank's own exception, ``cause``). Returns every rank's ``share``.
 
     Root causes come first: a rank whose own failure is a collective that broke (it timed out, or lost a peer)
     stopped because of another rank when some rank reports a failure of its own. A rank that does not answer
@@ -325,7 +333,7 @@ def _across_stages(
     would pair the next save's calls with the wrong ones, so then every rank drops the cached groups (the same
     decision everywhere, from the same exchanged flags) and the next save makes fresh ones."""
     try:
-        everyone = world.all_gather_object((mine, suspect))
+        everyone = world.all_gather_object((mine, suspect, share))
     except Exception as exc:
         gone = problem_from(exc, world.rank, "exchanging status with the other stages", broken=True)
         found = [p for p in (mine, gone) if p is not None]
@@ -334,10 +342,10 @@ def _across_stages(
         note = ("a rank did not answer the exchange across stages: it died, hangs, or is still in its stage's save "
                 "past the timeout")
         raise SaveFailed(describe_problems(what, found, lost or outcome, note), found) from cause or exc
-    found = [p for p, _ in everyone if p is not None]
-    forget_groups_if_broken(found, suspect=any(s for _, s in everyone))
+    found = [p for p, _, _ in everyone if p is not None]
+    forget_groups_if_broken(found, suspect=any(s for _, s, _ in everyone))
     if not found:
-        return
+        return [shared for _, _, shared in everyone]
     if any(not p.broken and not p.secondary for p in found):
         found = [dataclasses.replace(p, secondary=True) if p.broken else p for p in found]
     _quietly(on_failure)
