@@ -102,16 +102,19 @@ def _pairs(n: int, hints: Sequence[Hint], dim: int) -> Iterator[tuple[int, int, 
 def _layout_pairs(n: int, hints: Sequence[Hint], dim: int, seen: set[tuple[int, int, int]]
                   ) -> Iterator[tuple[int, int, str, int]]:
     """The layout's cuts on ``dim`` as ``(W, F, mesh dim, G)``, G = 1 and G = the product of the cuts made before it
-    on that dim (inside whose pieces it applies); each ``(W, F, G)`` yielded is added to ``seen``."""
-    outer = 1
+    on that dim (inside whose pieces it applies); each ``(W, F, G)`` yielded is added to ``seen``. After an
+    interleaved cut on ``dim`` the pieces a later cut splits are stripes, not G contiguous blocks: that nested map is
+    not one this layout makes, so only G = 1 is yielded."""
+    outer, interleaved = 1, False
     for h in hints:
         if h.dim != dim or h.world < 2:
             continue
-        for g in dict.fromkeys((outer, 1)):
+        for g in (1,) if interleaved else dict.fromkeys((outer, 1)):
             if (h.world, h.factor, g) not in seen and n % (g * h.world * h.factor) == 0:
                 seen.add((h.world, h.factor, g))
                 yield h.world, h.factor, h.mesh_dim, g
         outer *= h.world
+        interleaved = interleaved or h.factor > 1
 
 
 def _small_pairs(n: int, dim: int, seen: set[tuple[int, int, int]], interleave: bool
