@@ -19,6 +19,8 @@ from workbench.debug.source import DEFAULT_BLOCK_BYTES, MemorySource
 from workbench.debug.transforms import chunk_shard, joined_on, joined_words
 from workbench.io.files.index import safetensors_dtype
 from workbench.layout.chunking import local_sizes
+from workbench.layout.descriptors import ShardDescriptor
+from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
 
 __all__ = ["diagnose"]
@@ -98,11 +100,39 @@ def _expected_keys(layout: Layout) -> dict[str, tuple[tuple[int, ...], str | Non
     return out
 
 
-def _explain_shape(layout: Layout, name: str, want: tuple[int, ...], got: tuple[int, ...]) -> tuple[str, str, str]:
-    """``(kind, transform, hint)`` naming the layout cut that a wrong shape comes from."""
+def _key_extent(spec: LoadSpec, rank: int, key: str, dim: int) -> tuple[tuple[int, int], ...]:
+    """The spans of ``key`` on ``dim`` that ``rank`` holds (empty when it holds none of the key)."""
+    return tuple(sorted((r.key_offset[dim], r.key_offset[dim] + r.sizes[dim])
+                        for r in spec.key_regions(rank) if r.hf_key == key))
+
+
+def _cuts_of_key(layout: Layout, name: str, key: str) -> list[ShardDescriptor]:
+    """The cuts of parameter ``name`` that split ``key`` itself: on a fused parameter, a cut on the fused dim whose
+    ranks hold whole keys (EP over experts) falls between keys, and no shape bug of the key comes from it."""
     spec = layout.specs[name]
+    out = []
+    for shard in spec.shards:
+        if spec.fused_dim is None or shard.dim != spec.fused_dim:
+            out.append(shard)
+            continue
+        holder = next((r for r in layout.mesh.all_ranks() if _key_extent(spec, r, key, shard.dim)), None)
+        if holder is None:
+            out.append(shard)
+            continue
+        held = {_key_extent(spec, r, key, shard.dim) for r in layout.mesh.group_ranks(holder, shard.mesh_dim)}
+        if len(held - {()}) > 1:
+            out.append(shard)
+    return out
+
+
+def _explain_shape(layout: Layout, name: str, want: tuple[int, ...], got: tuple[int, ...],
+                   key: str | None = None) -> tuple[str, str, str]:
+    """``(kind, transform, hint)`` naming the layout cut that a wrong shape of ``key`` (of parameter ``name``) comes
+    from; only cuts that split the key itself are considered."""
+    spec = layout.specs[name]
+    shards = spec.shards if key is None else _cuts_of_key(layout, name, key)
     transposed = len(want) == 2 and got == want[::-1] and want != got
-    for shard in spec.shards:  # a cut's shards joined along another dim: its length divided, another's multiplied
+    for shard in shards:  # a cut's shards joined along another dim: its length divided, another's multiplied
         w = layout.mesh.group_size(shard.mesh_dim)
         e = joined_on(want, got, shard.dim, w)
         if e is not None:
@@ -119,7 +149,7 @@ def _explain_shape(layout: Layout, name: str, want: tuple[int, ...], got: tuple[
         if spec.origin_shape is not None and spec.fused_dim is None and m == spec.global_shape[d]:
             return ("padding_not_trimmed", f"{m - n} padding rows kept on dim {d} (global_shape {m}, origin {n})",
                     "trim the tail padding to origin_shape before saving")
-        for shard in spec.shards:
+        for shard in shards:
             w = layout.mesh.group_size(shard.mesh_dim)
             if shard.dim == d and w > 1 and 0 < m < n and m in local_sizes(n, w, shard.interleave_factor):
                 return ("partial_shard", f"the shape of one rank's shard under {shard} ({w} ranks)",
@@ -190,7 +220,7 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
             meta = metas[stored]
             evidence = {"expected_shape": list(shape), "actual_shape": list(meta.shape), "parameter": name}
             if meta.shape != shape:
-                kind, transform, hint = _explain_shape(layout, name, shape, meta.shape)
+                kind, transform, hint = _explain_shape(layout, name, shape, meta.shape, key)
                 if transform:
                     evidence.update(transform=transform, verified=_SHAPES_ONLY)
                 out.append(Finding(kind, stored, evidence, hint))

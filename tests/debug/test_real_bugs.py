@@ -1,0 +1,100 @@
+"""Realistic bugs of a sharded MoE save (fsdp=2 x ep=2 x etp=2, fused experts, as ``build_qwen3_moe`` lays them out),
+each built by hand from the layout's own shards: the cause a finding names must be one this layout can produce."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import torch
+
+from tests.debug.corpus import write
+from workbench.debug import diagnose, diff_checkpoints
+from workbench.layout.layout_file import load_layout
+
+EXPERTS, INTER, HIDDEN = 4, 8, 16
+W1W3 = "layers.0.mlp.experts.fused_w1w3"
+PREFIX = "model.layers.0.mlp.experts"
+LAYOUT = f"""name = "qwen3-moe-etp"
+[mesh]
+shape = [2, 2, 2]
+dim_names = ["fsdp", "ep", "etp"]
+[[param]]
+name = "{W1W3}"
+hf_keys = ["{PREFIX}.{{experts}}.gate_proj.weight", "{PREFIX}.{{experts}}.up_proj.weight"]
+keys_for = {{ experts = {EXPERTS} }}
+global_shape = [{EXPERTS * 2 * INTER}, {HIDDEN}]
+fused_dim = 0
+mesh_dims = ["ep", "etp", "fsdp"]
+placements = ["S(0)", "IS(0,4)", "S(0)"]
+dtype = "bfloat16"
+[[param]]
+name = "layers.0.mlp.experts.fused_w2"
+hf_keys = ["{PREFIX}.{{experts}}.down_proj.weight"]
+keys_for = {{ experts = {EXPERTS} }}
+global_shape = [{EXPERTS * HIDDEN}, {INTER}]
+fused_dim = 0
+mesh_dims = ["ep", "etp", "fsdp"]
+placements = ["S(0)", "S(1)", "S(0)"]
+dtype = "bfloat16"
+"""
+
+
+def _experts(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    out = {}
+    for e in range(EXPERTS):
+        for proj, shape in (("gate", (INTER, HIDDEN)), ("up", (INTER, HIDDEN)), ("down", (HIDDEN, INTER))):
+            out[f"model.layers.0.mlp.experts.{e}.{proj}_proj.weight"] = torch.randn(*shape, generator=g).bfloat16()
+    return out
+
+
+def _layout(tmp_path: Path):
+    path = tmp_path / "layout.toml"
+    path.write_text(LAYOUT)
+    return path, load_layout(path)
+
+
+def _fsdp_reversed(layout, full: torch.Tensor) -> torch.Tensor:
+    """``full`` gathered with each (ep, etp) slot's two FSDP shards in reverse order, from the layout's own runs."""
+    spec, mesh = layout.specs[W1W3], layout.mesh
+    out = torch.empty_like(full)
+    for rank in mesh.all_ranks():
+        fsdp, ep, etp = mesh.coordinate(rank)
+        partner = mesh.all_ranks()[((1 - fsdp) * 2 + ep) * 2 + etp]
+        local = torch.empty(spec.local_shape(rank), dtype=full.dtype)
+        for run in spec.runs(rank):
+            local[run.local_slices()] = full[run.global_slices()]
+        for run in spec.runs(partner):
+            out[run.global_slices()] = local[run.local_slices()]
+    return out
+
+
+def test_a_gate_up_swap_under_expert_tp_is_not_blamed_on_an_fsdp_order_this_layout_cannot_make(tmp_path) -> None:
+    _, layout = _layout(tmp_path)
+    good = _experts()
+    keys = layout.specs[W1W3].hf_keys
+    full = torch.cat([good[k] for k in keys])
+    swapped = {k: good[k.replace("gate_proj", "up_proj") if "gate_proj" in k else k.replace("up_proj", "gate_proj")]
+               if k in keys else v for k, v in good.items()}
+    # what this layout's FSDP shards in reverse order really give: other bytes than the swap
+    reversed_fsdp = _fsdp_reversed(layout, full)
+    assert not torch.equal(reversed_fsdp, torch.cat([swapped[k] for k in keys]))
+    report = diff_checkpoints(write(tmp_path / "ref", good), write(tmp_path / "bad", swapped), layout=layout)
+    (finding,) = report.by_key(W1W3)
+    assert finding.kind == "permuted", report.to_text()
+    assert "gate/up halves swapped" in finding.transform, report.to_text()
+    assert "fsdp" not in finding.transform and "fsdp" not in finding.hint, report.to_text()
+
+
+def test_a_transposed_expert_down_proj_is_not_told_to_stay_untransposed(tmp_path) -> None:
+    # every expert's down_proj [H, I] saved as [I, H]; ep and fsdp cut fused_w2 only between whole keys, so the shape
+    # is no "shards of a dim-0 cut joined on dim 1": the layout alone cannot rule the transpose out
+    path, _ = _layout(tmp_path)
+    bad = {k: v.T.contiguous() if "down_proj" in k else v for k, v in _experts().items()}
+    report = diagnose(write(tmp_path / "bad", bad), path)
+    findings = report.by_key("model.layers.0.mlp.experts.0.down_proj.weight")
+    assert findings, report.to_text()
+    for f in findings:
+        assert "S(0)@ep" not in (f.transform or "") and "S(0)@fsdp" not in (f.transform or ""), report.to_text()
+        assert "do not transpose" not in f.hint, report.to_text()
+        assert "transpose" in f.hint, report.to_text()
