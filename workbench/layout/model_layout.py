@@ -402,21 +402,26 @@ def _locals_of(tensors: Mapping[str, torch.Tensor], layout: Layout) -> dict[str,
 
 
 def _refuse_unlisted(tensors: Mapping[str, torch.Tensor], layout: Layout, key_map: KeyMap | None) -> None:
-    """Raise a LayoutError naming the model's tensors that ``layout`` does not list, unless ``key_map`` leaves them
-    out of the checkpoint (maps them to None) or they are a listed tensor under another name (tied weights: HF's
-    ``tie_word_embeddings`` saves one key of the tie)."""
+    """Raise a LayoutError naming the model's tensors that ``layout`` does not list, unless a callable ``key_map``
+    leaves them out of the checkpoint (maps them to None; a table cannot: one it does not cover is a gap, as
+    ``Layout.from_model`` says) or they are a listed tensor under another name (tied weights: HF's
+    ``tie_word_embeddings`` saves one key of the tie). A state dict's entry that is no tensor (a module's
+    ``get_extra_state``) has no place in a safetensors file and is not asked about."""
     lookup = resolve_key_map(key_map)
     names = clean_names(tensors)
-    unlisted = [raw for raw, name in names.items() if name not in layout.specs and lookup(name) is not None]
+    deliberate = callable(key_map)  # only a callable says None; a table's None is a pattern it lacks
+    unlisted = [raw for raw, name in names.items() if name not in layout.specs
+                and isinstance(tensors[raw], torch.Tensor) and (not deliberate or lookup(name) is not None)]
     if unlisted:
-        listed = {_view_of(t) for raw, t in tensors.items() if names[raw] in layout.specs}
+        listed = {_view_of(t) for raw, t in tensors.items()
+                  if names[raw] in layout.specs and isinstance(t, torch.Tensor)}
         unlisted = [names[raw] for raw in unlisted if _view_of(tensors[raw]) not in listed]
     if unlisted:
         more = f" and {len(unlisted) - 5} more" if len(unlisted) > 5 else ""
         raise LayoutError(
             f"the model holds {len(unlisted)} tensor(s) that the layout {layout.name!r} does not list: "
             f"{unlisted[:5]}{more}; they would be missing from the checkpoint. Add them to the layout, or leave them "
-            "out on purpose with a key map that maps them to None"
+            "out on purpose with a callable key map that maps them to None"
         )
 
 
