@@ -163,3 +163,25 @@ def test_every_saved_key_has_the_models_dtype_unless_a_pattern_matches(
             matched = dtype.is_floating_point and any(re.search(p, key) for p in patterns)
             want[key] = "F32" if matched else SAFETENSORS_NAMES[dtype]
     assert header_dtypes(path) == want
+
+
+@pytest.mark.parametrize("kwargs", [{"fp32_keys_pattern": r"^1\."}, {"dtype": torch.float16}])
+def test_a_model_saves_again_with_its_checkpoints_own_layout(tmp_path, kwargs) -> None:
+    # the layout file records the dtypes written; read back as the layout of the next save with the same arguments,
+    # it was refused ("the layout says float32, the tensor is bfloat16")
+    from safetensors.torch import load_file
+
+    from workbench.layout.layout_file import read_checkpoint_layout
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 4), torch.nn.LayerNorm(4)).to(torch.bfloat16)
+    wb.save_hf(model, tmp_path / "first", **kwargs)
+    layout = read_checkpoint_layout(tmp_path / "first")
+    wb.save_hf(model, tmp_path / "second", layout=layout, **kwargs)
+    first, second = ({k: v for f in (tmp_path / name).glob("*.safetensors") for k, v in load_file(f).items()}
+                     for name in ("first", "second"))
+    assert first.keys() == second.keys() and all(
+        first[k].dtype == second[k].dtype and torch.equal(first[k], second[k]) for k in first)
+    assert read_checkpoint_layout(tmp_path / "second").dtypes == layout.dtypes
+    with pytest.raises(LayoutError, match="the layout says"):  # other arguments: the layout's dtypes are wrong
+        wb.save_hf(model, tmp_path / "third", layout=layout)

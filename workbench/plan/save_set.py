@@ -50,6 +50,7 @@ __all__ = [
     "clear_plan_cache",
     "key_meta",
     "key_sizes",
+    "layout_as_held",
     "layout_fingerprint",
     "plan_cache_info",
     "plan_save",
@@ -421,6 +422,31 @@ def saved_layout(layout: Layout, meta: KeyMeta) -> Layout:
     object again for a repeat save of an unchanged layout (its fingerprint is then remembered too)."""
     return remember_while_same(_SAVED_LAYOUTS, layout, (layout.specs, layout.dtypes, meta),
                                lambda: _saved_layout(layout, meta))
+
+
+def layout_as_held(
+    layout: Layout,
+    tensors: Mapping[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    fp32_keys_pattern: Sequence[str] | str | None,
+) -> Layout:
+    """A given layout whose dtypes are those a save wrote (a checkpoint's own layout file, read back: the inverse of
+    ``saved_layout``) with the dtypes ``tensors`` hold: a parameter whose given dtype is not its tensor's, but is the
+    one dtype this save writes all its keys in (``dtype``, ``fp32_keys_pattern``), takes its tensor's. Any other
+    given dtype stays, for ``Layout.with_tensor_dtypes`` to refuse when it disagrees."""
+    held = {}
+    for name, given in layout.dtypes.items():
+        tensor = tensors.get(name)
+        own = None if tensor is None else str(tensor.dtype).removeprefix("torch.")
+        if own is None or own == given:
+            continue
+        written = set(save_dtypes(layout.specs[name].hf_keys, tensor.dtype, dtype=dtype,
+                                  fp32_keys_pattern=fp32_keys_pattern))
+        if len(written) == 1 and str(written.pop()).removeprefix("torch.") == given:
+            held[name] = own
+    if not held:
+        return layout
+    return dataclasses.replace(layout, dtypes={**layout.dtypes, **held})
 
 
 def _saved_layout(layout: Layout, meta: KeyMeta) -> Layout:

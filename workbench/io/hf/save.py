@@ -41,6 +41,7 @@ from workbench.io.hf.save_session import _IN_FLIGHT, SaveResult, SaveSession
 from workbench.layout.key_map import KeyMap
 from workbench.layout.model_layout import Layout, layout_and_locals
 from workbench.plan.policy import SavePolicy
+from workbench.plan.save_set import layout_as_held
 from workbench.run.communicator import Communicator
 from workbench.run.guard import RankProblem, SaveFailed, agree, problem_from
 from workbench.run.torch_comm import DEFAULT_TIMEOUT
@@ -201,7 +202,10 @@ def save_hf(
     mine: BaseException | None = None
     tensors: dict[str, torch.Tensor] = {}
     try:  # local checks first, agreed on over the whole world before any group is built: no rank may hang
+        given = layout
         layout, tensors = layout_and_locals(model_or_state_dict, key_map, layout=layout, refuse_unlisted=True)
+        if given is not None:  # a checkpoint's own layout records the dtypes it wrote: read back as the tensors' own
+            layout = layout_as_held(layout, tensors, dtype, fp32_keys_pattern)
         # each tensor is written in its own dtype: a layout that says nothing is told it, one that disagrees fails
         layout = layout.with_tensor_dtypes(tensors)
     except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word (raised after it)
