@@ -1,4 +1,5 @@
-"""Second review of the save's refusal of tensors a given layout does not list (``_refuse_unlisted``)."""
+"""`save_hf(layout=...)` refuses a tensor the layout does not list unless a callable key map leaves it out: a key-map
+table that misses it is a gap, not a choice; a state entry that is no tensor (extra state) is not asked about."""
 
 from __future__ import annotations
 
