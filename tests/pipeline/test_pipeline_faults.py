@@ -234,7 +234,7 @@ def test_an_error_in_one_stage_writer_fails_every_rank_naming_it(tmp_path: Path)
     # a stage tensor the stage layout does not list: refused, naming it, and the old checkpoint stays
     unlisted = ("LayoutError: the model holds 1 tensor(s) that the layout 'layout[pp=1]' does not list: "
                 "['model.layers.1.proj.bias']; they would be missing from the checkpoint. Add them to the layout, or "
-                "leave them out on purpose with a key map that maps them to None")
+                "leave them out on purpose with a callable key map that maps them to None")
     _check_failed(tmp_path, results, BY_NAME["unlisted-param"], unlisted)
 
 
