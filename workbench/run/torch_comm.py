@@ -135,7 +135,7 @@ class TorchCommunicator:
         backend = str(dist.get_backend())
         # gloo gathers into a flat scratch buffer of the output's size, then copies it out (measured: a 200 MB
         # gather raises the peak RSS by 200 MB beyond its output); NCCL writes the output in place
-        self.gather_scratch = "gloo" in backend and "nccl" not in backend
+        gloo_scratch = "gloo" in backend and "nccl" not in backend
         self._control = control_group(timeout)
         self._groups: dict[MeshDimRef, Any] = {}
         self._flags: dict[MeshDimRef, Any] = {}
@@ -150,6 +150,13 @@ class TorchCommunicator:
             self._bind_order(ref, mesh.group_ranks(self.rank, ref))
             self._groups[ref] = _subgroup(groups, None, self.timeout)
             self._flags[ref] = self._groups[ref] if backend == "gloo" else _subgroup(groups, "gloo", self.timeout)
+        # every gather needs a second buffer of its output's size while the output lives: gloo's scratch, or the copy
+        # that puts a group listed out of torch's order back in the mesh's order (``all_gather``; it follows gloo's
+        # scratch, freed by then, so gloo needs no more). Any group of the mesh, not only this rank's: the schedule
+        # the flag sizes must be the same on every rank
+        self.gather_scratch = gloo_scratch or any(
+            list(g) != sorted(g) for ref in self._groups for g in mesh.groups(ref)
+        )
 
     def _bind_order(self, ref: MeshDimRef, members: Sequence[int]) -> None:
         """Remember this rank's group along ``ref`` as global ranks in mesh order. torch numbers a group's ranks in
