@@ -16,10 +16,10 @@ from workbench.layout.coverage import CoverageReport
 from workbench.layout.key_map import KeyMap, clean_names, resolve_key_map
 from workbench.layout.layout_toml import layout_to_toml
 from workbench.layout.load_spec import LoadSpec
-from workbench.memo import LRU
+from workbench.memo import LRU, remember_by_identity
 from workbench.mesh import MeshDimRef, MeshSpec
 
-__all__ = ["Layout", "layout_and_locals", "local_tensors", "sub_mesh_refs"]
+__all__ = ["Layout", "held_whole_by_every_rank", "layout_and_locals", "local_tensors", "replicated_on", "sub_mesh_refs"]
 
 
 @dataclass(frozen=True, slots=True)
@@ -361,6 +361,28 @@ def layout_and_locals(
     locals_ = _locals_of(tensors, layout)  # checked before it is remembered: no meta model is remembered
     _MODEL_LAYOUTS.put(id(model), (weakref.ref(model), _Remembered.of(key_map, tensors, layout)))
     return layout, locals_
+
+
+def replicated_on(layout: Layout, mesh: MeshSpec) -> Layout:
+    """``layout``'s parameters, each held whole by every rank of ``mesh`` (no cut), with their keys and dtypes."""
+    specs = {name: LoadSpec(name=name, hf_keys=spec.hf_keys, global_shape=spec.global_shape, mesh=mesh,
+                            fused_dim=spec.fused_dim, origin_shape=spec.origin_shape)
+             for name, spec in layout.specs.items()}
+    return Layout(mesh, specs, dict(layout.dtypes), name=layout.name)
+
+
+_WORLD_LAYOUTS = LRU(8)
+
+
+def held_whole_by_every_rank(layout: Layout, world: int) -> Layout:
+    """The layout of a model of plain tensors (one rank, no cut) that every rank of a world of ``world`` holds whole
+    (DDP, or a model each rank builds alike): every parameter replicated over the whole world, on a mesh
+    ``("world",)`` of ``world`` ranks, so a save spreads its writers and a load reads each key once. Any other
+    layout, or a world of one, as it is. Remembered per layout object."""
+    if world == 1 or layout.mesh.size != 1 or any(spec.shards for spec in layout.specs.values()):
+        return layout
+    return remember_by_identity(_WORLD_LAYOUTS, (layout,), world,
+                                lambda: replicated_on(layout, MeshSpec((world,), ("world",))))
 
 
 def remembered_locals(model: Any, layout: Layout) -> dict[str, torch.Tensor] | None:

@@ -12,6 +12,7 @@ from pathlib import Path
 from typing import Any, Literal, TypeVar
 
 import torch
+import torch.distributed as dist
 
 from workbench.display import html_of
 from workbench.errors import CheckpointError, LayoutError
@@ -28,7 +29,7 @@ from workbench.io.hf.tied import tie_problem, untie
 from workbench.layout.fp8 import SCALE_SUFFIX
 from workbench.layout.key_map import KeyMap
 from workbench.layout.load_spec import LoadSpec
-from workbench.layout.model_layout import Layout, layout_and_locals
+from workbench.layout.model_layout import Layout, held_whole_by_every_rank, layout_and_locals
 from workbench.memo import LRU
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 from workbench.plan.load_plan import Adapter, HFLoadPlan, expected_key_shape, plan_hf_load
@@ -193,7 +194,10 @@ def load_hf(
     stage = _CHECKING
     started: _StartedReads | None = None
     try:
+        given = layout
         layout, targets = layout_and_locals(model_or_state_dict, key_map, layout=layout)
+        if given is None:  # plain tensors on every rank of a world of several (DDP): replicated over the world
+            layout = held_whole_by_every_rank(layout, dist.get_world_size() if dist.is_initialized() else 1)
         if rank >= layout.mesh.size:  # before the checks: say what a pipeline stage's load needs
             raise LayoutError(
                 f"rank {rank} is not in the layout's mesh {layout.mesh!r} ({layout.mesh.size} ranks): a pipeline "

@@ -30,6 +30,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
+import torch.distributed as dist
 
 from workbench.errors import CheckpointError
 from workbench.io.files.direct import DEFAULT_MIN_SEGMENT_BYTES
@@ -39,7 +40,7 @@ from workbench.io.files.snapshot import Snapshotter
 from workbench.io.hf.early_snapshot import remember_direct_plan, take_early
 from workbench.io.hf.save_session import _IN_FLIGHT, SaveResult, SaveSession
 from workbench.layout.key_map import KeyMap
-from workbench.layout.model_layout import Layout, layout_and_locals
+from workbench.layout.model_layout import Layout, held_whole_by_every_rank, layout_and_locals
 from workbench.plan.policy import SavePolicy
 from workbench.plan.save_set import layout_as_held
 from workbench.run.communicator import Communicator
@@ -206,6 +207,8 @@ def save_hf(
         layout, tensors = layout_and_locals(model_or_state_dict, key_map, layout=layout, refuse_unlisted=True)
         if given is not None:  # a checkpoint's own layout records the dtypes it wrote: read back as the tensors' own
             layout = layout_as_held(layout, tensors, dtype, fp32_keys_pattern)
+        elif comm is None:  # plain tensors on every rank of a world of several (DDP): replicated over the world
+            layout = held_whole_by_every_rank(layout, dist.get_world_size() if dist.is_initialized() else 1)
         # each tensor is written in its own dtype: a layout that says nothing is told it, one that disagrees fails
         layout = layout.with_tensor_dtypes(tensors)
     except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word (raised after it)

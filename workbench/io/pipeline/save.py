@@ -45,8 +45,7 @@ from workbench.io.files.publish import AtomicRenamePublisher
 from workbench.io.files.publish_types import temporary_path
 from workbench.io.hf.save_planning import RESERVED_NAMES
 from workbench.layout.layout_file import LAYOUT_FILE_NAME, read_checkpoint_layout
-from workbench.layout.load_spec import LoadSpec
-from workbench.layout.model_layout import Layout
+from workbench.layout.model_layout import Layout, replicated_on
 from workbench.layout.pipeline import PipelineLayout
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 from workbench.run.guard import (
@@ -182,11 +181,7 @@ def _pure_pipeline(layout: Layout, pp_dim: str, world: int) -> Layout:
     and holds its parameters whole, on a mesh of ``pp_dim`` alone. Any other layout as it is."""
     if world == 1 or layout.mesh.size != 1 or pp_dim in layout.mesh.dim_names:
         return layout
-    mesh = MeshSpec((world,), (pp_dim,))
-    specs = {name: LoadSpec(name=name, hf_keys=spec.hf_keys, global_shape=spec.global_shape, mesh=mesh,
-                            fused_dim=spec.fused_dim, origin_shape=spec.origin_shape)
-             for name, spec in layout.specs.items()}
-    return Layout(mesh, specs, dict(layout.dtypes), name=layout.name)
+    return replicated_on(layout, MeshSpec((world,), (pp_dim,)))
 
 
 def save_hf_pipeline(
