@@ -103,7 +103,8 @@ class StageCommunicator(TorchCommunicator):
         refs = {d.mesh_dim for layout in pipeline.stages for spec in layout.specs.values() for d in spec.shards}
         backend = str(dist.get_backend())
         gloo = backend == "gloo"
-        self.gather_scratch = "gloo" in backend and "nccl" not in backend  # as TorchCommunicator: gloo's scratch
+        gloo_scratch = "gloo" in backend and "nccl" not in backend  # as TorchCommunicator: gloo's scratch
+        reordered = False  # a group whose global ranks are not in torch's (sorted) order: its gathers are copied back
         self._groups: dict[MeshDimRef, Any] = {}
         self._flags: dict[MeshDimRef, Any] = {}
         self._sizes: dict[MeshDimRef, int] = {}
@@ -117,8 +118,12 @@ class StageCommunicator(TorchCommunicator):
                 continue
             self._bind_order(ref, [mine[r] for r in self.mesh.group_ranks(self.rank, ref)])
             partition = [[pipeline.stage_ranks(s)[r] for r in g] for s in range(count) for g in local]
+            reordered = reordered or any(g != sorted(g) for g in partition)
             self._groups[ref] = _partition(partition, None, timeout)
             self._flags[ref] = self._groups[ref] if gloo else _partition(partition, "gloo", timeout)
+        # as TorchCommunicator: a second buffer of a gather's size, gloo's scratch or the reorder copy, decided from
+        # every stage's groups so that every rank plans the same schedule
+        self.gather_scratch = gloo_scratch or reordered
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Small objects from every rank of the stage, in stage-local rank order."""
