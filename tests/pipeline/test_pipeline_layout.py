@@ -155,3 +155,10 @@ def test_the_cli_reads_a_pipeline_file_whose_lists_span_lines(tmp_path: Path, ca
     layout.write_text(_listed('stage_params = [\n  ["b"],\n  ["a"],\n]'))
     assert main(["diff", str(tmp_path / "ckpt"), str(tmp_path / "ckpt"), "--layout", str(layout)]) == 0, (
         capsys.readouterr())
+
+
+def test_a_key_map_passed_by_position_is_named_not_a_type_error_deep_inside() -> None:
+    from workbench.io.pipeline.save import pipeline_layout_from_model
+
+    with pytest.raises(LayoutError, match=r"pp_dim must be the pipeline's mesh dim name, got <function .*key_map="):
+        pipeline_layout_from_model({}, lambda name: name)

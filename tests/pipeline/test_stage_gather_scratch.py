@@ -35,3 +35,4 @@ def test_every_rank_of_every_stage_counts_a_reorder_copy(monkeypatch: pytest.Mon
             finally:
                 torch_comm.forget_groups()
     assert flags == dict.fromkeys(range(4), want)
+

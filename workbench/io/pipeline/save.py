@@ -150,6 +150,9 @@ def pipeline_layout_from_model(
         LayoutError: this rank's own model could not be read, a parameter name held by two stages, or stages that
             disagree on the mesh. RanksFailed: another rank could not read its model (named with the cause).
     """
+    if not isinstance(pp_dim, str):  # a key map passed by position lands here
+        raise LayoutError(f"pipeline_layout_from_model: pp_dim must be the pipeline's mesh dim name, got {pp_dim!r} "
+                          "(pass a key map by keyword: key_map=...)")
     channel = ControlChannel(timeout)
     mine: Any = None
     problem = None
