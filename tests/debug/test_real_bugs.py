@@ -98,3 +98,24 @@ def test_a_transposed_expert_down_proj_is_not_told_to_stay_untransposed(tmp_path
         assert "S(0)@ep" not in (f.transform or "") and "S(0)@fsdp" not in (f.transform or ""), report.to_text()
         assert "do not transpose" not in f.hint, report.to_text()
         assert "transpose" in f.hint, report.to_text()
+
+
+def test_a_stale_key_map_that_saved_stacked_or_fused_experts_is_told_to_split_them_not_to_drop_them(tmp_path) -> None:
+    # the runtime's tensors kept under their own names: gate/up stacked per expert [E, 2I, H] (each slice gate then
+    # up), down fused flat [E * H, I] in reverse expert order; every byte of the missing keys is there
+    good = {**_experts(), "model.norm.weight": torch.ones(HIDDEN)}
+    gate_up = [k for e in range(EXPERTS) for k in (f"{PREFIX}.{e}.gate_proj.weight", f"{PREFIX}.{e}.up_proj.weight")]
+    down = [f"{PREFIX}.{e}.down_proj.weight" for e in reversed(range(EXPERTS))]
+    bad = {"model.norm.weight": good["model.norm.weight"],
+           f"{PREFIX}.gate_up_proj": torch.stack([torch.cat([good[gate_up[2 * e]], good[gate_up[2 * e + 1]]])
+                                                  for e in range(EXPERTS)]),
+           f"{PREFIX}.fused_w2": torch.cat([good[k] for k in down])}
+    report = diagnose(write(tmp_path / "bad", bad), write(tmp_path / "ref", good))
+    assert {f.kind for f in report.findings} == {"renamed_key"}, report.to_text()
+    (stacked,) = report.by_key(f"{PREFIX}.gate_up_proj")
+    assert stacked.evidence["expected_keys"] == gate_up, report.to_text()
+    assert "stacked on a new dim 0" in stacked.transform and "drop it or map it" not in stacked.hint, report.to_text()
+    assert "stale" in stacked.hint and "split" in stacked.hint, report.to_text()
+    (fused,) = report.by_key(f"{PREFIX}.fused_w2")
+    assert fused.evidence["expected_keys"] == down, report.to_text()
+    assert "concatenated on dim 0" in fused.transform and "[3, 2, 1, 0]" in fused.transform, report.to_text()

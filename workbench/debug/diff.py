@@ -34,6 +34,7 @@ from workbench.debug.renames import (
     shifted_back,
 )
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, CheckpointSource, KeyMeta, Source
+from workbench.debug.stacked import MissingByContent, find_joined, joined_finding
 from workbench.debug.transforms import Hint, gate_up_groups, gate_up_hints
 from workbench.debug.views import TensorView
 from workbench.errors import LayoutError
@@ -502,6 +503,15 @@ def compare_sources(
             renamed.update(parts)
             rest_unexpected.remove(u)
             out.append(_fused_finding(u, parts))
+    stacked = MissingByContent(ref_metas, sorted(left_missing - renamed),
+                               lambda m: _digest(ref, m, 0, ref_metas[m].nbytes, block_bytes))
+    for u in list(rest_unexpected):  # a stale key map: several missing keys stacked or fused under one key
+        found = find_joined(u, act_metas[u], stacked, renamed,
+                            lambda a, b, u=u: _digest(act, u, a, b, block_bytes))
+        if found is not None:
+            renamed.update(found.parts)
+            rest_unexpected.remove(u)
+            out.append(joined_finding(found, act_metas[u], ref_metas))
     maybe = fused_by_shape({u: act_metas[u].shape for u in rest_unexpected},
                            {m: ref_metas[m].shape for m in missing if m not in renamed})
     inside = {part: u for u, sets in maybe.items() for part in sets[0]}

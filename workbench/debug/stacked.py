@@ -1,0 +1,192 @@
+"""An unexpected key that holds several missing keys back to back: a stale key map saved the runtime's tensor.
+
+A runtime that stacks experts (``mlp.experts.gate_up_proj`` ``[E, 2I, H]``) or fuses them (``fused_w1w3``
+``[E * 2I, H]``) and a key map that no longer splits it leave one key where the reference has many. Such a key's
+bytes are the missing keys' bytes in some order: it is cut at their sizes and each piece looked up by content hash
+among the missing keys whose shape fits (one digest of each missing key, made once, a group of one shape and dtype
+at a time), so the cost is one read of each key involved.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+
+from workbench.debug.findings import Finding
+from workbench.debug.source import KeyMeta
+from workbench.name_patterns import compress_indices, split_template
+
+__all__ = ["Joined", "MissingByContent", "find_joined", "joined_finding"]
+
+MAX_PARTS = 4096  # pieces of one key looked up (a stacked MoE layer: 2 per expert)
+_MAX_SIZES = 4  # part sizes tried at each offset
+_SHOWN = 4  # parts named in the words of an order with no pattern
+
+Group = tuple[tuple[int, ...], str]  # (shape, dtype)
+
+
+class MissingByContent:
+    """Missing reference keys indexed by (shape, dtype), each group digested whole on first use."""
+
+    def __init__(self, metas: Mapping[str, KeyMeta], keys: Sequence[str], digest: Callable[[str], bytes]) -> None:
+        self.metas = metas
+        self.digest = digest
+        self.groups: dict[Group, list[str]] = {}
+        for k in sorted(keys):
+            self.groups.setdefault((metas[k].shape, metas[k].dtype), []).append(k)
+        self._index: dict[Group, dict[bytes, list[str]]] = {}
+        self.digests: dict[str, bytes] = {}
+
+    def keys_with(self, group: Group, fingerprint: bytes) -> list[str]:
+        """The keys of ``group`` whose bytes digest to ``fingerprint``."""
+        index = self._index.get(group)
+        if index is None:
+            index = self._index[group] = {}
+            for k in self.groups[group]:
+                self.digests[k] = self.digest(k)
+                index.setdefault(self.digests[k], []).append(k)
+        return index.get(fingerprint, [])
+
+
+@dataclass(frozen=True, slots=True)
+class Joined:
+    """What an unexpected key holds: ``parts`` in order; ``slices``: the parts of each dim-0 slice when stacked on a
+    new dim 0 (None when concatenated on dim 0)."""
+
+    key: str
+    parts: tuple[str, ...]
+    slices: tuple[tuple[str, ...], ...] | None
+
+
+def _fits(part: tuple[int, ...], whole: tuple[int, ...]) -> bool:
+    """Whether a part of shape ``part`` can be a piece of ``whole`` concatenated on dim 0, stacked on a new dim 0, or
+    concatenated on dim 0 within each stacked slice."""
+    return (len(part) == len(whole) and part[1:] == whole[1:]) or \
+        (len(part) == len(whole) - 1 and len(part) >= 1 and part[1:] == whole[2:])
+
+
+def find_joined(key: str, meta: KeyMeta, missing: MissingByContent, taken: set[str],
+                piece: Callable[[int, int], bytes]) -> Joined | None:
+    """The missing keys (not in ``taken``) whose bytes ``key`` holds back to back, all of it, in a shape that stacks
+    or concatenates them; ``piece(start, stop)`` digests bytes of ``key``. None at the first piece no key matches."""
+    if len(meta.shape) < 1 or meta.nbytes == 0:
+        return None
+    groups = [g for g in missing.groups if g[1] == meta.dtype and _fits(g[0], meta.shape)]
+    sizes: dict[int, list[Group]] = {}
+    for g in groups:
+        size = missing.metas[missing.groups[g][0]].nbytes
+        if 0 < size < meta.nbytes:
+            sizes.setdefault(size, []).append(g)
+    if not sizes or meta.nbytes // min(sizes) > MAX_PARTS:
+        return None
+    order = sorted(sizes, reverse=True)[:_MAX_SIZES]
+    parts: list[str] = []
+    used = set(taken)
+    at = 0
+    while at < meta.nbytes:
+        hit = None
+        for size in order:
+            if at + size > meta.nbytes:
+                continue
+            fingerprint = piece(at, at + size)
+            hit = next((k for g in sizes[size] for k in missing.keys_with(g, fingerprint) if k not in used), None)
+            if hit is not None:
+                at += size
+                break
+        if hit is None:
+            return None
+        parts.append(hit)
+        used.add(hit)
+    if len(parts) < 2 or len({missing.digests[p] for p in parts}) == 1:
+        return None  # one part, or copies of one tensor (zeros fill any zero buffer): nothing tells them apart
+    return _shaped(key, meta, tuple(parts), missing.metas)
+
+
+def _shaped(key: str, meta: KeyMeta, parts: tuple[str, ...], metas: Mapping[str, KeyMeta]) -> Joined | None:
+    shapes = [metas[p].shape for p in parts]
+    if all(len(s) == len(meta.shape) for s in shapes):
+        return Joined(key, parts, None)
+    if not all(len(s) == len(meta.shape) - 1 for s in shapes):
+        return None
+    slices, current, rows = [], [], 0
+    for p, s in zip(parts, shapes):
+        current.append(p)
+        rows += s[0]
+        if rows > meta.shape[1]:
+            return None  # a part crosses a slice's end: not a stack of whole keys
+        if rows == meta.shape[1]:
+            slices.append(tuple(current))
+            current, rows = [], 0
+    return Joined(key, parts, tuple(slices)) if len(slices) == meta.shape[0] and not current else None
+
+
+def _pattern(chunks: Sequence[Sequence[str]]) -> tuple[str, str] | None:
+    """``("a.{i}.gate + a.{i}.up", "i = 0..3")`` when every chunk is the first one's keys with one index moving (the
+    same index in all of a chunk's keys); None otherwise."""
+    split = [[split_template(k) for k in c] for c in chunks]
+    templates = [t for t, _ in split[0]]
+    numbers = []
+    for c in split:
+        if [t for t, _ in c] != templates or len({n for _, n in c}) != 1:
+            return None
+        numbers.append(c[0][1])
+    moving = [i for i in range(len(numbers[0])) if len({n[i] for n in numbers}) > 1]
+    if len(moving) != 1 or len(set(numbers)) != len(numbers):
+        return None
+    at = moving[0]
+
+    def filled(template: str, n: tuple[int, ...]) -> str:
+        values = ["{i}" if j == at else str(v) for j, v in enumerate(n)]
+        pieces = template.split("{}")
+        return pieces[0] + "".join(v + rest for v, rest in zip(values, pieces[1:]))
+
+    words = " + ".join(filled(t, numbers[0]) for t in templates)
+    index = [n[at] for n in numbers]
+    span = f"i = {compress_indices(index)}" if index == sorted(index) else f"i in the order {index}"
+    return words, span
+
+
+def _listed(parts: Sequence[str]) -> str:
+    shown = list(parts[:_SHOWN]) + (["...", parts[-1]] if len(parts) > _SHOWN + 1 else list(parts[_SHOWN:]))
+    return ", ".join(shown)
+
+
+def _period(parts: Sequence[str]) -> list[tuple[str, ...]] | None:
+    """``parts`` cut into chunks of the shortest length that repeats the same keys with one index moving."""
+    for p in range(1, len(parts) // 2 + 1):
+        if len(parts) % p == 0:
+            chunks = [tuple(parts[i:i + p]) for i in range(0, len(parts), p)]
+            if _pattern(chunks) is not None:
+                return chunks
+    return None
+
+
+def joined_words(found: Joined, meta: KeyMeta, metas: Mapping[str, KeyMeta]) -> str:
+    """How ``found.key`` holds its parts, in their order."""
+    n = len(found.parts)
+    if found.slices is not None:
+        pattern = _pattern(found.slices)
+        per = {len(s) for s in found.slices}
+        inner = " concatenated on dim 0" if per != {1} else ""
+        if pattern is not None:
+            return (f"{n} expected keys stacked on a new dim 0 ({meta.shape[0]} slices): slice i = {pattern[0]}"
+                    f"{inner}, for {pattern[1]}")
+        return (f"{n} expected keys stacked on a new dim 0 ({meta.shape[0]} slices{', each ' if inner else ''}"
+                f"{inner.strip()}), in the order {_listed(found.parts)}")
+    rows = {metas[p].shape[0] for p in found.parts}
+    size = f" of {rows.pop()} rows each" if len(rows) == 1 else ""
+    chunks = _period(found.parts)
+    order = _pattern(chunks) if chunks is not None else None
+    words = f"{order[0]}, for {order[1]}" if order is not None else _listed(found.parts)
+    return f"{n} expected keys{size} concatenated on dim 0, in the order {words}"
+
+
+def joined_finding(found: Joined, meta: KeyMeta, metas: Mapping[str, KeyMeta]) -> Finding:
+    """A ``renamed_key`` finding: the key holds these expected keys, the key map that wrote it is stale."""
+    how = "stacked" if found.slices is not None else "fused"
+    evidence = {"transform": joined_words(found, meta, metas), "parts": len(found.parts), "shape": list(meta.shape),
+                "expected_keys": list(found.parts), "verified": "by content hash of each part"}
+    return Finding("renamed_key", found.key, evidence,
+                   f"the key map that wrote this checkpoint is stale: it saved the runtime's {how} tensor under its "
+                   "own name where the reference has the keys in expected_keys; the weights are all there, so do not "
+                   "drop it: split it into those keys in that order (fix the key map, or have the loader split it)")
