@@ -3,9 +3,11 @@ each built by hand from the layout's own shards: the cause a finding names must 
 
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import torch
+from safetensors.torch import save_file
 
 from tests.debug.corpus import write
 from workbench.debug import diagnose, diff_checkpoints
@@ -119,3 +121,21 @@ def test_a_stale_key_map_that_saved_stacked_or_fused_experts_is_told_to_split_th
     (fused,) = report.by_key(f"{PREFIX}.fused_w2")
     assert fused.evidence["expected_keys"] == down, report.to_text()
     assert "concatenated on dim 0" in fused.transform and "[3, 2, 1, 0]" in fused.transform, report.to_text()
+
+
+def test_the_keys_of_one_data_file_from_an_older_save_are_named_by_that_file(tmp_path) -> None:
+    # the reference in several files; one file of the checkpoint replaced by the same file of an earlier save (same
+    # keys, other values): every key of that file differs, every other file's keys are equal
+    good, older = _experts(seed=0), _experts(seed=1)
+    ref = write(tmp_path / "ref", good, max_shard_bytes=1024)
+    bad = write(tmp_path / "bad", good, max_shard_bytes=1024)
+    weight_map = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
+    stale = sorted(set(weight_map.values()))[1]
+    keys = sorted(k for k, f in weight_map.items() if f == stale)
+    assert len(keys) >= 2 and len(set(weight_map.values())) >= 3
+    save_file({k: older[k] for k in keys}, bad / stale, metadata={"format": "pt"})
+    report = diagnose(bad, ref)
+    assert sorted(f.key for f in report.findings) == keys, report.to_text()
+    for f in report.findings:
+        assert f.kind == "value_mismatch" and f.evidence["file"] == stale, report.to_text()
+        assert stale in f.hint and "another save" in f.hint and "another step" not in f.hint, report.to_text()

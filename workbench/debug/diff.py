@@ -603,15 +603,47 @@ def compare_sources(
             out.append(_read_error(ak, exc))
             continue
         data_findings.append((finding, [(rk, ak)]))
+    stale = _stale_file(act, [ak for _, ak in mismatched], [ak for _, ak in pairs],
+                        all(f.kind == "value_mismatch" for f, _ in data_findings))
     for i, (finding, keys) in enumerate(data_findings):
         if provenance is not None and i < _MAX_BLAMED:
             finding = _with_ranks(finding, keys, ref, act, ref_metas, act_metas, provenance, block_bytes)
+        if stale is not None:
+            finding = Finding(finding.kind, finding.key, {**finding.evidence, "file": stale[0],
+                                                          "file_keys": stale[1]}, _stale_file_hint(*stale))
         out.append(finding)
     stats.update(equal=equal, differing=len(mismatched))
     read = sum(getattr(s, "bytes_read", 0) for s in (ref, act))
     if read:
         stats["bytes_read"] = read
     return Report(subject=subject or act.label, reference=reference or ref.label, findings=tuple(out), stats=stats)
+
+
+def _stale_file(act: Source, differing: Sequence[str], compared: Sequence[str], values_only: bool
+                ) -> tuple[str, int, int] | None:
+    """``(file, its compared keys, how many differ)``: the one data file that holds all the ``differing`` keys (two
+    or more, no transform explaining any: ``values_only``) while every key of every other file is equal."""
+    index = getattr(act, "index", None)
+    if index is None or len(differing) < 2 or not values_only:
+        return None
+    files = {index.weight_map.get(k) for k in differing}
+    file = files.pop() if len(files) == 1 else None
+    if file is None:
+        return None
+    in_file = {k for k in compared if index.weight_map.get(k) == file}
+    if len(in_file) == len(set(compared)):
+        return None  # no other file to tell a stale file from a bad save
+    return file, len(in_file), len(set(differing))
+
+
+def _stale_file_hint(file: str, keys: int, differing: int) -> str:
+    if differing == keys:
+        return (f"every key of {file} differs from the reference and the keys of every other file are equal: {file} "
+                "is likely a stale copy from another save (an earlier step or another run, left in place or copied "
+                f"in), not a bug of this save: copy this save's {file} again, or re-save")
+    return (f"the differing keys are all in {file} ({differing} of its {keys}; its other keys and those of every other "
+            f"file are equal): {file} may be a stale copy from another save whose other keys did not change (frozen, "
+            f"or rounded to the same values); compare it with this save's {file} and copy that again, or re-save")
 
 
 def _read_error(key: str, exc: OSError) -> Finding:
