@@ -139,3 +139,23 @@ def test_the_keys_of_one_data_file_from_an_older_save_are_named_by_that_file(tmp
     for f in report.findings:
         assert f.kind == "value_mismatch" and f.evidence["file"] == stale, report.to_text()
         assert stale in f.hint and "another save" in f.hint and "another step" not in f.hint, report.to_text()
+
+
+def test_an_index_that_maps_one_key_to_the_wrong_file_is_one_entry_to_fix_not_a_resave(tmp_path) -> None:
+    good = _experts()
+    ref = write(tmp_path / "ref", good, max_shard_bytes=1024)
+    bad = write(tmp_path / "bad", good, max_shard_bytes=1024)
+    index = bad / "model.safetensors.index.json"
+    body = json.loads(index.read_text())
+    key = f"{PREFIX}.2.up_proj.weight"
+    holder = body["weight_map"][key]
+    wrong = next(f for f in sorted(set(body["weight_map"].values())) if f != holder)
+    body["weight_map"][key] = wrong
+    index.write_text(json.dumps(body))
+    report = diagnose(bad, ref)
+    (finding,) = report.findings
+    assert finding.kind == "index_inconsistent" and finding.key == key, report.to_text()
+    assert finding.evidence["file"] == wrong and finding.evidence["found_in"] == holder, report.to_text()
+    assert f"maps {key} to {wrong} but it is in {holder}" in finding.hint, report.to_text()
+    assert "re-save" not in finding.hint and "different saves" not in finding.hint, report.to_text()
+    assert report.stats["equal"] == len(good), report.to_text()  # the key's values are compared from where it is

@@ -9,7 +9,8 @@ would escape the folder (refused before any file is opened), keys the index does
 from __future__ import annotations
 
 import re
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from workbench.debug.findings import Finding
@@ -215,7 +216,10 @@ def scan_for_findings(path: Path | str) -> ScanResult:
     if index is None or unreadable:
         error = "; ".join(unreadable or problems) or f"{path}: not a checkpoint"
         return ScanResult(index, tuple(findings), error)
+    index, moved = _moved_keys(index, problems)
+    problems = [p for p in problems if _classify(p, index.directory).key not in moved]
     findings.extend(_classify(p, index.directory) for p in problems)
+    findings.extend(_moved_finding(key, named, file) for key, (named, file) in moved.items())
     if index.index_file is not None:
         findings.extend(_stray_files(index.directory, set(index.weight_map.values())))
     for file, extra in index.unlisted_keys.items():
@@ -238,6 +242,52 @@ def scan_for_findings(path: Path | str) -> ScanResult:
                                 "metadata.total_size disagrees with the headers: the index was edited or comes "
                                 "from another save; rebuild it"))
     return ScanResult(index, tuple(findings))
+
+
+def _moved_keys(index: CheckpointIndex, problems: Sequence[str]) -> tuple[CheckpointIndex, dict[str, tuple[str, str]]]:
+    """Keys the weight_map maps to a file whose header lacks them, found whole in one other file of the checkpoint
+    (which the map does not name for them): ``(the index with those keys read from where they are, {key: (named
+    file, file that holds it)})``."""
+    lost = {key for p in problems if (key := _listed_not_in_header(p)) is not None}
+    holders: dict[str, list[str]] = {}
+    for file, extra in index.unlisted_keys.items():
+        for key in extra:
+            if key in lost and key not in index.keys:
+                holders.setdefault(key, []).append(file)
+    moved: dict[str, tuple[str, str]] = {}
+    found: dict[str, KeyInfo] = {}
+    headers: dict[str, tuple[dict[str, KeyInfo], list[str]]] = {}
+    for key, files in holders.items():
+        if len(files) != 1:
+            continue
+        if files[0] not in headers:
+            header, _, bad = read_header(index.path_of(files[0]))
+            headers[files[0]] = header, bad
+        header, bad = headers[files[0]]
+        if key in header and not bad:
+            moved[key] = (index.weight_map[key], files[0])
+            found[key] = header[key]
+    if not moved:
+        return index, {}
+    unlisted = {f: tuple(k for k in keys if k not in moved) for f, keys in index.unlisted_keys.items()}
+    return replace(index, weight_map={**index.weight_map, **{k: f for k, (_, f) in moved.items()}},
+                   keys={**index.keys, **found}, unlisted_keys={f: keys for f, keys in unlisted.items() if keys}), moved
+
+
+def _listed_not_in_header(problem: str) -> str | None:
+    """The key of a "listed in the weight_map but not in this file's header" problem, else None."""
+    _, _, detail = problem.partition(": ")
+    match = _KEY_IN_PROBLEM.search(detail)
+    return match.group(1) if match and "is listed in the weight_map" in detail and "not in this file's header" in \
+        detail else None
+
+
+def _moved_finding(key: str, named: str, holder: str) -> Finding:
+    return Finding("index_inconsistent", key, {"file": named, "found_in": holder, "detail": f"the weight_map maps "
+                   f"the key to {named}, whose header lacks it; it is whole in {holder}, which the weight_map does not "
+                   "name for it (its values are compared from there)"},
+                   f"the index maps {key} to {named} but it is in {holder}: fix that one weight_map entry (HF "
+                   "loaders fail on it until then); the rest of the index agrees with the files")
 
 
 def _fallback(path: Path, findings: list[Finding]) -> ScanResult:
