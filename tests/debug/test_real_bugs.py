@@ -123,22 +123,38 @@ def test_a_stale_key_map_that_saved_stacked_or_fused_experts_is_told_to_split_th
     assert "concatenated on dim 0" in fused.transform and "[3, 2, 1, 0]" in fused.transform, report.to_text()
 
 
-def test_the_keys_of_one_data_file_from_an_older_save_are_named_by_that_file(tmp_path) -> None:
-    # the reference in several files; one file of the checkpoint replaced by the same file of an earlier save (same
-    # keys, other values): every key of that file differs, every other file's keys are equal
+def _one_file_from_an_older_save(tmp_path: Path, frozen: int) -> tuple[Path, Path, str, list[str]]:
+    """The reference in several files, and a copy whose second file comes from an earlier save (same keys, other
+    values but for its first ``frozen`` keys): ``(reference, copy, that file, its keys)``."""
     good, older = _experts(seed=0), _experts(seed=1)
     ref = write(tmp_path / "ref", good, max_shard_bytes=1024)
     bad = write(tmp_path / "bad", good, max_shard_bytes=1024)
     weight_map = json.loads((bad / "model.safetensors.index.json").read_text())["weight_map"]
     stale = sorted(set(weight_map.values()))[1]
     keys = sorted(k for k, f in weight_map.items() if f == stale)
-    assert len(keys) >= 2 and len(set(weight_map.values())) >= 3
-    save_file({k: older[k] for k in keys}, bad / stale, metadata={"format": "pt"})
+    assert len(keys) >= 2 + frozen and len(set(weight_map.values())) >= 3
+    save_file({k: good[k] if i < frozen else older[k] for i, k in enumerate(keys)}, bad / stale,
+              metadata={"format": "pt"})
+    return ref, bad, stale, keys
+
+
+def test_the_keys_of_one_data_file_from_an_older_save_are_named_by_that_file(tmp_path) -> None:
+    # every key of that file differs, every other file's keys are equal
+    ref, bad, stale, keys = _one_file_from_an_older_save(tmp_path, frozen=0)
     report = diagnose(bad, ref)
     assert sorted(f.key for f in report.findings) == keys, report.to_text()
     for f in report.findings:
         assert f.kind == "value_mismatch" and f.evidence["file"] == stale, report.to_text()
         assert stale in f.hint and "another save" in f.hint and "another step" not in f.hint, report.to_text()
+
+
+def test_an_older_file_whose_frozen_keys_did_not_change_is_still_named(tmp_path) -> None:
+    ref, bad, stale, keys = _one_file_from_an_older_save(tmp_path, frozen=1)
+    report = diagnose(bad, ref)
+    assert sorted(f.key for f in report.findings) == keys[1:], report.to_text()
+    for f in report.findings:
+        assert f.evidence["file"] == stale and f.evidence["file_keys"] == len(keys), report.to_text()
+        assert f"{len(keys) - 1} of its {len(keys)}" in f.hint and "another save" in f.hint, report.to_text()
 
 
 def test_an_index_that_maps_one_key_to_the_wrong_file_is_one_entry_to_fix_not_a_resave(tmp_path) -> None:
