@@ -175,3 +175,20 @@ def test_an_index_that_maps_one_key_to_the_wrong_file_is_one_entry_to_fix_not_a_
     assert f"maps {key} to {wrong} but it is in {holder}" in finding.hint, report.to_text()
     assert "re-save" not in finding.hint and "different saves" not in finding.hint, report.to_text()
     assert report.stats["equal"] == len(good), report.to_text()  # the key's values are compared from where it is
+
+
+def test_against_a_layout_a_stale_key_map_s_stacked_experts_are_not_a_key_to_drop(tmp_path) -> None:
+    path, _ = _layout(tmp_path)
+    good = _experts()
+    bad = {f"{PREFIX}.gate_up_proj": torch.stack([torch.cat([good[f"{PREFIX}.{e}.gate_proj.weight"],
+                                                             good[f"{PREFIX}.{e}.up_proj.weight"]])
+                                                  for e in range(EXPERTS)]),
+           f"{PREFIX}.down_proj": torch.stack([good[f"{PREFIX}.{e}.down_proj.weight"] for e in range(EXPERTS)])}
+    report = diagnose(write(tmp_path / "bad", bad), path)
+    for key, proj in ((f"{PREFIX}.gate_up_proj", "gate_proj"), (f"{PREFIX}.down_proj", "down_proj")):
+        (finding,) = report.by_key(key)
+        assert "stale" in finding.hint and "do not drop it" in finding.hint, report.to_text()
+        assert f"{PREFIX}.{{0..3}}.{proj}.weight" in finding.hint, report.to_text()
+    for f in report.findings:
+        if f.kind == "missing_key":
+            assert "re-save with it" not in f.hint, report.to_text()

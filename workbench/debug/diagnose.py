@@ -100,6 +100,44 @@ def _expected_keys(layout: Layout) -> dict[str, tuple[tuple[int, ...], str | Non
     return out
 
 
+_MAX_NEAR = 16384  # missing keys under one module tried as the parts of one stacked key
+
+
+def _stacked_by_shape(unexpected: Mapping[str, Any], missing: Mapping[str, tuple[tuple[int, ...], str | None, str]]
+                      ) -> dict[str, list[str]]:
+    """Unexpected keys whose elements are exactly those of the two or more missing keys under their own module that
+    fit their shape (stacked on a new dim 0, or joined on dim 0: ``experts.gate_up_proj`` ``[E, 2I, H]`` for each
+    expert's gate and up), by shapes and dtypes only."""
+    by_module: dict[str, list[str]] = {}
+    for m in missing:
+        parent = m.rsplit(".", 1)[0]
+        while "." in parent:
+            by_module.setdefault(parent, []).append(m)
+            parent = parent.rsplit(".", 1)[0]
+    out = {}
+    for u, meta in unexpected.items():
+        shape = tuple(meta.shape)
+        near = by_module.get(u.rsplit(".", 1)[0], ())
+        if len(near) > _MAX_NEAR:
+            continue  # a whole model's keys under one module (a prefix dropped): not one stale key map's stack
+        pool = [m for m in near if missing[m][1] in (None, meta.dtype) and _fits(missing[m][0], shape)]
+        if len(pool) >= 2 and sum(math.prod(missing[m][0]) for m in pool) == math.prod(shape):
+            out[u] = sorted(pool)
+    return out
+
+
+def _fits(part: tuple[int, ...], whole: tuple[int, ...]) -> bool:
+    """Whether ``part`` can be a piece of ``whole`` joined on dim 0, or of one of its slices stacked on a new dim 0."""
+    return bool(whole) and ((len(part) == len(whole) and part[1:] == whole[1:])
+                            or (len(part) == len(whole) - 1 and len(part) >= 1 and part[1:] == whole[2:]))
+
+
+def _patterns(keys: list[str]) -> str:
+    from workbench.name_patterns import group_by_pattern
+
+    return ", ".join(g.pattern for g in group_by_pattern(keys))
+
+
 def _key_extent(spec: LoadSpec, rank: int, key: str, dim: int) -> tuple[tuple[int, int], ...]:
     """The spans of ``key`` on ``dim`` that ``rank`` holds (empty when it holds none of the key)."""
     return tuple(sorted((r.key_offset[dim], r.key_offset[dim] + r.sizes[dim])
@@ -194,6 +232,9 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
         fused = {k: sets[0] for k, sets in fused_by_shape({k: metas[k].shape for k in unexpected if k not in done},
                                                           {k: expected[k][0] for k in missing if k not in renamed}
                                                           ).items()}
+        stacked = _stacked_by_shape({k: metas[k] for k in unexpected if k not in done and k not in fused},
+                                    {k: expected[k] for k in missing if k not in renamed})
+        fused.update(stacked)
         inside = {part: k for k, parts in fused.items() for part in parts}
         for k in missing:
             if k not in renamed:
@@ -201,14 +242,18 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
                         "ranks dropped while consolidating?)")
                 if k in inside:
                     share = "half" if len(fused[inside[k]]) == 2 else "part"
-                    hint = (f"by shape it may be {share} of {inside[k]} (fused on dim 0 with sibling keys): split "
-                            "that key in the key map, or save unfused")
+                    hint = (f"by shape it may be {share} of {inside[k]} (fused or stacked on dim 0 with sibling keys): "
+                            "split that key in the key map, or save unfused")
                 out.append(Finding("missing_key", k, {"expected_shape": list(expected[k][0]),
                                                       "parameter": expected[k][2], **held_by(layout, k)}, hint))
         for k in unexpected:
             if k not in done:
                 hint = "the layout has no such key: add it to the key map, or drop it once you know it is not needed"
-                if k in fused:
+                if k in stacked:
+                    hint = (f"by shape it may be the {len(fused[k])} keys {_patterns(fused[k])} stacked or fused on "
+                            "dim 0, all of them (the layout expects them apart): the key map that wrote it is stale; "
+                            "split it in the key map or the loader; do not drop it, it may hold their weights")
+                elif k in fused:
                     hint = (f"by shape it may be {listing(fused[k])} fused on dim 0 (the layout expects them apart): "
                             "split it in the key map, or save unfused; do not drop it, it may hold their weights")
                 out.append(Finding("unexpected_key", k, {"shape": list(metas[k].shape), "dtype": metas[k].dtype},
