@@ -18,19 +18,13 @@ def _gather_peak() -> dict:
     comm = TorchCommunicator(MeshSpec((2,), ("fsdp",)), ["fsdp"])
     send = torch.ones(16 * MiB, dtype=torch.float32)  # 64 MiB sent, 128 MiB gathered
     comm.all_gather(torch.ones(8), "fsdp")  # warm the group up
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM
-    except OSError:
+    from tests.peak_rss import peak_bytes, reset_peak
+
+    if not reset_peak():
         return {"skip": True}
-
-    def hwm() -> int:
-        with open("/proc/self/status") as f:
-            return int(f.read().split("VmHWM:")[1].split()[0]) * 1024
-
-    before = hwm()
+    before = peak_bytes()
     out = comm.all_gather(send, "fsdp")
-    return {"skip": False, "scratch": comm.gather_scratch, "increase": hwm() - before, "out": out.numel() * 4}
+    return {"skip": False, "scratch": comm.gather_scratch, "increase": peak_bytes() - before, "out": out.numel() * 4}
 
 
 def test_a_gloo_gather_needs_a_scratch_buffer_of_its_output_size() -> None:

@@ -343,19 +343,13 @@ def _gloo_reordered_save_peak(ranks: tuple[int, ...], budget: int | None) -> dic
     local = {p.name: torch.randn(p.local_shape) for p in plans}
     comm.all_gather(torch.ones(8), "fsdp")  # warm the group up
     counts = _counting_reorders(comm)
-    try:
-        with open("/proc/self/clear_refs", "w") as f:
-            f.write("5")  # reset VmHWM to the current RSS
-    except OSError:
+    from tests.peak_rss import peak_bytes, reset_peak
+
+    if not reset_peak():
         return {"skip": True}
-
-    def hwm() -> int:
-        with open("/proc/self/status") as f:
-            return int(f.read().split("VmHWM:")[1].split()[0]) * 1024
-
-    before = hwm()
+    before = peak_bytes()
     problem = drive_guarded(schedule, unshard(schedule, plans, local), comm, lambda wave: None)
-    return {"skip": False, "problem": problem, "rise": hwm() - before, "predicted": schedule.peak_bytes,
+    return {"skip": False, "problem": problem, "rise": peak_bytes() - before, "predicted": schedule.peak_bytes,
             "calls": schedule.num_calls, "scratch": comm.gather_scratch, **counts}
 
 
