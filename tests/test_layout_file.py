@@ -262,14 +262,21 @@ def test_parts_that_are_not_canonical_numbers_stay_literal() -> None:
     assert [k for s in back.specs.values() for k in s.hf_keys] == [k for s in specs for k in s.hf_keys]
     assert 'for = { layers = 4 }' in text and 'keys_for = { experts = 4 }' in text  # 0..3 still loop
 
-def test_a_parameter_without_dtype_reads_back_as_the_format_default() -> None:
+def test_a_parameter_without_dtype_reads_back_without_one_and_a_missing_field_is_float32() -> None:
     from workbench.layout.model_layout import Layout
 
     sample = load_layout(ROOT / "sample_meshes" / "toy_expert_tp.toml")
     bare = Layout(sample.mesh, sample.specs, name="bare")
     back = parse_layout(bare.to_toml())
     assert list(back.specs.items()) == list(bare.specs.items())
-    assert set(back.dtypes.values()) == {"float32"}  # sample_meshes/README.md: dtype defaults to float32
+    assert back.dtypes == {} and back.fingerprint() == bare.fingerprint()  # written as dtype = "none"
+    first = next(iter(sample.specs))
+    some = Layout(sample.mesh, sample.specs, {first: "bfloat16"}, name="some")
+    assert parse_layout(some.to_toml()).dtypes == {first: "bfloat16"}
+    # a hand-written table without the field: sample_meshes/README.md says it defaults to float32
+    hand = "[mesh]\nshape = [2]\ndim_names = ['fsdp']\n[[param]]\nname = 'w'\nhf_keys = ['w']\n" \
+           "global_shape = [4]\nplacements = ['S(0)']\n"
+    assert parse_layout(hand).dtypes == {"w": "float32"}
 
 
 def test_the_text_of_a_layout_follows_a_dtype_set_in_place() -> None:

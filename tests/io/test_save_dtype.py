@@ -17,7 +17,7 @@ from hypothesis import strategies as st
 from torch.distributed.tensor import Replicate, Shard
 
 import workbench as wb
-from workbench.errors import LayoutError
+from workbench.errors import LayoutError, LayoutFileError
 
 # safetensors' own dtype names (the format's spec), written out here rather than taken from workbench
 SAFETENSORS_NAMES = {
@@ -185,3 +185,40 @@ def test_a_model_saves_again_with_its_checkpoints_own_layout(tmp_path, kwargs) -
     assert read_checkpoint_layout(tmp_path / "second").dtypes == layout.dtypes
     with pytest.raises(LayoutError, match="the layout says"):  # other arguments: the layout's dtypes are wrong
         wb.save_hf(model, tmp_path / "third", layout=layout)
+
+
+def test_a_fused_parameter_saved_in_two_dtypes_has_no_dtype_in_its_layout_file(tmp_path: Path) -> None:
+    # q and v in bfloat16, k in float32 (fp32_keys_pattern): the parameter has no one dtype. The layout file used to
+    # leave the field out, which reads back as float32, so diagnosing the checkpoint against its own layout reported
+    # dtype mismatches that are not there and the files' layout fingerprint differed from the layout file's
+    from safetensors import safe_open
+
+    from workbench.layout.key_map import HFKeys
+    from workbench.layout.layout_file import read_checkpoint_layout
+
+    model = torch.nn.Sequential(torch.nn.Linear(4, 12, bias=False), torch.nn.LayerNorm(4))
+
+    def key_map(name: str):
+        return HFKeys(("q.weight", "k.weight", "v.weight"), 0) if name == "0.weight" else name
+
+    path = tmp_path / "ckpt"
+    wb.save_hf(model, path, key_map=key_map, fp32_keys_pattern=r"^k\.", dtype=torch.bfloat16)
+    assert header_dtypes(path) == {"q.weight": "BF16", "k.weight": "F32", "v.weight": "BF16",
+                                   "1.weight": "BF16", "1.bias": "BF16"}
+    text = (path / "workbench_layout.toml").read_text()
+    assert 'dtype = "none"' in text
+    layout = read_checkpoint_layout(path)
+    assert layout.given_dtype("0.weight") is None and layout.given_dtype("1.weight") == torch.bfloat16
+    with safe_open(next(path.glob("*.safetensors")), "pt") as handle:
+        assert handle.metadata()["layout"] == layout.fingerprint()
+    assert not wb.diagnose(path, layout).findings
+
+
+def test_a_layout_of_loadspecs_alone_reads_back_without_dtypes() -> None:
+    from workbench.layout.layout_file import parse_layout
+
+    layout = wb.Layout(MESH, {"w": wb.LoadSpec.from_placements("w", ["w"], (4, 2), MESH, [Shard(0)])})
+    again = parse_layout(layout.to_toml())
+    assert again.dtypes == {} and again.fingerprint() == layout.fingerprint()
+    with pytest.raises(LayoutFileError, match="'dtype' must be"):
+        parse_layout(layout.to_toml().replace('dtype = "none"', "dtype = 3"))

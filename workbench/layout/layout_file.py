@@ -37,7 +37,7 @@ from torch.distributed.tensor.placement_types import Partial, Replicate, Shard
 from workbench import _compat
 from workbench.errors import LayoutError, LayoutFileError
 from workbench.layout.interleaved import InterleavedShard
-from workbench.layout.layout_toml import layout_to_toml
+from workbench.layout.layout_toml import NO_DTYPE, layout_to_toml
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
@@ -151,7 +151,8 @@ def layout_from_toml(doc: Mapping[str, Any], *, source: str = "<string>", text: 
             if spec.name in specs:
                 raise LayoutFileError(f"{where}: parameter {spec.name!r} is defined twice")
             specs[spec.name] = spec
-            dtypes[spec.name] = dtype
+            if dtype != NO_DTYPE:
+                dtypes[spec.name] = dtype
     try:
         return Layout(mesh, specs, dtypes, name=str(doc.get("name", Path(source).stem)))
     except LayoutError as exc:
@@ -175,6 +176,8 @@ def _expand(entry: Any, defaults: Mapping[str, Any], mesh: MeshSpec, where: str)
     if mesh_dims is not None:
         mesh_dims = [tuple(d.split("+")) if "+" in d else d for d in _list(mesh_dims, "mesh_dims")]
     dtype = entry.get("dtype", defaults.get("dtype", "float32"))
+    if not isinstance(dtype, str):
+        raise LayoutFileError(f"{where}: field 'dtype' must be a dtype name or \"none\", got {dtype!r}")
     templates = _list(entry["hf_keys"], "hf_keys")
     for variables in _loops(entry.get("for", {}), where, "for"):
         try:

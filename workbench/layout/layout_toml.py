@@ -47,14 +47,16 @@ def layout_to_toml(layout: Layout) -> str:
     whatever placements made them. Key lists are written as templates with a ``keys_for`` loop where they follow
     one, and consecutive parameters that differ only in their numbers (``layers.0.x``, ``layers.1.x``) share one
     ``[[param]]`` table with a ``for`` loop; parameters are never reordered, so a layer-major layout gets one table
-    per parameter of a layer. A parameter with no given dtype is written without one, and reads back with the file
-    format's default (float32). Remembered per layout object while its specs and dtypes are unchanged (a training
+    per parameter of a layer. A parameter with no given dtype is written with ``dtype = "none"`` (once, in
+    ``[defaults]``, when no parameter has one), so it reads back without one, not as the format's default float32.
+    Remembered per layout object while its specs and dtypes are unchanged (a training
     loop's repeat saves write it at no cost; a dtype set in place is written).
     """
     return remember_while_same(_TEXTS, layout, (layout.specs, layout.dtypes), lambda: _layout_text(layout))
 
 
 _TEXTS = LRU(4)
+NO_DTYPE = "none"  # the dtype field of a parameter with no given dtype (a fused one saved in two dtypes)
 
 
 def _layout_text(layout: Layout) -> str:
@@ -64,6 +66,8 @@ def _layout_text(layout: Layout) -> str:
              f"dim_names = [{', '.join(_toml_str(n) for n in mesh.dim_names)}]"]
     if mesh.ranks is not None:
         lines.append(f"ranks = {list(mesh.ranks)}")
+    if not layout.dtypes:
+        lines += ["", "[defaults]", f"dtype = {_toml_str(NO_DTYPE)}  # no parameter has a given dtype"]
     for entry in _merge_runs([_entry(layout, name) for name in layout.specs]):
         lines += ["", "[[param]]", *entry]
     return "\n".join(lines) + "\n"
@@ -209,6 +213,8 @@ def _entry(layout: Layout, name: str) -> tuple[str, tuple[str, ...], tuple[int, 
     given_dtype = layout.dtypes.get(name)
     if given_dtype is not None:
         rest.append(f"dtype = {_toml_str(given_dtype)}")
+    elif layout.dtypes:
+        rest.append(f"dtype = {_toml_str(NO_DTYPE)}  # no one dtype: not checked")
     return template, variables, values, (*lines[0], *rest), (f"name = {_toml_str(_escape(name))}", *lines[1], *rest)
 
 
