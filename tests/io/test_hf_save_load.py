@@ -172,6 +172,19 @@ def test_a_tensor_the_given_layout_does_not_list_is_refused_not_left_out(tmp_pat
     assert set(_everything(tmp_path / "ckpt")) == set(listed)
 
 
+def test_a_given_layout_that_cuts_a_tensor_otherwise_than_the_model_is_refused_by_name(tmp_path: Path) -> None:
+    # rank 0 of a model sharded over 2 ranks holds rows 0:2 of w; a layout of another mesh that replicates w says it
+    # holds all 4 rows: the load failed deep in a copy with "RuntimeError: setStorage"
+    wb.save_hf({"w": torch.arange(16.0).reshape(4, 4)}, tmp_path / "ckpt")
+    other = wb.MeshSpec((2,), ("dp",))
+    layout = wb.Layout(other, {"w": wb.LoadSpec.from_placements("w", ["w"], (4, 4), other, [Replicate()])})
+    model = {"w": torch.zeros(2, 4)}
+    with pytest.raises(LayoutError, match=r"'w': rank 0 holds a local tensor of shape \(2, 4\).* gives this rank "
+                                          r"\(4, 4\)"):
+        wb.load_hf(model, tmp_path / "ckpt", layout=layout)
+    assert torch.equal(model["w"], torch.zeros(2, 4))
+
+
 def test_allow_unexpected_lets_other_keys_be_but_still_needs_every_key_of_the_layout(tmp_path: Path) -> None:
     state = _mixed_model()
     wb.save_hf(state, tmp_path / "ckpt")

@@ -204,6 +204,8 @@ def load_hf(
                 "stage's layout takes rank=, this rank's place in its stage (pipeline.stage_of_rank(rank)[1]), and "
                 "allow_unexpected=True (the other stages' keys)"
             )
+        if given is not None:
+            _refuse_other_shapes(layout, targets, rank)
         fault_point("load.plan", rank)
         reader = CheckpointReader(path)
         shares_replicas = read_replicas_once and rank == channel.rank and _live_over(layout)
@@ -799,6 +801,20 @@ class _Checked:
 
 
 _CHECKED = LRU(4)  # (ids of the layout and index, ...) -> (layout, index, _Checked): the objects kept, so ids hold
+
+
+def _refuse_other_shapes(layout: Layout, targets: Mapping[str, torch.Tensor], rank: int) -> None:
+    """A given layout must cut each parameter as the model does on this rank: its local shape (and a DTensor's global
+    shape) are compared before anything is read (a layout of another mesh used to fail deep in a copy)."""
+    for name, spec in layout.specs.items():
+        tensor = targets[name]
+        want = spec.local_shape(rank)
+        if tuple(tensor.shape) != tuple(want):
+            raise LayoutError(
+                f"parameter {name!r}: rank {rank} holds a local tensor of shape {tuple(tensor.shape)}, but the layout "
+                f"given ({spec.describe_shards() or 'replicated'} of {spec.global_shape} over {layout.mesh!r}) gives "
+                f"this rank {tuple(want)}: the layout is not the model's (another mesh or other placements)"
+            )
 
 
 def _checked(
