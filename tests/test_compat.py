@@ -353,3 +353,21 @@ def test_dump_fr_trace_shows_the_collective_a_gloo_rank_reached(monkeypatch: pyt
     newest = entries[-1]
     assert newest["profiling_name"] == "gloo:all_reduce" and newest["process_group"][1] == "default_pg"
     assert newest["collective_seq_id"] == entries[-2]["collective_seq_id"] + 1  # numbered per group, in order
+
+
+def test_default_store_is_the_worlds_store_or_none(monkeypatch: pytest.MonkeyPatch) -> None:
+    import torch.distributed as dist
+    import torch.distributed.distributed_c10d as c10d
+
+    assert not dist.is_initialized() and _compat.default_store() is None
+    store = dist.HashStore()
+    dist.init_process_group("gloo", store=store, rank=0, world_size=1)
+    try:
+        found = _compat.default_store()
+        before = store.num_keys()
+        found.set("probe", "1")  # lands in the store the world was made with (under torch's prefix)
+        assert found.get("probe") == b"1" and store.num_keys() == before + 1
+        monkeypatch.delattr(c10d, "_get_default_store")  # a torch without the helper: None, callers skip
+        assert _compat.default_store() is None
+    finally:
+        dist.destroy_process_group()

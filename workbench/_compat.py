@@ -22,6 +22,7 @@ __all__ = [
     "abort_nccl_communicators",
     "all_gather_flat",
     "chunk_size_and_offset",
+    "default_store",
     "dtensor_local",
     "dump_fr_trace",
     "dump_nccl_trace",
@@ -288,6 +289,19 @@ def local_tensor_mode(world_size: int) -> Any:
 
 
 # -- process groups ------------------------------------------------------------------------------
+def default_store() -> Any:
+    """The key-value store of the default process group (``_get_default_store``), or None where this torch has no
+    such helper or no world is initialized."""
+    try:
+        from torch.distributed.distributed_c10d import _get_default_store
+    except ImportError:  # pragma: no cover - a torch without it: callers skip what needs the store
+        return None
+    try:
+        return _get_default_store()
+    except (RuntimeError, ValueError):
+        return None
+
+
 def abort_nccl_communicators() -> int:
     """Abort the NCCL communicators of every process group of this process (``ncclCommAbort``); return how many
     groups had one. The groups stay registered: destroy them afterwards (``destroy_process_group``).

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-__all__ = ["CheckpointError", "LayoutError", "LayoutFileError", "PlanError", "WorkbenchError"]
+__all__ = ["CheckpointError", "LayoutError", "LayoutFileError", "PeersAbsent", "PlanError", "WorkbenchError"]
 
 
 class WorkbenchError(ValueError):
@@ -23,3 +23,8 @@ class PlanError(WorkbenchError):
 
 class CheckpointError(WorkbenchError):
     """A checkpoint on disk that does not match what was expected of it."""
+
+
+class PeersAbsent(CheckpointError):
+    """The other ranks of the world did not join a collective save or load within its timeout (called on one rank
+    alone, or a peer died or hangs); raised on the ranks that waited, before anything was written or read."""

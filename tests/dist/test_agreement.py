@@ -122,6 +122,7 @@ def _disagree_on_files(root: str) -> dict:
         "fp32": {"dtype": torch.bfloat16, "fp32_keys_pattern": r"w1$" if rank == 1 else None},
         "dtype": {"dtype": torch.bfloat16 if rank == 1 else None},
         "async": {"async_save": rank == 0},  # rank 1 used to report a save that was never published as done
+        "path": {},  # each rank its own folder: rank 1 failed writing into rank 0's missing temporary folder
     }
     planned = {
         "shard": {"max_shard_bytes": 64},
@@ -132,8 +133,8 @@ def _disagree_on_files(root: str) -> dict:
     for mode in ("direct", "gather"):
         for name, kwargs in passed.items():
             try:
-                done = wb.save_hf(state, Path(root) / f"{name}-{mode}", layout=layout, write_mode=mode, timeout=30,
-                                  **kwargs)
+                where = Path(root) / (f"{name}-{mode}" + (f"-{rank}" if name == "path" else ""))
+                done = wb.save_hf(state, where, layout=layout, write_mode=mode, timeout=30, **kwargs)
                 getattr(done, "wait", lambda: None)()
                 out["passed", name, mode] = None
             except wb.SaveFailed as exc:
@@ -166,7 +167,10 @@ def test_ranks_with_different_arguments_or_files_are_refused_naming_what_differs
     for rank, out in results.items():
         for (kind, case, mode), message in out.items():
             assert message is not None, (rank, kind, case, mode)
-            if kind == "passed":
+            if kind == "passed" and case == "path":
+                paths = [repr(str(Path(tmp_path, f"path-{mode}-{r}").absolute())) for r in (0, 1)]
+                assert f"arguments: path ({paths[0]} on rank(s) 0, {paths[1]} on rank(s) 1); every" in message, message
+            elif kind == "passed":
                 assert message.endswith(f"refused before anything was written: the ranks passed different "
                                         f"arguments: {passed[case]}; every rank must pass the same"), message
             else:

@@ -1,9 +1,11 @@
 """A model of plain tensors that every rank holds whole (DDP, or a model each rank builds alike) saves and loads
 from every rank of a world of several: its layout is replicated over the world. Both were refused ("the world has 2
-ranks but the layout's mesh MeshSpec(world=1) has 1"; a load named pipeline stages)."""
+ranks but the layout's mesh MeshSpec(world=1) has 1"; a load named pipeline stages). A save on rank 0 alone is
+refused after its timeout, naming the habit, and leaves nothing out of step."""
 
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -21,7 +23,20 @@ def _model() -> torch.nn.Module:
 def _save_and_load(root: str) -> dict:
     from torch.nn.parallel import DistributedDataParallel
 
+    import torch.distributed as dist
+
+    from workbench.errors import PeersAbsent
+
     ddp = DistributedDataParallel(_model())  # names under "module.": the checkpoint has the model's own
+    lone = None
+    if dist.get_rank() == 0:  # DDP's habit: a save on rank 0 alone. It waited for rank 1, then "Wait timeout", and
+        try:                  # left rank 0's process groups out of step: the next save of both ranks failed too
+            wb.save_hf(ddp, Path(root) / "lone", timeout=2)
+        except PeersAbsent as exc:
+            lone = str(exc)
+        (Path(root) / "lone-failed").touch()
+    while not (Path(root) / "lone-failed").exists():  # rank 1's next save is not the lone one's peer
+        time.sleep(0.05)
     result = wb.save_hf(ddp, Path(root) / "ckpt", timeout=30)
     target = _model()
     with torch.no_grad():
@@ -29,7 +44,7 @@ def _save_and_load(root: str) -> dict:
             p.zero_()
     report = wb.load_hf(target, Path(root) / "ckpt", timeout=30)
     want = _model().state_dict()
-    return {"files": result.files, "ok": report.ok,
+    return {"files": result.files, "ok": report.ok, "lone": lone,
             "equal": all(torch.equal(target.state_dict()[k], v) for k, v in want.items())}
 
 
@@ -37,6 +52,9 @@ def _save_and_load(root: str) -> dict:
 def test_a_ddp_model_saves_and_loads_from_every_rank(tmp_path: Path) -> None:
     results = wb.launch(_save_and_load, nprocs=2, args=(str(tmp_path),), timeout=120)
     assert all(r["ok"] and r["equal"] for r in results.values()), results
+    assert results[1]["lone"] is None and "rank 0 waited 2 s for the world's other 1 rank(s) to join, and 1 did " \
+        "not" in results[0]["lone"] and "`if rank == 0:`" in results[0]["lone"], results[0]["lone"]
+    assert not (tmp_path / "lone").exists()
     assert {f for r in results.values() for f in r["files"]} == {  # both ranks write: the writers are spread
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
     saved = {k: v for f in (tmp_path / "ckpt").glob("*.safetensors") for k, v in load_file(f).items()}

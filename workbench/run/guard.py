@@ -133,7 +133,8 @@ def agree(
             forget_groups_if_broken(found)
         if on_failure is not None:
             _quietly(on_failure)
-        note = "a peer did not answer the status exchange: it died, hangs, or failed before reaching it"
+        note = ("a peer did not answer the status exchange: it died, hangs, failed before reaching it, or never called "
+                "this (every rank of the world calls a save or load, not rank 0 alone)")
         raise error(describe_problems(what, found, lost or outcome, note), found) from exc
     found = [p for p, _ in everyone if p is not None]
     if found:

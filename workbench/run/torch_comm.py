@@ -23,11 +23,13 @@ import torch
 import torch.distributed as dist
 
 from workbench import _compat
-from workbench.errors import PlanError
+from workbench.errors import PeersAbsent, PlanError
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 from workbench.run.communicator import FinishFailed
 
-__all__ = ["DEFAULT_TIMEOUT", "ControlChannel", "TorchCommunicator", "control_group", "forget_groups"]
+__all__ = [
+    "DEFAULT_TIMEOUT", "ControlChannel", "TorchCommunicator", "control_group", "forget_groups", "join_the_world",
+]
 
 DEFAULT_TIMEOUT = 600.0  # seconds a save's collective may wait for a peer that died or hangs
 _GROUPS: dict[tuple, Any] = {}  # (backend, timeout, rank sets) -> this rank's group
@@ -79,11 +81,14 @@ class ControlChannel:
 
     agrees_over_world = True  # every rank takes part in its exchanges: ``guard.agree`` may drop the cached groups
 
-    def __init__(self, timeout: float = DEFAULT_TIMEOUT) -> None:
+    def __init__(self, timeout: float = DEFAULT_TIMEOUT, *, what: str = "this call") -> None:
         self._live = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._live else 0
         self._world = dist.get_world_size() if self._live else 1
-        self._group = control_group(timeout) if self._live and self._world > 1 else None
+        self._group = None
+        if self._live and self._world > 1 and str(dist.get_backend()) != "fake":
+            join_the_world(self.rank, self._world, timeout, what)
+            self._group = control_group(timeout)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Small Python objects from every rank, in rank order."""
@@ -92,6 +97,49 @@ class ControlChannel:
         out: list[Any] = [None] * self._world
         dist.all_gather_object(out, obj, group=self._group)
         return out
+
+
+_JOINED: dict[str, Any] = {"store": None, "calls": 0}  # the default store, and the calls that joined through it
+
+
+def join_the_world(rank: int, world: int, timeout: float, what: str) -> None:
+    """Wait until every rank of the world has called this (the start of a collective save or load), through the
+    default store alone: no process group is made or used, so a rank that calls it alone (a save inside
+    ``if rank == 0:``) withdraws after ``timeout`` and raises ``PeersAbsent``, leaving every group and counter as
+    it was. The same call fixed and run on every rank then joins. Without a reachable store it returns at once.
+
+    Each call is numbered on each rank (the same on every rank: every rank calls the same collectives in order);
+    a counter key per call number counts the ranks arrived, the last sets a "go" key. A rank that times out takes
+    its count back with compare-and-set, unless the last rank arrived meanwhile (then it goes on).
+    """
+    store = _compat.default_store()
+    if store is None:
+        return
+    if _JOINED["store"] is not store:  # a new world: its store starts empty
+        _JOINED.update(store=store, calls=0)
+    call = _JOINED["calls"] + 1
+    count_key, go_key = f"workbench/join/{call}/count", f"workbench/join/{call}/go"
+    if store.add(count_key, 1) >= world:
+        store.set(go_key, "1")
+        for old in (f"workbench/join/{call - 1}/count", f"workbench/join/{call - 1}/go"):
+            try:  # every rank is past the previous call: its keys are done with
+                store.delete_key(old)
+            except Exception:  # a store without deletion keeps two small keys per call
+                pass
+    else:
+        try:
+            store.wait([go_key], _timedelta(timeout))
+        except Exception as exc:  # timed out: withdraw, unless the last rank arrived meanwhile
+            while (arrived := int(store.add(count_key, 0))) < world:
+                if store.compare_set(count_key, str(arrived), str(arrived - 1)) == str(arrived - 1).encode():
+                    raise PeersAbsent(
+                        f"{what}: rank {rank} waited {timeout:g} s for the world's other {world - 1} rank(s) to "
+                        f"join, and {world - arrived} did not. Saves and loads are collective: every rank of the "
+                        "world calls them with its own shards (a call inside `if rank == 0:` leaves rank 0 waiting "
+                        "here); a peer that died or hangs looks the same. Nothing was written or read, and nothing "
+                        "is left out of step: the same call made on every rank joins."
+                    ) from exc
+    _JOINED["calls"] = call
 
 
 def forget_groups() -> None:

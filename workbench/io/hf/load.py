@@ -181,7 +181,7 @@ def load_hf(
     """
     start = time.perf_counter()
     clock = LoadClock()
-    channel = ControlChannel(timeout)
+    channel = ControlChannel(timeout, what=f"load_hf of {path}")
     rank = channel.rank if rank is None else rank
     who, place = _problem_rank(channel, rank)  # whom a failure names: a stage's place is every stage's too
     what = f"load of {path}"

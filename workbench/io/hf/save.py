@@ -217,10 +217,10 @@ def save_hf(
     wanted = write_mode == "auto" and mine is None and _rank(comm) == 0 and not _one_host_known(comm)
     probe = _write_probe(Path(path)) if wanted else None
     # the arguments every rank must pass alike travel with it too: ranks that differ are refused before any write
-    options = call_options({"async_save": async_save, "write_mode": write_mode, "policy": policy,
-                            "budget_bytes": budget_bytes, "max_shard_bytes": max_shard_bytes, "dtype": dtype,
-                            "fp32_keys_pattern": fp32_keys_pattern, "max_writers": max_writers,
-                            "min_segment_bytes": min_segment_bytes})
+    options = (("path", repr(os.path.abspath(path))), *call_options({
+        "async_save": async_save, "write_mode": write_mode, "policy": policy, "budget_bytes": budget_bytes,
+        "max_shard_bytes": max_shard_bytes, "dtype": dtype, "fp32_keys_pattern": fp32_keys_pattern,
+        "max_writers": max_writers, "min_segment_bytes": min_segment_bytes}))
     try:
         everyone = _agree_before_groups(mine, path, timeout, comm, share=(socket.gethostname(), probe, options))
         _refuse_other_arguments([o for _, _, o in everyone], path)
@@ -462,7 +462,7 @@ def _agree_before_groups(
     rank's ``share``."""
     from workbench.run.torch_comm import ControlChannel
 
-    channel = comm or ControlChannel(timeout)
+    channel = comm or ControlChannel(timeout, what=f"save_hf to {path}")
     problem = problem_from(mine, channel.rank, "reading the model's layout") if mine is not None else None
     try:
         return agree(channel, problem, what=f"save to {path}", outcome="nothing was written", share=share)

@@ -153,7 +153,7 @@ def pipeline_layout_from_model(
     if not isinstance(pp_dim, str):  # a key map passed by position lands here
         raise LayoutError(f"pipeline_layout_from_model: pp_dim must be the pipeline's mesh dim name, got {pp_dim!r} "
                           "(pass a key map by keyword: key_map=...)")
-    channel = ControlChannel(timeout)
+    channel = ControlChannel(timeout, what="pipeline_layout_from_model")
     mine: Any = None
     problem = None
     try:
@@ -225,7 +225,7 @@ def save_hf_pipeline(
     if not dist.is_initialized():
         raise CheckpointError("save_hf_pipeline needs an initialized default process group (wb.launch or torchrun)")
     what = f"pipeline save to {path}"
-    world = ControlChannel(ACROSS_STAGES * timeout)
+    world = ControlChannel(ACROSS_STAGES * timeout, what=f"save_hf_pipeline to {path}")
     rank = world.rank
     # the stages save into the directory rank 0 prepares for the whole save: never a checkpoint beside the target
     stages = [temporary_path(path) / f"stage{s}" for s in range(len(pipeline.stages))]
