@@ -5,6 +5,7 @@ The public API (DESIGN.md section 4); everything else is reachable through its s
 
 from workbench import report, viz
 from workbench.debug import Finding, Report, diagnose, diff_checkpoints, inspect_checkpoint
+from workbench.errors import PeersAbsent
 from workbench.io.dcp.convert import dcp_to_hf
 from workbench.io.dcp.planners import DCPLoadPlanner, DCPSavePlanner
 from workbench.io.files.ownership import clean_incomplete, latest_checkpoint
@@ -44,6 +45,7 @@ __all__ = [
     "LoadReport",
     "LoadSpec",
     "MeshSpec",
+    "PeersAbsent",
     "Report",
     "Run",
     "SaveFailed",

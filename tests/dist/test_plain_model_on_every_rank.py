@@ -21,18 +21,15 @@ def _model() -> torch.nn.Module:
 
 
 def _save_and_load(root: str) -> dict:
-    from torch.nn.parallel import DistributedDataParallel
-
     import torch.distributed as dist
-
-    from workbench.errors import PeersAbsent
+    from torch.nn.parallel import DistributedDataParallel
 
     ddp = DistributedDataParallel(_model())  # names under "module.": the checkpoint has the model's own
     lone = None
     if dist.get_rank() == 0:  # DDP's habit: a save on rank 0 alone. It waited for rank 1, then "Wait timeout", and
         try:                  # left rank 0's process groups out of step: the next save of both ranks failed too
             wb.save_hf(ddp, Path(root) / "lone", timeout=2)
-        except PeersAbsent as exc:
+        except wb.PeersAbsent as exc:
             lone = str(exc)
         (Path(root) / "lone-failed").touch()
     while not (Path(root) / "lone-failed").exists():  # rank 1's next save is not the lone one's peer
