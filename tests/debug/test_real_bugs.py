@@ -192,3 +192,42 @@ def test_against_a_layout_a_stale_key_map_s_stacked_experts_are_not_a_key_to_dro
     for f in report.findings:
         if f.kind == "missing_key":
             assert "re-save with it" not in f.hint, report.to_text()
+
+
+def _tied(seed: int = 0) -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    embed = torch.randn(32, HIDDEN, generator=g).bfloat16()
+    return {**_experts(seed), "model.embed_tokens.weight": embed, "lm_head.weight": embed.clone()}
+
+
+def test_a_tie_broken_at_save_names_the_key_that_still_equals_the_reference(tmp_path) -> None:
+    # the reference ties lm_head to embed_tokens (equal values); the save wrote lm_head from a stale copy
+    good = _tied()
+    bad = {**good, "lm_head.weight": (good["lm_head.weight"].float() + 0.01).bfloat16()}
+    report = diagnose(write(tmp_path / "bad", bad), write(tmp_path / "ref", good))
+    (finding,) = report.findings
+    assert finding.key == "lm_head.weight" and finding.kind == "value_mismatch", report.to_text()
+    assert finding.evidence["tied_to"] == "model.embed_tokens.weight", report.to_text()
+    assert finding.evidence["tie"] == "broken: model.embed_tokens.weight equals the reference", report.to_text()
+    assert "tie was broken" in finding.hint and "model.embed_tokens.weight still equals" in finding.hint, \
+        report.to_text()
+    assert "another run" not in finding.hint, report.to_text()
+
+
+def test_a_tie_broken_with_both_keys_changed_says_neither_equals_the_reference(tmp_path) -> None:
+    good = _tied()
+    bad = {**good, "lm_head.weight": (good["lm_head.weight"].float() + 0.01).bfloat16(),
+           "model.embed_tokens.weight": (good["lm_head.weight"].float() - 0.01).bfloat16()}
+    report = diagnose(write(tmp_path / "bad", bad), write(tmp_path / "ref", good))
+    assert sorted(f.key for f in report.findings) == ["lm_head.weight", "model.embed_tokens.weight"], \
+        report.to_text()
+    for f in report.findings:
+        assert f.evidence["tie"] == "broken: neither key equals the reference", report.to_text()
+        assert "tie was broken" in f.hint, report.to_text()
+    moved = (good["lm_head.weight"].float() + 0.01).bfloat16()  # both keys moved together: still tied, no broken tie
+    together = {**good, "lm_head.weight": moved, "model.embed_tokens.weight": moved.clone()}
+    report = diagnose(write(tmp_path / "together", together), tmp_path / "ref")
+    assert len(report.findings) == 2, report.to_text()
+    for f in report.findings:
+        assert "tie" not in f.evidence and "tie was broken" not in f.hint, report.to_text()
+

@@ -35,6 +35,7 @@ from workbench.debug.renames import (
 )
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, CheckpointSource, KeyMeta, Source
 from workbench.debug.stacked import MissingByContent, find_joined, joined_finding
+from workbench.debug.ties import broken_tie
 from workbench.debug.transforms import Hint, gate_up_groups, gate_up_hints
 from workbench.debug.views import TensorView
 from workbench.errors import LayoutError
@@ -611,6 +612,9 @@ def compare_sources(
         if stale is not None:
             finding = Finding(finding.kind, finding.key, {**finding.evidence, "file": stale[0],
                                                           "file_keys": stale[1]}, _stale_file_hint(*stale))
+        if len(keys) == 1:
+            finding = broken_tie(finding, *keys[0], ref_fp, act_fp, act_of,
+                                 lambda k: _all_zero(ref, k, ref_metas[k].nbytes, block_bytes))
         out.append(finding)
     stats.update(equal=equal, differing=len(mismatched))
     read = sum(getattr(s, "bytes_read", 0) for s in (ref, act))
