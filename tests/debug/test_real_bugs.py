@@ -231,3 +231,26 @@ def test_a_tie_broken_with_both_keys_changed_says_neither_equals_the_reference(t
     for f in report.findings:
         assert "tie" not in f.evidence and "tie was broken" not in f.hint, report.to_text()
 
+
+
+def test_the_reference_s_own_layout_file_names_the_ranks_when_the_checkpoint_carries_none(tmp_path) -> None:
+    # the reference was saved with its layout (workbench_layout.toml), the broken copy by hand without one: the
+    # reference's layout gives the fused analysis and the ranks whose shards differ
+    good = _experts()
+    ref = write(tmp_path / "ref", good)
+    (ref / "workbench_layout.toml").write_text(LAYOUT)
+    bad = dict(good)
+    key = f"{PREFIX}.0.down_proj.weight"
+    bad[key] = good[key].clone()
+    bad[key][:, 4:] = 0  # the columns etp=1 holds (S(1)@etp) never written; of ep=0's experts 0 and 1, fsdp=0 holds 0
+    swapped = {k: good[k.replace("gate_proj", "up_proj") if "gate_proj" in k else k.replace("up_proj", "gate_proj")]
+               for k in good if "gate_proj" in k or "up_proj" in k}
+    report = diagnose(write(tmp_path / "bad", {**bad, **swapped}), ref)
+    assert "the reference's workbench_layout.toml" in report.stats["layout_file"], report.to_text()
+    (fused,) = report.by_key(W1W3)
+    assert fused.kind == "permuted" and "gate/up halves swapped" in fused.transform, report.to_text()
+    (down,) = report.by_key(key)
+    layout = load_layout(ref / "workbench_layout.toml")
+    holders = [r for r in layout.mesh.all_ranks() if layout.mesh.coordinate(r) == (0, 0, 1)]
+    assert down.evidence["differing_ranks"] == holders, report.to_text()
+    assert "etp=1" in down.evidence["written_from"], report.to_text()

@@ -438,13 +438,19 @@ def compare_sources(
     Healthy pairs give no finding. ``findings`` (integrity problems found while opening) are included. Keys whose
     bytes cannot be read (a missing, truncated or unparsable file) are findings and the rest is compared. When
     ``act`` is a checkpoint that carries the layout it was saved with (``LAYOUT_FILE_NAME``), or else with
-    ``layout``, each differing key names the ranks whose shards differ and each missing key the ranks that held it.
+    ``layout``, or else with the layout the reference ``ref`` carries, each differing key names the ranks whose shards
+    differ and each missing key the ranks that held it.
 
     Raises:
         ValueError: ``block_bytes`` is below 1.
     """
     check_block_bytes(block_bytes)
     saved_layout, layout_note = _checkpoint_layout(act)
+    if saved_layout is None and layout is None and not layout_note:  # the checkpoint carries none: the reference's
+        saved_layout, layout_note = _checkpoint_layout(ref)
+        if layout_note:
+            layout_note = (f"the reference's {layout_note} (the checkpoint carries none)" if saved_layout is not None
+                           else f"the reference's {layout_note}")
     provenance = saved_layout or layout
     one_mesh = layout or saved_layout  # its cuts and fused keys; a pipeline's as one mesh (its ranks: provenance)
     if isinstance(one_mesh, PipelineLayout):
