@@ -254,3 +254,33 @@ def test_the_reference_s_own_layout_file_names_the_ranks_when_the_checkpoint_car
     holders = [r for r in layout.mesh.all_ranks() if layout.mesh.coordinate(r) == (0, 0, 1)]
     assert down.evidence["differing_ranks"] == holders, report.to_text()
     assert "etp=1" in down.evidence["written_from"], report.to_text()
+
+
+def test_a_fused_key_whose_parts_are_not_in_the_layout_s_fused_order_is_named(tmp_path) -> None:
+    # a converter fused each expert as [up; gate] (and stacked them) where the layout's fused_w1w3 has gate then up
+    _, layout = _layout(tmp_path)
+    good = _experts()
+    ref = write(tmp_path / "ref", good)
+    rest = {k: v for k, v in good.items() if "gate_proj" not in k and "up_proj" not in k}
+    gate, up = (lambda e: f"{PREFIX}.{e}.gate_proj.weight"), (lambda e: f"{PREFIX}.{e}.up_proj.weight")
+    per_expert = {**rest, **{f"{PREFIX}.{e}.gate_up_proj.weight": torch.cat([good[up(e)], good[gate(e)]])
+                             for e in range(EXPERTS)}}
+    report = diagnose(write(tmp_path / "fused", per_expert), ref, layout=layout)
+    assert report.kinds() == {"renamed_key": EXPERTS}, report.to_text()
+    for e in range(EXPERTS):
+        (f,) = report.by_key(f"{PREFIX}.{e}.gate_up_proj.weight")
+        assert f.evidence["layout_order"] == [gate(e), up(e)] and f.evidence["parameter"] == W1W3, report.to_text()
+        assert f.evidence["order_vs_layout"] == f"gate/up swapped: {up(e)} before {gate(e)}", report.to_text()
+        assert "gate and up swapped (up before gate)" in f.hint and "fix the fused order" in f.hint, report.to_text()
+    stacked = {**rest, f"{PREFIX}.gate_up_proj": torch.stack([torch.cat([good[up(e)], good[gate(e)]])
+                                                             for e in range(EXPERTS)])}
+    (f,) = diagnose(write(tmp_path / "stacked", stacked), ref, layout=layout).findings
+    assert f.evidence["order_vs_layout"].startswith(f"gate/up swapped in each of {EXPERTS} pairs"), f
+    # in the layout's order, or with no layout: nothing said of the order
+    right = {**rest, f"{PREFIX}.gate_up_proj": torch.stack([torch.cat([good[gate(e)], good[up(e)]])
+                                                           for e in range(EXPERTS)])}
+    for report in (diagnose(write(tmp_path / "right", right), ref, layout=layout),
+                   diagnose(tmp_path / "stacked", ref)):
+        (f,) = report.findings
+        assert "layout_order" not in f.evidence and "fused order" not in f.hint, report.to_text()
+

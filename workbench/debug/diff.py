@@ -34,7 +34,12 @@ from workbench.debug.renames import (
     shifted_back,
 )
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, CheckpointSource, KeyMeta, Source
-from workbench.debug.stacked import MissingByContent, find_joined, joined_finding
+from workbench.debug.stacked import (
+    MissingByContent,
+    find_joined,
+    in_fused_order,
+    joined_finding,
+)
 from workbench.debug.ties import broken_tie
 from workbench.debug.transforms import Hint, gate_up_groups, gate_up_hints
 from workbench.debug.views import TensorView
@@ -502,14 +507,14 @@ def compare_sources(
     for u, parts in _fused(left_missing - renamed, rest_unexpected, ref_metas, act_metas, ref_fp, act_fp):
         renamed.update(parts)
         rest_unexpected.remove(u)
-        out.append(_fused_finding(u, parts))
+        out.append(in_fused_order(_fused_finding(u, parts), one_mesh))
     for u in list(rest_unexpected):
         sets = fused_by_shape({u: act_metas[u].shape}, {m: ref_metas[m].shape for m in left_missing - renamed})
         parts = _fused_order(u, sets.get(u, []), ref_fp, act_fp)
         if parts is not None:
             renamed.update(parts)
             rest_unexpected.remove(u)
-            out.append(_fused_finding(u, parts))
+            out.append(in_fused_order(_fused_finding(u, parts), one_mesh))
     stacked = MissingByContent(ref_metas, sorted(left_missing - renamed),
                                lambda m: _digest(ref, m, 0, ref_metas[m].nbytes, block_bytes))
     for u in list(rest_unexpected):  # a stale key map: several missing keys stacked or fused under one key
@@ -518,7 +523,7 @@ def compare_sources(
         if found is not None:
             renamed.update(found.parts)
             rest_unexpected.remove(u)
-            out.append(joined_finding(found, act_metas[u], ref_metas))
+            out.append(in_fused_order(joined_finding(found, act_metas[u], ref_metas), one_mesh))
     maybe = fused_by_shape({u: act_metas[u].shape for u in rest_unexpected},
                            {m: ref_metas[m].shape for m in missing if m not in renamed})
     inside = {part: u for u, sets in maybe.items() for part in sets[0]}

@@ -14,9 +14,11 @@ from dataclasses import dataclass
 
 from workbench.debug.findings import Finding
 from workbench.debug.source import KeyMeta
+from workbench.debug.transforms import gate_up_groups
+from workbench.layout.model_layout import Layout
 from workbench.name_patterns import compress_indices, split_template
 
-__all__ = ["Joined", "MissingByContent", "find_joined", "joined_finding"]
+__all__ = ["Joined", "MissingByContent", "find_joined", "in_fused_order", "joined_finding"]
 
 MAX_PARTS = 4096  # pieces of one key looked up (a stacked MoE layer: 2 per expert)
 _MAX_SIZES = 4  # part sizes tried at each offset
@@ -190,3 +192,41 @@ def joined_finding(found: Joined, meta: KeyMeta, metas: Mapping[str, KeyMeta]) -
                    f"the key map that wrote this checkpoint is stale: it saved the runtime's {how} tensor under its "
                    "own name where the reference has the keys in expected_keys; the weights are all there, so do not "
                    "drop it: split it into those keys in that order (fix the key map, or have the loader split it)")
+
+
+def _order_words(found: Sequence[str], order: Sequence[str]) -> tuple[str, str]:
+    """``(evidence, hint words)``: how ``found`` departs from ``order`` (the same keys): gate/up swapped in each
+    pair, or the positions."""
+    pairs = gate_up_groups(order)
+    if pairs and list(found) == [k for a, b in zip(order[::2], order[1::2]) for k in (b, a)]:
+        each = f" in each of {pairs} pairs" if pairs > 1 else ""
+        return f"gate/up swapped{each}: {found[0]} before {found[1]}", f"gate and up swapped{each} (up before gate)"
+    at = {k: i for i, k in enumerate(order)}
+    positions = [at[k] for k in found]
+    shown = positions if len(positions) <= 16 else [*positions[:16], "..."]
+    return f"the parts in the layout's positions {shown}", "in another order (order_vs_layout)"
+
+
+def in_fused_order(finding: Finding, layout: Layout | None) -> Finding:
+    """``finding`` (a key found to hold several expected keys, ``expected_keys`` in the order found) checked against
+    the order in which ``layout`` fuses them (its parameter's ``hf_keys``): where they differ, the evidence says how
+    (``parameter``, ``layout_order``, ``order_vs_layout``) and the hint says that the fused order is wrong."""
+    parts = finding.evidence.get("expected_keys")
+    if layout is None or finding.kind != "renamed_key" or not isinstance(parts, list) or len(parts) < 2:
+        return finding
+    owner = {k: name for name, spec in layout.specs.items() for k in spec.hf_keys}
+    names = {owner.get(p) for p in parts}
+    name = names.pop() if len(names) == 1 else None
+    if name is None or layout.specs[name].fused_dim is None:
+        return finding
+    wanted = set(parts)
+    order = [k for k in layout.specs[name].hf_keys if k in wanted]
+    if order == parts:
+        return finding
+    said, words = _order_words(parts, order)
+    hint = (f"{finding.hint}. Its parts are not in the order the layout's fused parameter has them (layout_order): "
+            f"{words}; whatever fused this key wrote them in the wrong order: split it in the order found "
+            "(expected_keys) to get each key right, and fix the fused order where it was written (read as that "
+            "parameter, the parts land in each other's place)")
+    return Finding(finding.kind, finding.key, {**finding.evidence, "parameter": name, "layout_order": order,
+                                               "order_vs_layout": said}, hint)
