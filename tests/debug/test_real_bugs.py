@@ -284,3 +284,29 @@ def test_a_fused_key_whose_parts_are_not_in_the_layout_s_fused_order_is_named(tm
         (f,) = report.findings
         assert "layout_order" not in f.evidence and "fused order" not in f.hint, report.to_text()
 
+
+def test_a_stale_key_map_s_keys_joined_on_a_dim_other_than_0_are_named_with_that_dim(tmp_path) -> None:
+    # gate and up of each expert concatenated on dim 1 ([I, 2H]); the experts' down_proj stacked on a new dim 1
+    # ([H, E, I]); and in a second save the experts stacked on dim 0 with each slice [gate | up] on its dim 1
+    good = _experts()
+    ref = write(tmp_path / "ref", good)
+    gate, up = (lambda e: f"{PREFIX}.{e}.gate_proj.weight"), (lambda e: f"{PREFIX}.{e}.up_proj.weight")
+    down = [f"{PREFIX}.{e}.down_proj.weight" for e in range(EXPERTS)]
+    bad = {**{f"{PREFIX}.{e}.gate_up_proj.weight": torch.cat([good[gate(e)], good[up(e)]], dim=1)
+              for e in range(EXPERTS)},
+           f"{PREFIX}.down_proj": torch.stack([good[k] for k in down], dim=1)}
+    report = diagnose(write(tmp_path / "bad", bad), ref)
+    assert report.kinds() == {"renamed_key": EXPERTS + 1}, report.to_text()
+    for e in range(EXPERTS):
+        (f,) = report.by_key(f"{PREFIX}.{e}.gate_up_proj.weight")
+        assert f.evidence["expected_keys"] == [gate(e), up(e)], report.to_text()
+        assert "concatenated on dim 1" in f.transform and "do not drop it" in f.hint, report.to_text()
+    (f,) = report.by_key(f"{PREFIX}.down_proj")
+    assert f.evidence["expected_keys"] == down and "stacked on a new dim 1" in f.transform, report.to_text()
+    stacked = {f"{PREFIX}.gate_up_proj": torch.stack([torch.cat([good[gate(e)], good[up(e)]], dim=1)
+                                                     for e in range(EXPERTS)]),
+               **{k: good[k] for k in down}}
+    report = diagnose(write(tmp_path / "stacked", stacked), ref)
+    (f,) = report.findings
+    assert f.evidence["expected_keys"] == [k for e in range(EXPERTS) for k in (gate(e), up(e))], report.to_text()
+    assert "stacked on a new dim 0" in f.transform and "concatenated on dim 1" in f.transform, report.to_text()

@@ -37,6 +37,7 @@ from workbench.debug.source import DEFAULT_BLOCK_BYTES, CheckpointSource, KeyMet
 from workbench.debug.stacked import (
     MissingByContent,
     find_joined,
+    find_joined_on_dim,
     in_fused_order,
     joined_finding,
 )
@@ -520,6 +521,10 @@ def compare_sources(
     for u in list(rest_unexpected):  # a stale key map: several missing keys stacked or fused under one key
         found = find_joined(u, act_metas[u], stacked, renamed,
                             lambda a, b, u=u: _digest(act, u, a, b, block_bytes))
+        if found is None:  # joined on another dim: each part a box of the key, hashed as a key's bytes
+            view = TensorView(act, (u,), u)
+            found = find_joined_on_dim(u, act_metas[u], stacked, renamed, view.read_rows,
+                                       view.rows_per_block(block_bytes, 2))
         if found is not None:
             renamed.update(found.parts)
             rest_unexpected.remove(u)

@@ -9,16 +9,20 @@ at a time), so the cost is one read of each key involved.
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping, Sequence
+import hashlib
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from dataclasses import dataclass
+
+import torch
 
 from workbench.debug.findings import Finding
 from workbench.debug.source import KeyMeta
 from workbench.debug.transforms import gate_up_groups
+from workbench.debug.views import bits
 from workbench.layout.model_layout import Layout
 from workbench.name_patterns import compress_indices, split_template
 
-__all__ = ["Joined", "MissingByContent", "find_joined", "in_fused_order", "joined_finding"]
+__all__ = ["Joined", "MissingByContent", "find_joined", "find_joined_on_dim", "in_fused_order", "joined_finding"]
 
 MAX_PARTS = 4096  # pieces of one key looked up (a stacked MoE layer: 2 per expert)
 _MAX_SIZES = 4  # part sizes tried at each offset
@@ -53,11 +57,14 @@ class MissingByContent:
 @dataclass(frozen=True, slots=True)
 class Joined:
     """What an unexpected key holds: ``parts`` in order; ``slices``: the parts of each dim-0 slice when stacked on a
-    new dim 0 (None when concatenated on dim 0)."""
+    new dim 0 (None when concatenated); ``dim``: the dim of the parts (or of each slice's parts) they are
+    concatenated on; ``new_dim``: the new dim (>= 1) they are stacked on instead, one part per index."""
 
     key: str
     parts: tuple[str, ...]
     slices: tuple[tuple[str, ...], ...] | None
+    dim: int = 0
+    new_dim: int | None = None
 
 
 def _fits(part: tuple[int, ...], whole: tuple[int, ...]) -> bool:
@@ -102,6 +109,79 @@ def find_joined(key: str, meta: KeyMeta, missing: MissingByContent, taken: set[s
     if len(parts) < 2 or len({missing.digests[p] for p in parts}) == 1:
         return None  # one part, or copies of one tensor (zeros fill any zero buffer): nothing tells them apart
     return _shaped(key, meta, tuple(parts), missing.metas)
+
+
+_MAX_ARRANGEMENTS = 8  # joins on dims other than 0 tried for one key (each costs one read of it)
+Box = tuple[slice, ...]
+
+
+def _arrangements(whole: tuple[int, ...], part: tuple[int, ...]) -> Iterator[tuple[list[Box], int, int | None, int]]:
+    """``(boxes, dim, new_dim, per_slice)``: the ways equal parts of shape ``part`` make ``whole`` joined on a dim
+    other than 0 (dim 0 is ``find_joined``'s): concatenated on dim d; stacked on a new dim d; or stacked on a new
+    dim 0, each slice's parts concatenated on its dim d (``per_slice`` parts a slice, 0 otherwise). Each box is a
+    part's slices of ``whole``, in the parts' order."""
+    def box(at: dict[int, slice]) -> Box:
+        return tuple(at.get(i, slice(None)) for i in range(len(whole)))
+
+    if len(part) == len(whole):
+        for d in range(1, len(whole)):
+            k = whole[d] // part[d] if part[d] else 0
+            if k >= 2 and whole[d] == k * part[d] and all(whole[i] == part[i] for i in range(len(whole)) if i != d):
+                yield [box({d: slice(j * part[d], (j + 1) * part[d])}) for j in range(k)], d, None, 0
+    if len(part) == len(whole) - 1 and part:
+        for d in range(1, len(whole)):
+            if whole[d] >= 2 and whole[:d] + whole[d + 1:] == part:
+                yield [box({d: slice(j, j + 1)}) for j in range(whole[d])], 0, d, 0
+        for d in range(1, len(part)):  # each dim-0 slice the parts concatenated on the slice's dim d
+            k = whole[d + 1] // part[d] if part[d] else 0
+            if k >= 2 and whole[d + 1] == k * part[d] and all(whole[i + 1] == part[i]
+                                                               for i in range(len(part)) if i != d):
+                yield [box({0: slice(e, e + 1), d + 1: slice(j * part[d], (j + 1) * part[d])})
+                       for e in range(whole[0]) for j in range(k)], d, None, k
+
+
+def _box_digests(rows: Callable[[int, int], torch.Tensor], n_rows: int, step: int, boxes: list[Box]) -> list[bytes]:
+    """The blake2b-16 digest of each box's elements in row-major order (the bytes a key of that shape holds), the
+    whole tensor read once in blocks of ``step`` dim-0 rows."""
+    hashes = [hashlib.blake2b(digest_size=16) for _ in boxes]
+    for a in range(0, n_rows, step):
+        b = min(n_rows, a + step)
+        block = rows(a, b)
+        for h, box in zip(hashes, boxes):
+            lo, hi = max(a, box[0].start or 0), min(b, n_rows if box[0].stop is None else box[0].stop)
+            if lo < hi:
+                h.update(bits(block[(slice(lo - a, hi - a), *box[1:])]).numpy().tobytes())
+    return [h.digest() for h in hashes]
+
+
+def find_joined_on_dim(key: str, meta: KeyMeta, missing: MissingByContent, taken: set[str],
+                       rows: Callable[[int, int], torch.Tensor], step: int) -> Joined | None:
+    """The missing keys (not in ``taken``, all of one shape) that ``key`` holds joined on a dim other than 0 (gate and
+    up concatenated on dim 1, experts stacked on dim 1, each stacked slice's parts concatenated on its dim 1), every
+    element of it, in order; ``rows(a, b)`` reads its dim-0 rows ``a:b`` (``step`` at a time). ``missing`` must
+    digest keys with blake2b-16 of their bytes. None when no arrangement holds."""
+    if len(meta.shape) < 2 or meta.torch_dtype is None or meta.nbytes == 0:
+        return None
+    tried = 0
+    for group in missing.groups:
+        if group[1] != meta.dtype:
+            continue
+        for boxes, dim, new_dim, per_slice in _arrangements(tuple(meta.shape), group[0]):
+            if tried == _MAX_ARRANGEMENTS or len(boxes) > MAX_PARTS:
+                return None
+            tried += 1
+            parts, used = [], set(taken)
+            for fingerprint in _box_digests(rows, meta.shape[0], step, boxes):
+                hit = next((k for k in missing.keys_with(group, fingerprint) if k not in used), None)
+                if hit is None:
+                    break
+                parts.append(hit)
+                used.add(hit)
+            if len(parts) == len(boxes) and len({missing.digests[p] for p in parts}) > 1:
+                slices = tuple(tuple(parts[i:i + per_slice]) for i in range(0, len(parts), per_slice)) \
+                    if per_slice else None
+                return Joined(key, tuple(parts), slices, dim, new_dim)
+    return None
 
 
 def _shaped(key: str, meta: KeyMeta, parts: tuple[str, ...], metas: Mapping[str, KeyMeta]) -> Joined | None:
@@ -166,21 +246,27 @@ def _period(parts: Sequence[str]) -> list[tuple[str, ...]] | None:
 def joined_words(found: Joined, meta: KeyMeta, metas: Mapping[str, KeyMeta]) -> str:
     """How ``found.key`` holds its parts, in their order."""
     n = len(found.parts)
+    if found.new_dim is not None:
+        chunks = [(p,) for p in found.parts]
+        order = _pattern(chunks)
+        words = f"{order[0]}, for {order[1]}" if order is not None else _listed(found.parts)
+        return f"{n} expected keys stacked on a new dim {found.new_dim}, in the order {words}"
     if found.slices is not None:
         pattern = _pattern(found.slices)
         per = {len(s) for s in found.slices}
-        inner = " concatenated on dim 0" if per != {1} else ""
+        inner = f" concatenated on dim {found.dim}" if per != {1} else ""
         if pattern is not None:
             return (f"{n} expected keys stacked on a new dim 0 ({meta.shape[0]} slices): slice i = {pattern[0]}"
                     f"{inner}, for {pattern[1]}")
         return (f"{n} expected keys stacked on a new dim 0 ({meta.shape[0]} slices{', each ' if inner else ''}"
                 f"{inner.strip()}), in the order {_listed(found.parts)}")
-    rows = {metas[p].shape[0] for p in found.parts}
-    size = f" of {rows.pop()} rows each" if len(rows) == 1 else ""
+    rows = {metas[p].shape[found.dim] for p in found.parts}
+    unit = "rows" if found.dim == 0 else f"slices on dim {found.dim}"
+    size = f" of {rows.pop()} {unit} each" if len(rows) == 1 else ""
     chunks = _period(found.parts)
     order = _pattern(chunks) if chunks is not None else None
     words = f"{order[0]}, for {order[1]}" if order is not None else _listed(found.parts)
-    return f"{n} expected keys{size} concatenated on dim 0, in the order {words}"
+    return f"{n} expected keys{size} concatenated on dim {found.dim}, in the order {words}"
 
 
 def joined_finding(found: Joined, meta: KeyMeta, metas: Mapping[str, KeyMeta]) -> Finding:
