@@ -5,6 +5,8 @@ refused after its timeout, naming the habit, and leaves nothing out of step."""
 
 from __future__ import annotations
 
+import signal
+import threading
 import time
 from pathlib import Path
 
@@ -24,16 +26,29 @@ def _save_and_load(root: str) -> dict:
     import torch.distributed as dist
     from torch.nn.parallel import DistributedDataParallel
 
+    from workbench.errors import CheckpointError
+
     ddp = DistributedDataParallel(_model())  # names under "module.": the checkpoint has the model's own
-    lone = None
+    lone = ""
     if dist.get_rank() == 0:  # DDP's habit: a save on rank 0 alone. It waited for rank 1, then "Wait timeout", and
         try:                  # left rank 0's process groups out of step: the next save of both ranks failed too
             wb.save_hf(ddp, Path(root) / "lone", timeout=2)
         except wb.PeersAbsent as exc:
             lone = str(exc)
+        # the notebook's stop button in that wait: the interrupt lands within half a second, not after the timeout
+        threading.Timer(0.5, signal.raise_signal, (signal.SIGINT,)).start()
+        start = time.monotonic()
+        try:
+            wb.save_hf(ddp, Path(root) / "lone", timeout=30)
+        except KeyboardInterrupt:
+            lone += f" | interrupted after {time.monotonic() - start:.1f} s"
         (Path(root) / "lone-failed").touch()
     while not (Path(root) / "lone-failed").exists():  # rank 1's next save is not the lone one's peer
         time.sleep(0.05)
+    try:  # one control group per timeout: ranks that pass different ones are refused together
+        wb.save_hf(ddp, Path(root) / "timeouts", timeout=30 + dist.get_rank())
+    except CheckpointError as exc:
+        lone = f"{lone} | {exc}"
     result = wb.save_hf(ddp, Path(root) / "ckpt", timeout=30)
     target = _model()
     with torch.no_grad():
@@ -49,9 +64,13 @@ def _save_and_load(root: str) -> dict:
 def test_a_ddp_model_saves_and_loads_from_every_rank(tmp_path: Path) -> None:
     results = wb.launch(_save_and_load, nprocs=2, args=(str(tmp_path),), timeout=120)
     assert all(r["ok"] and r["equal"] for r in results.values()), results
-    assert results[1]["lone"] is None and "rank 0 waited 2 s for the world's other 1 rank(s) to join, and 1 did " \
-        "not" in results[0]["lone"] and "`if rank == 0:`" in results[0]["lone"], results[0]["lone"]
-    assert not (tmp_path / "lone").exists()
+    lone, interrupted, timeouts = results[0]["lone"].split(" | ")
+    assert "rank 0 waited 2 s for the world's other 1 rank(s) to join, and rank 1 did not" in lone, lone
+    assert "`if rank == 0:`" in lone, lone
+    assert float(interrupted.split()[-2]) < 1.5, interrupted
+    assert results[1]["lone"].endswith(timeouts)
+    assert "the ranks passed different timeouts (30 s on rank 0; 31 s on rank 1); every rank must pass" in timeouts
+    assert not (tmp_path / "lone").exists() and not (tmp_path / "timeouts").exists()
     assert {f for r in results.values() for f in r["files"]} == {  # both ranks write: the writers are spread
         "model-00001-of-00002.safetensors", "model-00002-of-00002.safetensors"}
     saved = {k: v for f in (tmp_path / "ckpt").glob("*.safetensors") for k, v in load_file(f).items()}

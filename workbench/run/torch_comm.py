@@ -15,6 +15,8 @@ torch until the job ends, so making them per save would leak):
 from __future__ import annotations
 
 import datetime
+import hashlib
+import time
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -23,7 +25,7 @@ import torch
 import torch.distributed as dist
 
 from workbench import _compat
-from workbench.errors import PeersAbsent, PlanError
+from workbench.errors import CheckpointError, PeersAbsent, PlanError
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
 from workbench.run.communicator import FinishFailed
 
@@ -87,7 +89,8 @@ class ControlChannel:
         self._world = dist.get_world_size() if self._live else 1
         self._group = None
         if self._live and self._world > 1 and str(dist.get_backend()) != "fake":
-            join_the_world(self.rank, self._world, timeout, what)
+            if ("control", float(timeout)) not in _GROUPS:  # making it is a collective: join the world first
+                join_the_world(self.rank, self._world, timeout, what)
             self._group = control_group(timeout)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
@@ -99,47 +102,110 @@ class ControlChannel:
         return out
 
 
-_JOINED: dict[str, Any] = {"store": None, "calls": 0}  # the default store, and the calls that joined through it
+_JOINED: dict[str, Any] = {"store": None, "calls": {}}  # the default store, and the joins made per call
 
 
 def join_the_world(rank: int, world: int, timeout: float, what: str) -> None:
-    """Wait until every rank of the world has called this (the start of a collective save or load), through the
-    default store alone: no process group is made or used, so a rank that calls it alone (a save inside
-    ``if rank == 0:``) withdraws after ``timeout`` and raises ``PeersAbsent``, leaving every group and counter as
-    it was. The same call fixed and run on every rank then joins. Without a reachable store it returns at once.
+    """Wait until every rank of the world has called this for the same call ``what`` (e.g. ``"save_hf to /abs/path"``,
+    a collective save or load about to make the job's control group), through the default store alone: no process
+    group is made or used, so a rank that calls it alone (a save inside ``if rank == 0:``) withdraws after
+    ``timeout`` and raises ``PeersAbsent``, leaving every group and torch's group counter as they were (a lone
+    ``new_group`` would have put them out of step); the same call made on every rank then joins. Without a reachable
+    store it returns at once. Used only where torch would use the store anyway (making a group): a save through
+    groups already made never touches the store (a rank whose file store broke, e.g. under a file-size limit, still
+    saves and reports).
 
-    Each call is numbered on each rank (the same on every rank: every rank calls the same collectives in order);
-    a counter key per call number counts the ranks arrived, the last sets a "go" key. A rank that times out takes
-    its count back with compare-and-set, unless the last rank arrived meanwhile (then it goes on).
+    Calls are told apart by ``what`` and numbered per ``what`` on each rank (a path saved to again is the next
+    number), so a rank's lone call never pairs with its peers' next call of another kind or path. A counter key
+    counts the ranks arrived and the last sets a "go" key; a rank that times out takes its count back with
+    compare-and-set, unless the last rank arrived meanwhile (then it goes on); the last rank to leave deletes the keys.
     """
     store = _compat.default_store()
     if store is None:
         return
     if _JOINED["store"] is not store:  # a new world: its store starts empty
-        _JOINED.update(store=store, calls=0)
-    call = _JOINED["calls"] + 1
-    count_key, go_key = f"workbench/join/{call}/count", f"workbench/join/{call}/go"
-    if store.add(count_key, 1) >= world:
+        _JOINED.update(store=store, calls={})
+    tag = hashlib.sha1(what.encode()).hexdigest()[:16]
+    number = _JOINED["calls"].get(tag, 0) + 1
+    keys = (f"workbench/join/{tag}/{number}/{k}" for k in ("count", "go", "left", "who"))
+    count_key, go_key, left_key, who_key = keys
+    try:
+        store.append(who_key, f"{rank}@{float(timeout)!r},")
+        arrived = store.add(count_key, 1)
+    except Exception as exc:  # the store itself failed on this rank (a full disk under a FileStore): say so
+        raise PeersAbsent(f"{what}: rank {rank} could not join its peers through the default store "
+                          f"({type(exc).__name__}: {exc}); they report it absent after their timeout") from exc
+    if arrived >= world:
         store.set(go_key, "1")
-        for old in (f"workbench/join/{call - 1}/count", f"workbench/join/{call - 1}/go"):
-            try:  # every rank is past the previous call: its keys are done with
-                store.delete_key(old)
-            except Exception:  # a store without deletion keeps two small keys per call
-                pass
     else:
-        try:
-            store.wait([go_key], _timedelta(timeout))
-        except Exception as exc:  # timed out: withdraw, unless the last rank arrived meanwhile
-            while (arrived := int(store.add(count_key, 0))) < world:
-                if store.compare_set(count_key, str(arrived), str(arrived - 1)) == str(arrived - 1).encode():
-                    raise PeersAbsent(
-                        f"{what}: rank {rank} waited {timeout:g} s for the world's other {world - 1} rank(s) to "
-                        f"join, and {world - arrived} did not. Saves and loads are collective: every rank of the "
-                        "world calls them with its own shards (a call inside `if rank == 0:` leaves rank 0 waiting "
-                        "here); a peer that died or hangs looks the same. Nothing was written or read, and nothing "
-                        "is left out of step: the same call made on every rank joins."
-                    ) from exc
-    _JOINED["calls"] = call
+        _wait_for_go(store, go_key, count_key, who_key, rank, world, timeout, what)
+    _JOINED["calls"][tag] = number
+    timeouts = _arrivals(store, who_key)  # read before the last rank to leave deletes it
+    if store.add(left_key, 1) >= world:  # every rank is past this join: its keys are done with
+        for key in (count_key, go_key, left_key, who_key):
+            try:
+                store.delete_key(key)
+            except Exception:  # a store without deletion keeps four small keys per call
+                pass
+    if len(set(timeouts.values())) > 1:  # one control group per timeout: ranks that differ would pair other groups
+        by_value: dict[float, list[int]] = {}
+        for r, t in sorted(timeouts.items()):
+            by_value.setdefault(t, []).append(r)
+        values = "; ".join(f"{t:g} s on {_ranks_text(rs)}" for t, rs in by_value.items())
+        raise CheckpointError(f"{what}: the ranks passed different timeouts ({values}); every rank must pass the "
+                              "same. Nothing was written or read.")
+
+
+def _arrivals(store: Any, who_key: str) -> dict[int, float]:
+    """``{rank: timeout}`` of every rank that appended itself to ``who_key``."""
+    entries = (e.split("@") for e in store.get(who_key).decode().split(",") if e)
+    return {int(r): float(t) for r, t in entries}
+
+
+def _wait_for_go(store: Any, go_key: str, count_key: str, who_key: str, rank: int, world: int, timeout: float,
+                 what: str) -> None:
+    """Wait for the last rank in slices of half a second (a KeyboardInterrupt, the notebook's stop button, lands
+    between them); on the deadline or an interrupt take this rank's count back (``_withdraw``) and raise."""
+    deadline = time.monotonic() + timeout
+    try:
+        while True:
+            left = deadline - time.monotonic()
+            if left <= 0:
+                raise TimeoutError(f"no word from every rank within {timeout:g} s")
+            started = time.monotonic()
+            try:
+                store.wait([go_key], _timedelta(min(0.5, left)))
+                return
+            except Exception:  # this slice timed out (or the store answered at once with an error: pace it)
+                if time.monotonic() - started < 0.25:
+                    time.sleep(0.25)
+    except BaseException as exc:  # the deadline, or an interrupt: withdraw, unless the last rank came meanwhile
+        withdrawn = _withdraw(store, count_key, world)
+        if not isinstance(exc, TimeoutError):
+            raise
+        if withdrawn:
+            absent = [r for r in range(world) if r not in _arrivals(store, who_key)]
+            raise PeersAbsent(
+                f"{what}: rank {rank} waited {timeout:g} s for the world's other {world - 1} rank(s) to join, and "
+                f"{_ranks_text(absent) if absent else 'not all'} did not. Saves and loads are collective: every "
+                "rank of the world calls them with its own shards (a call inside `if rank == 0:` leaves rank 0 "
+                "waiting here); a peer that died or hangs looks the same. Nothing was written or read, and nothing "
+                "is left out of step: the same call made on every rank joins."
+            ) from exc
+
+
+def _withdraw(store: Any, count_key: str, world: int) -> bool:
+    """Take this rank's count back (compare-and-set); False when the last rank arrived meanwhile (the join goes on:
+    the "go" key is set or about to be)."""
+    while (arrived := int(store.add(count_key, 0))) < world:
+        if store.compare_set(count_key, str(arrived), str(arrived - 1)) == str(arrived - 1).encode():
+            return True
+    return False
+
+
+def _ranks_text(ranks: Sequence[int]) -> str:
+    listed = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
+    return f"rank {listed}" if len(ranks) == 1 else f"ranks {listed}"
 
 
 def forget_groups() -> None:

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import hashlib
 import math
+import os
 import socket
 import time
 from collections.abc import Callable, Collection, Mapping
@@ -181,7 +182,7 @@ def load_hf(
     """
     start = time.perf_counter()
     clock = LoadClock()
-    channel = ControlChannel(timeout, what=f"load_hf of {path}")
+    channel = ControlChannel(timeout, what=f"load_hf of {os.path.abspath(path)}")
     rank = channel.rank if rank is None else rank
     who, place = _problem_rank(channel, rank)  # whom a failure names: a stage's place is every stage's too
     what = f"load of {path}"

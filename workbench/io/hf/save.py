@@ -462,7 +462,7 @@ def _agree_before_groups(
     rank's ``share``."""
     from workbench.run.torch_comm import ControlChannel
 
-    channel = comm or ControlChannel(timeout, what=f"save_hf to {path}")
+    channel = comm or ControlChannel(timeout, what=f"save_hf to {os.path.abspath(path)}")
     problem = problem_from(mine, channel.rank, "reading the model's layout") if mine is not None else None
     try:
         return agree(channel, problem, what=f"save to {path}", outcome="nothing was written", share=share)

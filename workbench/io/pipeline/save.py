@@ -225,7 +225,7 @@ def save_hf_pipeline(
     if not dist.is_initialized():
         raise CheckpointError("save_hf_pipeline needs an initialized default process group (wb.launch or torchrun)")
     what = f"pipeline save to {path}"
-    world = ControlChannel(ACROSS_STAGES * timeout, what=f"save_hf_pipeline to {path}")
+    world = ControlChannel(ACROSS_STAGES * timeout, what=f"save_hf_pipeline to {os.path.abspath(path)}")
     rank = world.rank
     # the stages save into the directory rank 0 prepares for the whole save: never a checkpoint beside the target
     stages = [temporary_path(path) / f"stage{s}" for s in range(len(pipeline.stages))]
