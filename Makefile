@@ -3,6 +3,8 @@ PYTHON ?= python3
 VENV := .venv
 PY := $(VENV)/bin/python
 STAMP := $(VENV)/.installed
+# the suite waits on child processes and timeouts as much as it computes: two workers halve it on two cores
+TEST_WORKERS ?= 2
 
 .PHONY: demo test lint bench clean
 
@@ -21,7 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check workbench tests bench notebooks
-	$(PY) -m pytest -q
+	$(PY) -m pytest -q -n $(TEST_WORKERS)
 
 bench: $(STAMP)
 	$(PY) bench/plan_layouts.py
