@@ -87,18 +87,39 @@ class ControlChannel:
         self._live = dist.is_available() and dist.is_initialized()
         self.rank = dist.get_rank() if self._live else 0
         self._world = dist.get_world_size() if self._live else 1
+        self._timeout, self._what = float(timeout), what
         self._group = None
+        self._may_remake = False  # the first exchange through a group made by an earlier call
         if self._live and self._world > 1 and str(dist.get_backend()) != "fake":
-            if ("control", float(timeout)) not in _GROUPS:  # making it is a collective: join the world first
+            if ("control", self._timeout) not in _GROUPS:  # making it is a collective: join the world first
                 join_the_world(self.rank, self._world, timeout, what)
+            else:
+                self._may_remake = True
             self._group = control_group(timeout)
 
     def all_gather_object(self, obj: Any) -> list[Any]:
-        """Small Python objects from every rank, in rank order."""
+        """Small Python objects from every rank, in rank order.
+
+        The first exchange through a group an earlier call made, failing at once (well before the timeout), found it
+        closed by a peer's earlier failure (a call that peer made alone, then timed out): the cached groups are
+        dropped, the ranks meet at ``join_the_world`` and make the group again, and the exchange runs once more.
+        """
         if self._world == 1:
             return [obj]
         out: list[Any] = [None] * self._world
-        dist.all_gather_object(out, obj, group=self._group)
+        start = time.monotonic()
+        try:
+            dist.all_gather_object(out, obj, group=self._group)
+        except Exception:
+            if not self._may_remake or time.monotonic() - start > self._timeout / 2:
+                raise
+            self._may_remake = False
+            forget_groups()
+            join_the_world(self.rank, self._world, self._timeout, self._what)
+            self._group = control_group(self._timeout)
+            out = [None] * self._world
+            dist.all_gather_object(out, obj, group=self._group)
+        self._may_remake = False
         return out
 
 
