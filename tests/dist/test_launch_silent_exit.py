@@ -127,6 +127,7 @@ def test_a_rank_that_exits_with_code_0_without_a_result_is_named_at_once(tmp_pat
     outcome = _launch(tmp_path, "os_exit", timeout)
     assert "error" in outcome, f"the launch returned {outcome.get('returned')} without rank 1's result"
     assert outcome["ranks"] == [1], outcome["error"]  # rank 0 returned its result: not a failure
+    assert 1 in outcome["pids"], f"rank 1 failed before it ran fn: {outcome['error']}"
     pid = outcome["pids"][1]
     assert outcome["first"].startswith(f"rank 1 failed (exit code 0):\nrank 1 (pid {pid}) exited with code 0 "
                                        "without returning a result"), outcome["first"]
