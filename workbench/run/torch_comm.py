@@ -31,6 +31,7 @@ from workbench.run.communicator import FinishFailed
 
 __all__ = [
     "DEFAULT_TIMEOUT", "ControlChannel", "TorchCommunicator", "control_group", "forget_groups", "join_the_world",
+    "ranks_listed",
 ]
 
 DEFAULT_TIMEOUT = 600.0  # seconds a save's collective may wait for a peer that died or hangs
@@ -224,9 +225,14 @@ def _withdraw(store: Any, count_key: str, world: int) -> bool:
     return False
 
 
+def ranks_listed(ranks: Sequence[int]) -> str:
+    """Ranks for a message: the first eight, then how many in all."""
+    shown = ", ".join(map(str, ranks[:8]))
+    return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > 8 else "")
+
+
 def _ranks_text(ranks: Sequence[int]) -> str:
-    listed = ", ".join(map(str, ranks[:8])) + (f" and {len(ranks) - 8} more" if len(ranks) > 8 else "")
-    return f"rank {listed}" if len(ranks) == 1 else f"ranks {listed}"
+    return f"rank {ranks_listed(ranks)}" if len(ranks) == 1 else f"ranks {ranks_listed(ranks)}"
 
 
 def forget_groups() -> None:

@@ -45,7 +45,7 @@ from workbench.plan.policy import SavePolicy
 from workbench.plan.save_set import layout_as_held
 from workbench.run.communicator import Communicator
 from workbench.run.guard import RankProblem, SaveFailed, agree, problem_from
-from workbench.run.torch_comm import DEFAULT_TIMEOUT
+from workbench.run.torch_comm import DEFAULT_TIMEOUT, ranks_listed
 from workbench.version import __version__
 
 __all__ = ["AsyncSave", "SaveFailed", "SaveResult", "local_communicator", "save_hf", "warm_host_pool"]
@@ -433,7 +433,7 @@ def other_arguments_problem(options: Sequence[tuple[tuple[str, str], ...]]) -> s
         for rank, mine in enumerate(options):
             by_value.setdefault(mine[index][1], []).append(rank)
         if len(by_value) > 1:
-            values = ", ".join(f"{value} on rank(s) {_ranks_text(ranks)}" for value, ranks in by_value.items())
+            values = ", ".join(f"{value} on rank(s) {ranks_listed(ranks)}" for value, ranks in by_value.items())
             differing.append(f"{name} ({values})")
     if not differing:
         return None
@@ -447,11 +447,6 @@ def _refuse_other_arguments(options: Sequence[tuple[tuple[str, str], ...]], path
     if cause is not None:
         raise SaveFailed(f"save to {path} refused before anything was written: {cause}",
                          [RankProblem(r, "checking the call's arguments", cause) for r in range(len(options))])
-
-
-def _ranks_text(ranks: Sequence[int]) -> str:
-    shown = ", ".join(map(str, ranks[:8]))
-    return shown + (f", ... ({len(ranks)} in all)" if len(ranks) > 8 else "")
 
 
 def _agree_before_groups(
