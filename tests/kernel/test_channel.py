@@ -12,6 +12,7 @@ import hashlib
 import hmac
 import json
 import logging
+import socket
 import time
 from collections.abc import Iterator
 from pathlib import Path
@@ -353,3 +354,40 @@ def test_stop_keeps_the_ranks_log_of_an_agent_that_ended_on_its_own(tmp_path: Pa
         rankset.close()
     assert agent.returncode == 0
     assert run_dir.exists() == ended_before
+
+
+_SIGNALLED = "W1129 07:00:00 api.py:1029] Sending process 4242 closing signal SIGTERM\n"
+_FAILED = "E1129 07:00:00 api.py:1002] failed (exitcode: 3) local_rank: 1 (pid: 4243) of binary: python\n"
+
+
+@pytest.mark.parametrize("log", [_SIGNALLED, _FAILED, "rank 1 says goodbye\n"],
+                         ids=["agent-signalled-the-others", "agent-named-the-failure", "agent-carries-on"])
+def test_a_rank_that_ended_is_gone_at_once_only_while_its_agent_carries_on(tmp_path: Path, log: str) -> None:
+    # a rank that exited with code 0 leaves torch's agent running: the kernel names it after a few seconds. One that
+    # failed makes the agent signal the others and exit, which on a busy host takes longer than that: the agent's exit
+    # (RanksStopped, with the root cause) is awaited instead of calling the rank lost
+    import subprocess
+    import sys
+
+    from workbench.kernel.ranks import RankInfo
+    from workbench.pid_space import this_pid_space
+
+    rankset = RankSet(nprocs=0, backend="gloo", listen="127.0.0.1:0", token_file=str(tmp_path / "token"))
+    ended = subprocess.Popen([sys.executable, "-c", "pass"])
+    ended.wait(30)
+    agent = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(60)"], start_new_session=True)
+    rankset.log_path = tmp_path / "ranks.log"
+    rankset.log_path.write_text("x" * 100_000 + "\n" + log)  # only the log's end is read
+    stopping = log != "rank 1 says goodbye\n"
+    rankset._agent = agent
+    rankset.ranks[1] = RankInfo(rank=1, world_size=2, local_rank=1, host=socket.gethostname(), pid=ended.pid,
+                                backend="gloo", pid_space=this_pid_space())
+    try:
+        assert rankset.exited([1], after=0.0) == ([] if stopping else [1])
+        assert rankset.agent_is_stopping() == stopping
+        agent.kill()
+        agent.wait(30)
+        assert not rankset.agent_is_stopping()  # an agent that exited says it all itself
+    finally:
+        rankset._agent = None
+        rankset.close()

@@ -94,6 +94,9 @@ def test_a_shutdown_while_a_rank_holds_the_gil_leaves_no_process_and_no_store(ke
 def test_a_clean_shutdown_removes_the_ranks_folder_and_the_store(kernel: Any) -> None:
     manager, _, pids, run_dir, store = kernel
     assert (store / "agent").is_dir()  # torch's agent keeps its files in the store folder, not in one of /tmp
+    # ranks leaving on a busy host may take longer than jupyter_client's default 2.5 s before its SIGTERM (which
+    # kills them, keeping their log): the kernel waits as long as the client does
+    manager.shutdown_wait_time = 60.0
     manager.shutdown_kernel(now=False)
     assert _running(pids) == []
     assert not store.exists() and not run_dir.exists()

@@ -54,6 +54,7 @@ _LIVE_AFTER = 1.0  # seconds a cell runs before its live view appears
 _LIVE_PERIOD = 0.5  # seconds between live view updates (and between asking ranks outside a collective where they are)
 _POLL_PERIOD = 2.0  # seconds between asking running ranks where they are, with the live view off
 _SILENT_AFTER = 1.0  # seconds without an answer to those questions before the live view calls a rank silent
+_SHUTDOWN_GRACE = 60.0  # seconds a shutdown waits for the ranks to leave; the client's SIGTERM ends it sooner
 _RECORDER_ENTRIES = 3  # each rank's newest flight recorder entries in a hang report
 
 
@@ -361,11 +362,13 @@ class SPMDKernel(Kernel):
         return None
 
     async def do_shutdown(self, restart: bool) -> dict:
-        """Stop every rank (a restart starts a new kernel process, hence new ranks), within jupyter_client's 2.5 s
-        before it SIGTERMs the kernel (``RankSet.stop``)."""
+        """Stop every rank (a restart starts a new kernel process, hence new ranks). Ranks that leave on a busy host
+        may take seconds: this waits for them until the client's patience ends (jupyter_client SIGTERMs a kernel after
+        half its ``shutdown_wait_time``, 2.5 s by default), when ``_on_sigterm`` ends them at once (``RankSet.stop``).
+        """
         if self._pump_callback is not None:
             self._pump_callback.stop()
-        self.rankset.stop()
+        self.rankset.stop(grace=_SHUTDOWN_GRACE)
         return {"status": "ok", "restart": restart}
 
     def _forward_comm(self, stream: Any, ident: Any, parent: dict) -> None:

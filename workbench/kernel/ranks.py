@@ -49,7 +49,11 @@ _ALIVE = 10.0  # seconds: a rank heard from more recently than this keeps its pl
 _HEARTBEAT_IVL_MS = 1000  # ZMTP heartbeats on every rank connection, answered by libzmq's own thread (no GIL):
 _HEARTBEAT_TIMEOUT_MS = 5000  # a connection whose peer answers none for this long is closed
 _QUIET_AT_SHUTDOWN = 5.0  # seconds: a rank silent this long at shutdown may be gone (see stop)
-_EXITED_AFTER = 2.0  # seconds a local rank's process has ended before the kernel calls it gone (see exited)
+_EXITED_AFTER = 3.0  # seconds a local rank's process has ended before the kernel calls it gone (see exited)
+_LOG_TAIL_BYTES = 1 << 16  # how much of the ranks' log's end agent_is_stopping reads
+_AGENT_STOPS_WITHIN = 60.0  # seconds torch's agent may take to stop the others once it began (30 s SIGTERM wait)
+# what torch's agent logs as it stops its ranks because one failed: the others signalled, then the failure named
+_AGENT_STOPPING = (b"closing signal", b"failed (exitcode:")
 _AGENT_GRACE = 1.0  # seconds stop waits for the local ranks to leave when told: jupyter_client SIGTERMs a kernel 2.5 s
 # into its shutdown and ipykernel takes most of a second to exit after replying: stop ends within 1.5 s
 _KILL_WAIT = 0.2  # seconds after SIGTERM to the agent's process group before SIGKILL
@@ -324,15 +328,32 @@ class RankSet:
     def exited(self, ranks: list[int], after: float = _EXITED_AFTER) -> list[int]:
         """Those of ``ranks`` the kernel started itself whose process ended ``after`` seconds ago or more (gone, or a
         zombie its agent has not reaped). torch's agent goes on while a worker that exited with code 0 leaves the
-        others running, so its exit code never says so; a worker that failed stops the agent within ``after``, whose
-        exit says more (its log). A remote rank is judged by ``lost``."""
+        others running, so its exit code never says so; a worker that failed makes the agent signal the others
+        within ``after`` and then exit, which says more (its log): while its log says it is stopping them, a rank is
+        not called gone for up to ``_AGENT_STOPS_WITHIN`` seconds. A remote rank is judged by ``lost``."""
         if self._agent is None:
             return []
         now = time.monotonic()
         for r in ranks:
             if r not in self._ended and self.on_this_host(r) and not _process_runs(self.ranks[r].pid):
                 self._ended[r] = now
-        return [r for r in ranks if now - self._ended.get(r, now) >= after]
+        gone = [r for r in ranks if now - self._ended.get(r, now) >= after]
+        if gone and self.agent_is_stopping():  # a rank failed: the agent's exit, soon, says which and how
+            gone = [r for r in gone if now - self._ended[r] >= _AGENT_STOPS_WITHIN]
+        return gone
+
+    def agent_is_stopping(self) -> bool:
+        """Whether torch's local agent has begun stopping its ranks (its log says it signalled them): a rank failed,
+        and the agent exits once the others are gone, which on a busy host takes seconds."""
+        if self.log_path is None or self._agent is None or self._agent.poll() is not None:
+            return False
+        try:
+            with open(self.log_path, "rb") as log:
+                log.seek(max(0, log.seek(0, os.SEEK_END) - _LOG_TAIL_BYTES))
+                tail = log.read()
+        except OSError:
+            return False
+        return any(line in tail for line in _AGENT_STOPPING)
 
     def lost(self, dead_after: float) -> list[int]:
         """Ranks that are gone: silent for ``dead_after`` seconds *and* without a connection.
