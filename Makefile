@@ -23,7 +23,7 @@ demo: $(STAMP)
 
 test: $(STAMP)
 	$(VENV)/bin/ruff check workbench tests bench notebooks
-	$(PY) -m pytest -q -n $(TEST_WORKERS)
+	$(PY) -m pytest -q -n $(TEST_WORKERS) --dist loadgroup
 
 bench: $(STAMP)
 	$(PY) bench/plan_layouts.py

@@ -48,6 +48,12 @@ def _run_dir(client: Any, check: bool = True) -> Any:
     return path
 
 
+def _define_x(client: Any) -> None:
+    """Give every rank ``x = 10 * rank``: the state a test checks survives what it does (tests share one kernel, in
+    whatever order and worker pytest-xdist runs them)."""
+    assert execute(client, "x = 10 * rank").reply["status"] == "ok"
+
+
 def test_state_persists_and_text_is_folded(kernel: tuple[Any, Any]) -> None:
     _, client = kernel
     out = execute(client, "x = 10 * rank\nprint('same on both')\nprint('I am rank', rank, 'of', world_size)")
@@ -59,6 +65,7 @@ def test_state_persists_and_text_is_folded(kernel: tuple[Any, Any]) -> None:
 
 def test_ranks_magic_runs_a_subset_and_shows_its_lowest_rank(kernel: tuple[Any, Any]) -> None:
     _, client = kernel
+    _define_x(client)
     out = execute(client, "%%ranks 1\nx += 1\nprint('x is', x)\nx")
     assert out.streams["stdout"] == "x is 11\n" and out.result == "11"
     assert execute(client, "x").result == "0"  # rank 0 did not run the cell
@@ -137,17 +144,19 @@ def test_native_output_and_child_processes_reach_the_cell_from_every_rank(kernel
 
 def test_exception_on_one_rank_names_it_and_state_survives(kernel: tuple[Any, Any]) -> None:
     _, client = kernel
+    _define_x(client)
     out = execute(client, "y = rank\nif rank == 1:\n    raise ValueError(f'bad shard on {rank}')\n'fine'")
     assert out.reply["status"] == "error" and out.reply["ename"] == "ValueError"
     assert out.reply["evalue"] == "[rank 1] bad shard on 1"
     lines = out.error_text.splitlines()
     assert lines[0] == "[rank 1] ValueError on rank 1 (its own traceback):"
     assert "raise ValueError" in out.error_text and "rank(s) 0 finished the cell" in out.error_text
-    assert execute(client, "%%ranks 1\n(x, y)").result == "(11, 1)"
+    assert execute(client, "%%ranks 1\n(x, y)").result == "(10, 1)"
 
 
 def test_exit_and_quit_ask_the_frontend_as_ipykernel_and_every_rank_goes_on(kernel: tuple[Any, Any]) -> None:
     _, client = kernel
+    _define_x(client)
     for code, keep in (("exit()", False), ("quit()", False), ("exit(keep_kernel=True)", True)):
         out = execute(client, code, total=60)
         assert out.reply["status"] == "ok", out.error_text  # was AttributeError: no ask_exit
@@ -157,6 +166,7 @@ def test_exit_and_quit_ask_the_frontend_as_ipykernel_and_every_rank_goes_on(kern
 
 def test_a_failed_rank_does_not_leave_peers_waiting_in_a_collective(kernel: tuple[Any, Any]) -> None:
     _, client = kernel
+    _define_x(client)
     start = time.monotonic()
     out = execute(client, "if rank == 1:\n    raise KeyError('missing key')\ndist.all_reduce(torch.ones(1))",
                   timeout=90)
@@ -186,6 +196,7 @@ def test_a_rank_that_enters_a_collective_after_its_peer_failed_is_freed_too(kern
 
 def test_hang_report_then_interrupt_then_the_next_cell_works(kernel: tuple[Any, Any]) -> None:
     manager, client = kernel
+    _define_x(client)
     execute(client, "%hang_timeout 2")
     reported = threading.Event()
 
@@ -288,6 +299,7 @@ def test_an_interrupted_collective_is_freed_while_a_device_mesh_holds_the_groups
     # A live DeviceMesh (and a DTensor on it) keeps the gloo process group alive on the idle rank, so destroying
     # the group there does not close its connections: the rank left in the collective must still be freed.
     manager, client = kernel
+    _define_x(client)
     assert execute(client, MESH).result == "[0.0, 1.0]"  # rank 0's shard of [0, 1, 2, 3]
     execute(client, "%hang_timeout 2")
     reported = threading.Event()

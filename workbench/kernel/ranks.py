@@ -125,6 +125,7 @@ class RankSet:
         self._lock = threading.RLock()  # the socket is used by the shell thread and the control thread (shutdown)
         self._stopping = threading.Lock()  # held while stop runs: a second stop (a signal handler's) does not wait
         self._stopped = False
+        self._cut_short = False  # a SIGTERM ended the agent while stop waited for the ranks (see _stop_now)
         self._context = zmq.Context()
         self._socket = self._context.socket(zmq.ROUTER)
         self._socket.setsockopt(zmq.ROUTER_HANDOVER, 0)  # an identity stays with its first connection
@@ -252,7 +253,7 @@ class RankSet:
                 self.send(rank, {"op": "exit", "code": code})
         clean = self._stop_agent(grace)
         self._remove_store()
-        if self._run_dir is not None and ran_until_now and clean:
+        if self._run_dir is not None and ran_until_now and clean and not self._cut_short:
             # the ranks left cleanly when told to: nothing to look at. An agent that failed, ranks that had to be
             # killed, or an agent that had ended before (ranks that exited on their own: the kernel's error named this
             # log) keep their log
@@ -307,7 +308,9 @@ class RankSet:
 
     def _stop_now(self) -> None:
         """Another thread is stopping the ranks (a SIGTERM came during ``stop``): end the agent and remove the
-        private store at once, before this process dies; the ranks' folder stays (whether they left is not known)."""
+        private store at once, before this process dies; the ranks' folder stays (whether they left is not known:
+        the stop it cut short must not take the killed ranks' ended processes for ranks that left)."""
+        self._cut_short = True
         self._kill_agent()
         self._remove_store()
 
