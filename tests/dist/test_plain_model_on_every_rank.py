@@ -89,3 +89,40 @@ def test_a_ddp_model_saves_and_loads_from_every_rank(tmp_path: Path) -> None:
     want = _model().state_dict()
     assert saved.keys() == want.keys()
     assert all(torch.equal(saved[k], v) for k, v in want.items())
+
+
+def _lone_saves_among_four(root: str) -> list[str]:
+    import torch.distributed as dist
+
+    model, rank, seen = _model(), dist.get_rank(), []
+    wb.save_hf(model, Path(root) / "made", timeout=4)  # the control group for this timeout exists from here on
+    for lone in (0, 2):  # DDP's habit, and a rank whose exchange is no neighbour of rank 0's in gloo's ring
+        if rank == lone:
+            try:
+                wb.save_hf(model, Path(root) / f"lone-{lone}", timeout=4)
+            except wb.SaveFailed as exc:
+                seen.append(str(exc).splitlines()[0])
+            (Path(root) / f"lone-{lone}-failed").touch()
+        while not (Path(root) / f"lone-{lone}-failed").exists():
+            time.sleep(0.05)
+        # every rank's next save works. With more than two ranks a peer's first exchange waited out its timeout
+        # (the lone rank's group, held by a finished save's garbage, kept the connections that peer waited on open)
+        start = time.monotonic()
+        wb.save_hf(model, Path(root) / f"after-{lone}", timeout=4)
+        seen.append(f"after {time.monotonic() - start:.1f} s")
+    return seen
+
+
+@pytest.mark.slow
+def test_a_lone_save_through_made_groups_leaves_every_next_save_of_four_ranks_working(tmp_path: Path) -> None:
+    results = wb.launch(_lone_saves_among_four, nprocs=4, args=(str(tmp_path),), timeout=120)
+    for rank, seen in results.items():
+        lone = [line for line in seen if not line.startswith("after")]
+        assert len(lone) == (1 if rank in (0, 2) else 0), seen
+        assert all(line.endswith("failed; nothing was written.") for line in lone), seen
+        assert all(float(line.split()[1]) < 3 for line in seen if line.startswith("after")), seen
+    want = _model().state_dict()
+    for lone in (0, 2):
+        assert not (tmp_path / f"lone-{lone}").exists()
+        saved = {k: v for f in (tmp_path / f"after-{lone}").glob("*.safetensors") for k, v in load_file(f).items()}
+        assert saved.keys() == want.keys() and all(torch.equal(saved[k], v) for k, v in want.items())

@@ -14,9 +14,12 @@ torch until the job ends, so making them per save would leak):
 
 from __future__ import annotations
 
+import contextlib
 import datetime
+import gc
 import hashlib
 import time
+import traceback
 from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
@@ -111,17 +114,34 @@ class ControlChannel:
         start = time.monotonic()
         try:
             dist.all_gather_object(out, obj, group=self._group)
-        except Exception:
-            if not self._may_remake or time.monotonic() - start > self._timeout / 2:
+        except BaseException as exc:
+            traceback.clear_frames(exc.__traceback__)  # their locals hold the group, which must go (_discard_group)
+            self._discard_group()
+            if not isinstance(exc, Exception) or not self._may_remake or time.monotonic() - start > self._timeout / 2:
                 raise
+        else:
             self._may_remake = False
-            forget_groups()
-            join_the_world(self.rank, self._world, self._timeout, self._what)
-            self._group = control_group(self._timeout)
-            out = [None] * self._world
-            dist.all_gather_object(out, obj, group=self._group)
-        self._may_remake = False
+            return out
+        self._may_remake = False  # out of the except clause: the failed exchange's frames are gone
+        forget_groups()
+        join_the_world(self.rank, self._world, self._timeout, self._what)
+        self._group = control_group(self._timeout)
+        out = [None] * self._world
+        dist.all_gather_object(out, obj, group=self._group)
         return out
+
+    def _discard_group(self) -> None:
+        """Destroy the control group after an exchange on it failed here: it is out of step for this rank (a lone
+        call's exchange left its peers' connections waiting), and destroying it closes its connections, so a peer
+        whose next exchange needs one of them fails at once and meets this rank at ``join_the_world`` (with more
+        than two ranks, one peer's exchange waited out its timeout instead, and that call failed on every rank)."""
+        broken, self._group = self._group, None
+        if _GROUPS.get(("control", self._timeout)) is broken:
+            del _GROUPS[("control", self._timeout)]
+        with contextlib.suppress(Exception):
+            dist.destroy_process_group(broken)
+        del broken
+        gc.collect()  # what still holds it may be garbage of a finished call (a save's session, in a cycle)
 
 
 _JOINED: dict[str, Any] = {"store": None, "calls": {}}  # the default store, and the joins made per call
