@@ -310,3 +310,87 @@ def test_a_stale_key_map_s_keys_joined_on_a_dim_other_than_0_are_named_with_that
     (f,) = report.findings
     assert f.evidence["expected_keys"] == [k for e in range(EXPERTS) for k in (gate(e), up(e))], report.to_text()
     assert "stacked on a new dim 0" in f.transform and "concatenated on dim 1" in f.transform, report.to_text()
+
+
+def _no_drop_advice(report, key: str, parts: list[str], words: str) -> None:
+    """``key`` is named, by shape, as ``parts`` ``words`` (a key to split, not to drop); each part names ``key``."""
+    (finding,) = report.by_key(key)
+    assert finding.kind == "unexpected_key" and words in finding.hint, report.to_text()
+    assert "stale" in finding.hint and "split it" in finding.hint, report.to_text()
+    assert "do not drop it" in finding.hint and "add it to the key map" not in finding.hint, report.to_text()
+    for part in parts:
+        (missing,) = report.by_key(part)
+        assert missing.kind == "missing_key" and f"of {key} ({words}" in missing.hint, report.to_text()
+        assert "re-save with it" not in missing.hint, report.to_text()
+
+
+def _plain_layout(shapes: dict[str, tuple[int, ...]]):
+    """A one-rank layout (bfloat16) of one parameter per key, each key its own parameter."""
+    from torch.distributed.tensor import Replicate
+
+    import workbench as wb
+
+    mesh = wb.MeshSpec((1,), ("dp",))
+    specs = {k: wb.LoadSpec.from_placements(k, k, shape, mesh, [Replicate()]) for k, shape in shapes.items()}
+    return wb.Layout(mesh, specs, dict.fromkeys(specs, "bfloat16"), name="conv1d")
+
+
+def test_against_a_layout_unequal_q_k_v_joined_on_dim_1_are_named_by_shape(tmp_path) -> None:
+    # a GPT-2-style Conv1D layout ([in, out]): q [H, Hq], k and v [H, Hk] saved as one [H, Hq+2Hk] key joined on
+    # dim 1; by shape only the dim-0 join was tried, so the key got "add it to the key map, or drop it"
+    hidden, hq, hk = 16, 16, 8
+    attn = "model.layers.0.self_attn"
+    q, k, v, o = (f"{attn}.{p}_proj.weight" for p in ("q", "k", "v", "o"))
+    layout = _plain_layout({q: (hidden, hq), k: (hidden, hk), v: (hidden, hk), o: (hq, hidden)})
+    g = torch.Generator().manual_seed(0)
+    tensors = {key: torch.randn(*layout.specs[key].global_shape, generator=g).bfloat16() for key in (q, k, v, o)}
+    qkv = f"{attn}.qkv_proj.weight"
+    joined = torch.cat([tensors[q], tensors[k], tensors[v]], dim=1)
+    (tmp_path / "joined").mkdir()
+    save_file({qkv: joined, o: tensors[o]}, str(tmp_path / "joined" / "model.safetensors"))
+    report = diagnose(tmp_path / "joined", layout)
+    assert report.kinds() == {"missing_key": 3, "unexpected_key": 1}, report.to_text()
+    _no_drop_advice(report, qkv, [q, k, v], "joined on dim 1")
+    assert f"{q}, {k} and {v} joined on dim 1" in report.by_key(qkv)[0].hint, report.to_text()
+    # the same elements in a shape no join makes (the joined key transposed): the plain hints, no parts named
+    (tmp_path / "transposed").mkdir()
+    save_file({qkv: joined.T.contiguous(), o: tensors[o]}, str(tmp_path / "transposed" / "model.safetensors"))
+    report = diagnose(tmp_path / "transposed", layout)
+    (finding,) = report.by_key(qkv)
+    assert "add it to the key map, or drop it" in finding.hint and "joined" not in finding.hint, report.to_text()
+    for part in (q, k, v):
+        assert "re-save with it" in report.by_key(part)[0].hint, report.to_text()
+
+
+def test_against_a_layout_gate_and_up_joined_on_dim_1_are_named_by_shape(tmp_path) -> None:
+    # each expert's gate and up [I, H] saved as one [I, 2H] key joined on dim 1
+    path, _ = _layout(tmp_path)
+    good = _experts()
+    gate, up = (lambda e: f"{PREFIX}.{e}.gate_proj.weight"), (lambda e: f"{PREFIX}.{e}.up_proj.weight")
+    bad = {k: t for k, t in good.items() if "down_proj" in k}
+    bad.update({f"{PREFIX}.{e}.gate_up_proj.weight": torch.cat([good[gate(e)], good[up(e)]], dim=1)
+                for e in range(EXPERTS)})
+    (tmp_path / "bad").mkdir()
+    save_file(bad, str(tmp_path / "bad" / "model.safetensors"))
+    report = diagnose(tmp_path / "bad", path)
+    assert report.kinds() == {"missing_key": 2 * EXPERTS, "unexpected_key": EXPERTS}, report.to_text()
+    for e in range(EXPERTS):
+        fused = f"{PREFIX}.{e}.gate_up_proj.weight"
+        _no_drop_advice(report, fused, [gate(e), up(e)], "joined on dim 1")
+        assert f"{gate(e)} and {up(e)} joined on dim 1" in report.by_key(fused)[0].hint, report.to_text()
+
+
+def test_against_a_layout_experts_stacked_on_a_new_dim_1_are_named_by_shape(tmp_path) -> None:
+    # the experts' down_proj [H, I] saved as one [H, E, I] key (E < H): it was called stacked "on dim 0"
+    path, _ = _layout(tmp_path)
+    good = _experts()
+    down = [f"{PREFIX}.{e}.down_proj.weight" for e in range(EXPERTS)]
+    bad = {k: t for k, t in good.items() if "down_proj" not in k}
+    bad[f"{PREFIX}.down_proj"] = torch.stack([good[k] for k in down], dim=1)
+    (tmp_path / "bad").mkdir()
+    save_file(bad, str(tmp_path / "bad" / "model.safetensors"))
+    report = diagnose(tmp_path / "bad", path)
+    assert report.kinds() == {"missing_key": EXPERTS, "unexpected_key": 1}, report.to_text()
+    _no_drop_advice(report, f"{PREFIX}.down_proj", down, "stacked on a new dim 1")
+    hint = report.by_key(f"{PREFIX}.down_proj")[0].hint
+    assert f"{PREFIX}.{{0..3}}.down_proj.weight stacked on a new dim 1" in hint and "dim 0" not in hint, hint

@@ -4,13 +4,24 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from itertools import combinations
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from workbench.debug.damage import damaged_keys
-from workbench.debug.diff import compare_sources, diff_checkpoints, fused_by_shape, listing, open_checkpoint
+from workbench.debug.diff import (
+    _MAX_PARTS,
+    _MAX_POOL,
+    _in_name_order,
+    _stem,
+    compare_sources,
+    diff_checkpoints,
+    fused_by_shape,
+    listing,
+    open_checkpoint,
+)
 from workbench.debug.findings import VALUES_NOT_COMPARED, Finding, Report
 from workbench.debug.inspect import pipeline_of_stages
 from workbench.debug.provenance import held_by
@@ -127,9 +138,54 @@ def _stacked_by_shape(unexpected: Mapping[str, Any], missing: Mapping[str, tuple
 
 
 def _fits(part: tuple[int, ...], whole: tuple[int, ...]) -> bool:
-    """Whether ``part`` can be a piece of ``whole`` joined on dim 0, or of one of its slices stacked on a new dim 0."""
+    """Whether ``part`` can be a piece of ``whole`` joined on dim 0, or of one of its slices stacked on a new dim 0
+    (no longer than a slice: ``[H, I]`` parts are not slices of ``[H, E, I]`` with E < H)."""
     return bool(whole) and ((len(part) == len(whole) and part[1:] == whole[1:])
-                            or (len(part) == len(whole) - 1 and len(part) >= 1 and part[1:] == whole[2:]))
+                            or (len(part) == len(whole) - 1 and len(part) >= 1 and part[0] <= whole[1]
+                                and part[1:] == whole[2:]))
+
+
+def _joined_on_other_dim(unexpected: Mapping[str, Any], missing: Mapping[str, tuple[tuple[int, ...], str | None, str]]
+                         ) -> dict[str, tuple[list[str], str]]:
+    """``{key: (parts, how)}``: unexpected keys whose elements are exactly those of 2 or more missing keys of their
+    own module joined on a dim d >= 1 (the parts' shapes the key's but on d, their lengths on d adding up to its
+    own: a Conv1D ``c_attn`` ``[H, Hq+2Hk]`` for q, k, v) or stacked on a new dim d >= 1 (``[H, E, I]`` for E experts'
+    ``[H, I]``), by shapes and dtypes only; ``how`` is "joined on dim d" or "stacked on a new dim d". All of a
+    module's missing keys of one fitting shape are tried as parts; a subset only of 2 to ``_MAX_PARTS`` of the first
+    ``_MAX_POOL``, the sets the key's name lists most parts of first (dim-0 joins are ``fused_by_shape``'s)."""
+    by_module: dict[str, list[str]] = {}
+    for m in sorted(missing):
+        parent = m.rsplit(".", 1)[0]
+        while "." in parent:
+            by_module.setdefault(parent, []).append(m)
+            parent = parent.rsplit(".", 1)[0]
+    out: dict[str, tuple[list[str], str]] = {}
+    for u, meta in unexpected.items():
+        whole = tuple(meta.shape)
+        for module in dict.fromkeys(u.rsplit(".", n)[0] for n in (1, 2)):  # a stacked key's, a fused weight's
+            near = by_module.get(module, [])
+            if len(near) > _MAX_NEAR:
+                break  # a whole model's keys under one module (a prefix dropped): not one stale key map's join
+            near = [m for m in near if missing[m][1] in (None, meta.dtype)]
+            for d in range(1, len(whole)):
+                rest = whole[:d] + whole[d + 1:]
+                stack = [m for m in near if missing[m][0] == rest]
+                if whole[d] >= 2 and len(stack) == whole[d]:
+                    out[u] = (stack, f"stacked on a new dim {d}")
+                    break
+                pool = [m for m in near if len(missing[m][0]) == len(whole) and 0 < missing[m][0][d] < whole[d]
+                        and missing[m][0][:d] + missing[m][0][d + 1:] == rest]
+                size = {m: missing[m][0][d] for m in pool}
+                sets = [tuple(pool)] if len(pool) >= 2 and sum(size.values()) == whole[d] else [
+                    c for r in range(2, min(len(pool), _MAX_PARTS) + 1) for c in combinations(pool[:_MAX_POOL], r)
+                    if sum(size[m] for m in c) == whole[d]]
+                if sets:
+                    best = max(sets, key=lambda c: (sum(_stem(m) in _stem(u) for m in c), -len(c)))
+                    out[u] = (list(_in_name_order(u, best)), f"joined on dim {d}")
+                    break
+            if u in out:
+                break
+    return out
 
 
 def _patterns(keys: list[str]) -> str:
@@ -235,6 +291,9 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
         stacked = _stacked_by_shape({k: metas[k] for k in unexpected if k not in done and k not in fused},
                                     {k: expected[k] for k in missing if k not in renamed})
         fused.update(stacked)
+        other_dim = _joined_on_other_dim({k: metas[k] for k in unexpected if k not in done and k not in fused},
+                                         {k: expected[k] for k in missing if k not in renamed})
+        fused.update((k, parts) for k, (parts, _) in other_dim.items())
         inside = {part: k for k, parts in fused.items() for part in parts}
         for k in missing:
             if k not in renamed:
@@ -242,7 +301,8 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
                         "ranks dropped while consolidating?)")
                 if k in inside:
                     share = "half" if len(fused[inside[k]]) == 2 else "part"
-                    hint = (f"by shape it may be {share} of {inside[k]} (fused or stacked on dim 0 with sibling keys): "
+                    how = other_dim[inside[k]][1] if inside[k] in other_dim else "fused or stacked on dim 0"
+                    hint = (f"by shape it may be {share} of {inside[k]} ({how} with sibling keys): "
                             "split that key in the key map, or save unfused")
                 out.append(Finding("missing_key", k, {"expected_shape": list(expected[k][0]),
                                                       "parameter": expected[k][2], **held_by(layout, k)}, hint))
@@ -253,6 +313,13 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
                     hint = (f"by shape it may be the {len(fused[k])} keys {_patterns(fused[k])} stacked or fused on "
                             "dim 0, all of them (the layout expects them apart): the key map that wrote it is stale; "
                             "split it in the key map or the loader; do not drop it, it may hold their weights")
+                elif k in other_dim:
+                    parts, how = other_dim[k]
+                    few = how.startswith("joined") and len(parts) <= _MAX_PARTS  # q, k and v; or experts.{0..7}
+                    named = listing(parts) if few else f"the {len(parts)} keys {_patterns(parts)}"
+                    hint = (f"by shape it may be {named} {how}, all of them (the layout expects them apart): the key "
+                            "map that wrote it is stale; split it in the key map or the loader; do not drop it, it may "
+                            "hold their weights")
                 elif k in fused:
                     hint = (f"by shape it may be {listing(fused[k])} fused on dim 0 (the layout expects them apart): "
                             "split it in the key map, or save unfused; do not drop it, it may hold their weights")
