@@ -12,14 +12,14 @@ import torch
 
 from workbench.debug.damage import damaged_keys
 from workbench.debug.diff import (
-    _MAX_PARTS,
-    _MAX_POOL,
-    _in_name_order,
-    _stem,
+    MAX_FUSED_PARTS,
+    MAX_FUSED_POOL,
     compare_sources,
     diff_checkpoints,
     fused_by_shape,
+    in_name_order,
     listing,
+    name_stem,
     open_checkpoint,
 )
 from workbench.debug.findings import VALUES_NOT_COMPARED, Finding, Report
@@ -151,8 +151,8 @@ def _joined_on_other_dim(unexpected: Mapping[str, Any], missing: Mapping[str, tu
     own module joined on a dim d >= 1 (the parts' shapes the key's but on d, their lengths on d adding up to its
     own: a Conv1D ``c_attn`` ``[H, Hq+2Hk]`` for q, k, v) or stacked on a new dim d >= 1 (``[H, E, I]`` for E experts'
     ``[H, I]``), by shapes and dtypes only; ``how`` is "joined on dim d" or "stacked on a new dim d". All of a
-    module's missing keys of one fitting shape are tried as parts; a subset only of 2 to ``_MAX_PARTS`` of the first
-    ``_MAX_POOL``, the sets the key's name lists most parts of first (dim-0 joins are ``fused_by_shape``'s)."""
+    module's missing keys of one fitting shape are tried as parts; a subset only of 2 to ``MAX_FUSED_PARTS`` of the
+    first ``MAX_FUSED_POOL``, the sets the key's name lists most parts of first (dim-0 joins: ``fused_by_shape``)."""
     by_module: dict[str, list[str]] = {}
     for m in sorted(missing):
         parent = m.rsplit(".", 1)[0]
@@ -176,12 +176,13 @@ def _joined_on_other_dim(unexpected: Mapping[str, Any], missing: Mapping[str, tu
                 pool = [m for m in near if len(missing[m][0]) == len(whole) and 0 < missing[m][0][d] < whole[d]
                         and missing[m][0][:d] + missing[m][0][d + 1:] == rest]
                 size = {m: missing[m][0][d] for m in pool}
+                subsets = (c for r in range(2, min(len(pool), MAX_FUSED_PARTS) + 1)
+                           for c in combinations(pool[:MAX_FUSED_POOL], r))
                 sets = [tuple(pool)] if len(pool) >= 2 and sum(size.values()) == whole[d] else [
-                    c for r in range(2, min(len(pool), _MAX_PARTS) + 1) for c in combinations(pool[:_MAX_POOL], r)
-                    if sum(size[m] for m in c) == whole[d]]
+                    c for c in subsets if sum(size[m] for m in c) == whole[d]]
                 if sets:
-                    best = max(sets, key=lambda c: (sum(_stem(m) in _stem(u) for m in c), -len(c)))
-                    out[u] = (list(_in_name_order(u, best)), f"joined on dim {d}")
+                    best = max(sets, key=lambda c: (sum(name_stem(m) in name_stem(u) for m in c), -len(c)))
+                    out[u] = (list(in_name_order(u, best)), f"joined on dim {d}")
                     break
             if u in out:
                 break
@@ -315,7 +316,7 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
                             "split it in the key map or the loader; do not drop it, it may hold their weights")
                 elif k in other_dim:
                     parts, how = other_dim[k]
-                    few = how.startswith("joined") and len(parts) <= _MAX_PARTS  # q, k and v; or experts.{0..7}
+                    few = how.startswith("joined") and len(parts) <= MAX_FUSED_PARTS  # q, k and v; or experts.{0..7}
                     named = listing(parts) if few else f"the {len(parts)} keys {_patterns(parts)}"
                     hint = (f"by shape it may be {named} {how}, all of them (the layout expects them apart): the key "
                             "map that wrote it is stale; split it in the key map or the loader; do not drop it, it may "

@@ -50,8 +50,8 @@ from workbench.layout.model_layout import Layout
 from workbench.layout.pipeline import PipelineLayout, read_checkpoint_pipeline_layout
 from workbench.mesh import format_mesh_dim
 
-__all__ = ["check_block_bytes", "compare_sources", "diff_checkpoints", "fused_by_shape", "layout_hints", "listing",
-           "open_checkpoint"]
+__all__ = ["MAX_FUSED_PARTS", "MAX_FUSED_POOL", "check_block_bytes", "compare_sources", "diff_checkpoints",
+           "fused_by_shape", "in_name_order", "layout_hints", "listing", "name_stem", "open_checkpoint"]
 
 
 def check_block_bytes(block_bytes: int) -> int:
@@ -203,20 +203,20 @@ def _fused(missing: set[str], unexpected: list[str], ref_metas: Mapping[str, Key
     return found
 
 
-_MAX_POOL = 8  # missing keys of one module tried as the parts of a fused key
-_MAX_PARTS = 4  # parts of one fused key (q, k, v; gate, up)
+MAX_FUSED_POOL = 8  # missing keys of one module tried as the parts of a fused key
+MAX_FUSED_PARTS = 4  # parts of one fused key (q, k, v; gate, up)
 
 
-def _stem(key: str) -> str:
+def name_stem(key: str) -> str:
     """A key's own module name without ``_proj``: ``q`` for ``...self_attn.q_proj.weight``."""
     parts = key.rsplit(".", 2)
     return parts[-2].removesuffix("_proj") if len(parts) == 3 else key
 
 
-def _in_name_order(fused: str, parts: Sequence[str]) -> tuple[str, ...]:
+def in_name_order(fused: str, parts: Sequence[str]) -> tuple[str, ...]:
     """``parts`` in the order the fused key's name lists them (``qkv``: q, k, v), the others after, by name."""
-    name = _stem(fused)
-    return tuple(sorted(parts, key=lambda m: (name.find(_stem(m)) if _stem(m) in name else len(name), m)))
+    name = name_stem(fused)
+    return tuple(sorted(parts, key=lambda m: (name.find(name_stem(m)) if name_stem(m) in name else len(name), m)))
 
 
 def fused_by_shape(unexpected: Mapping[str, Sequence[int]], missing: Mapping[str, Sequence[int]]
@@ -230,11 +230,11 @@ def fused_by_shape(unexpected: Mapping[str, Sequence[int]], missing: Mapping[str
             by_module.setdefault((m.rsplit(".", 2)[0], tuple(missing[m][1:])), []).append(m)
     out = {}
     for u, shape in unexpected.items():
-        pool = by_module.get((u.rsplit(".", 2)[0], tuple(shape[1:])), [])[:_MAX_POOL] if shape else []
-        sets = [_in_name_order(u, c) for r in range(2, min(len(pool), _MAX_PARTS) + 1)
+        pool = by_module.get((u.rsplit(".", 2)[0], tuple(shape[1:])), [])[:MAX_FUSED_POOL] if shape else []
+        sets = [in_name_order(u, c) for r in range(2, min(len(pool), MAX_FUSED_PARTS) + 1)
                 for c in combinations(pool, r) if sum(missing[m][0] for m in c) == shape[0]]
         if sets:
-            out[u] = sorted(sets, key=lambda c: (-sum(_stem(m) in _stem(u) for m in c), len(c)))
+            out[u] = sorted(sets, key=lambda c: (-sum(name_stem(m) in name_stem(u) for m in c), len(c)))
     return out
 
 
