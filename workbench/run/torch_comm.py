@@ -136,6 +136,8 @@ class ControlChannel:
         whose next exchange needs one of them fails at once and meets this rank at ``join_the_world`` (with more
         than two ranks, one peer's exchange waited out its timeout instead, and that call failed on every rank)."""
         broken, self._group = self._group, None
+        if broken is None:  # the default group (a fake world): never destroyed here
+            return
         if _GROUPS.get(("control", self._timeout)) is broken:
             del _GROUPS[("control", self._timeout)]
         with contextlib.suppress(Exception):
