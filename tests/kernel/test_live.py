@@ -65,7 +65,8 @@ def test_the_live_view_names_who_waits_in_which_collective_and_who_runs_which_li
     before_end = [m for m in live if m[0] < SLEEP]  # rank 1 is still asleep: the cell cannot have ended
     assert before_end, [m[:2] for m in live]
     first_at, first_type, display, text = before_end[0]
-    assert first_type == "display_data" and 1.0 <= first_at < 2.5, (first_at, text)
+    # from 1 s on (_LIVE_AFTER), while the cell runs; no tighter: on a loaded CI machine it came 1.0-2.4 s in
+    assert first_type == "display_data" and 1.0 <= first_at < SLEEP, (first_at, text)
     assert {m[2] for m in live} == {display}  # one display, updated in place
     assert all(m[1] == "update_display_data" for m in live[1:])
     waiting = re.search(r"rank 0 +waiting in all_reduce #\d+ on group default \(ranks 0,1\), (\d+\.\d) s", text)
