@@ -106,12 +106,20 @@ def dequantized_state(
     assumed: ``save_hf`` writes such a tensor in its own dtype).
 
     Raises:
-        LayoutError: a float8 weight has no scale in ``layout``, or a cut falls inside a block.
+        LayoutError: a float8 weight has no scale in ``layout``, a cut falls inside a block, or the layout gives
+            float8 for a tensor that is not float8 (dequantizing it would scale it twice).
     """
     # a float8 weight is found by its tensor's dtype too (a layout built from specs gives none); the other
     # parameters keep what the layout gave (none stays none)
     locals_ = local_tensors(model, layout)  # one walk of the model: the checked layout names the same parameters
     found = {n: str(t.dtype).removeprefix("torch.") for n, t in locals_.items()}
+    # a weight the layout calls float8 whose tensor is not (already dequantized) would be scaled a second time
+    wrong = [f"{n!r} is {found[n]}" for n, d in layout.dtypes.items()
+             if d in FLOAT8_DTYPES and found[n] not in FLOAT8_DTYPES]
+    if wrong:
+        raise LayoutError(f"the layout gives float8 for parameter(s) whose tensor is not float8 "
+                          f"({', '.join(wrong[:3])}): dequantizing them would apply their scales a second time; "
+                          "give the layout the tensors' dtypes")
     layout = Layout(layout.mesh, layout.specs, {**layout.dtypes, **{n: d for n, d in found.items()
                                                                    if d in FLOAT8_DTYPES}}, name=layout.name)
     checked = with_fp8_scales(layout, block=block, suffix=suffix)
