@@ -34,3 +34,55 @@ def test_a_weight_already_dequantized_is_not_scaled_again_when_the_layout_says_f
         dequantized_state({"w": weight.clone(), "w_scale_inv": scale}, layout, block=(4, 4))
     for part in ("'w'", "bfloat16", "float8"):
         assert part in str(caught.value), (part, str(caught.value))
+
+
+@pytest.mark.parametrize("target", [torch.int64, torch.int32, torch.uint8, torch.bool])
+def test_cast_does_not_truncate_a_floating_key_into_an_integer_or_bool_parameter(tmp_path, target) -> None:
+    # cast=True converted float weights into an integer or bool tensor (1.7 -> 1, -0.3 -> 0, any nonzero -> True),
+    # where a save refuses such a target: a key mapped to an integer buffer by mistake loaded as other numbers
+    from safetensors.torch import load_file, save_file
+
+    import workbench as wb
+    from workbench.errors import CheckpointError
+
+    save_file({"w": torch.tensor([[1.7, -0.3], [2.5, 0.0]]), "steps": torch.tensor([3, 4])},
+              str(tmp_path / "model.safetensors"))
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    state = {"w": torch.full((2, 2), 9).to(target), "steps": torch.zeros(2, dtype=torch.int64)}
+    with pytest.raises(CheckpointError) as caught:
+        wb.load_hf(state, tmp_path, cast=True)
+    for part in ("w:", "float32", str(target).removeprefix("torch.")):
+        assert part in str(caught.value), (part, str(caught.value))
+    assert torch.equal(state["w"], torch.full((2, 2), 9).to(target))  # nothing changed
+
+    report = wb.load_hf(state, tmp_path, cast=True, strict=False)  # skipped and listed, the rest loads
+    assert [m.split(":")[0] for m in report.mismatched] == ["w"]
+    assert torch.equal(state["w"], torch.full((2, 2), 9).to(target))
+    assert torch.equal(state["steps"], on_disk["steps"])
+
+
+def test_cast_does_not_drop_the_imaginary_part_of_a_complex_key(tmp_path) -> None:
+    from safetensors.torch import save_file
+
+    import workbench as wb
+    from workbench.errors import CheckpointError
+
+    save_file({"z": torch.tensor([1 + 2j, 3 - 1j], dtype=torch.complex64)}, str(tmp_path / "model.safetensors"))
+    state = {"z": torch.zeros(2)}
+    with pytest.raises(CheckpointError, match=r"z: .*complex64.*float32"):
+        wb.load_hf(state, tmp_path, cast=True)
+    assert torch.equal(state["z"], torch.zeros(2))
+
+
+def test_cast_still_converts_between_floating_dtypes_and_from_integers(tmp_path) -> None:
+    from safetensors.torch import load_file, save_file
+
+    import workbench as wb
+
+    save_file({"w": torch.tensor([1.7, -0.3]), "n": torch.tensor([3, 4], dtype=torch.int32)},
+              str(tmp_path / "model.safetensors"))
+    on_disk = load_file(str(tmp_path / "model.safetensors"))
+    state = {"w": torch.zeros(2, dtype=torch.bfloat16), "n": torch.zeros(2, dtype=torch.int64)}
+    assert wb.load_hf(state, tmp_path, cast=True).ok
+    assert torch.equal(state["w"], on_disk["w"].to(torch.bfloat16))
+    assert torch.equal(state["n"], on_disk["n"].to(torch.int64))

@@ -142,7 +142,8 @@ def load_hf(
         allow_unexpected: keys of the checkpoint that the layout does not name are no error under ``strict`` (they
             are listed in the report, which stays ``ok``): a pipeline stage's load, whose checkpoint holds the other
             stages' keys too, and which still must find every key of its own.
-        cast: convert a key whose checkpoint dtype differs from the model's (else that is a mismatch); a float8
+        cast: convert a key whose checkpoint dtype differs from the model's (else that is a mismatch), but not a
+            floating key into an integer or bool parameter, nor a complex one into a real one (a mismatch); a float8
             key that has a scale key (``_scale_inv``, ``_scale``) into a parameter that is not float8 is refused
             (its raw values mean nothing without their scales).
         read_replicas_once: a parameter replicated over mesh dims (HSDP's replicas, a replicated norm) is read by
@@ -870,12 +871,23 @@ def _check(
                 _refuse_unscaled_fp8_cast(key, info.dtype, targets[name].dtype, name, present)
             if info.shape != want:
                 mismatched.append(f"{key}: checkpoint {info.shape}, layout of {name!r} expects {want}")
-            elif not cast and (stored := torch_dtype(info.dtype)) != targets[name].dtype:
+            elif (stored := torch_dtype(info.dtype)) != targets[name].dtype and (
+                    not cast or _lossy(stored, targets[name].dtype)):
+                how = ("cast=True does not convert floating values into integers or bools, nor complex into real ones"
+                       if cast else "pass cast=True to convert")
                 mismatched.append(
                     f"{key}: checkpoint dtype {str(stored).removeprefix('torch.')}, the model's {name!r} is "
-                    f"{str(targets[name].dtype).removeprefix('torch.')} (pass cast=True to convert)"
+                    f"{str(targets[name].dtype).removeprefix('torch.')} ({how})"
                 )
     return missing, unexpected, tuple(mismatched)
+
+
+def _lossy(stored: torch.dtype, target: torch.dtype) -> bool:
+    """Whether a cast from ``stored`` into ``target`` changes the kind of number, not its precision: a floating or
+    complex key into an integer or bool parameter (truncated), or a complex key into a real one (imaginary dropped)."""
+    if stored.is_complex:
+        return not target.is_complex
+    return stored.is_floating_point and not (target.is_floating_point or target.is_complex)
 
 
 # the keys that scale a float8 key's raw values: DeepSeek's block scales (``workbench.layout.fp8``), and the
