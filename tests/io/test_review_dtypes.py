@@ -86,3 +86,21 @@ def test_cast_still_converts_between_floating_dtypes_and_from_integers(tmp_path)
     assert wb.load_hf(state, tmp_path, cast=True).ok
     assert torch.equal(state["w"], on_disk["w"].to(torch.bfloat16))
     assert torch.equal(state["n"], on_disk["n"].to(torch.int64))
+
+
+@pytest.mark.parametrize("pattern", ["", [""], ["norm", ""]])
+def test_an_empty_fp32_keys_pattern_is_refused_not_matched_against_every_key(tmp_path, pattern) -> None:
+    # an empty regex matches every key: fp32_keys_pattern=os.environ.get("FP32_KEYS", "") or "".split(",") saved a
+    # bf16 checkpoint (dtype=torch.bfloat16) all in float32, with no error
+    from safetensors.torch import load_file
+
+    import workbench as wb
+    from workbench.errors import PlanError
+
+    state = {"w": torch.randn(4, 4), "norm": torch.randn(4)}
+    with pytest.raises((PlanError, wb.SaveFailed), match="empty"):
+        wb.save_hf(state, tmp_path / "ckpt", dtype=torch.bfloat16, fp32_keys_pattern=pattern)
+    assert not (tmp_path / "ckpt").exists()
+    wb.save_hf(state, tmp_path / "ok", dtype=torch.bfloat16, fp32_keys_pattern=None)  # none: every key bf16
+    saved = load_file(str(next((tmp_path / "ok").glob("*.safetensors"))))
+    assert {k: t.dtype for k, t in saved.items()} == {"w": torch.bfloat16, "norm": torch.bfloat16}

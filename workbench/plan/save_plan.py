@@ -170,7 +170,8 @@ def save_dtypes(
     Raises:
         PlanError: ``dtype`` is not a floating dtype of 16 bits or more (a cast into an integer, bool, complex or
             float8 dtype would write other numbers, or float8 ones without their scales); or a cast would change a
-            float8 tensor (its raw values are meaningless without their block scales: dequantize it first).
+            float8 tensor (its raw values are meaningless without their block scales: dequantize it first); or a
+            pattern is empty (it would match every key).
     """
     patterns = (fp32_keys_pattern,) if isinstance(fp32_keys_pattern, str) else tuple(fp32_keys_pattern or ())
     return _save_dtypes(tuple(hf_keys), runtime_dtype, dtype, patterns)
@@ -188,6 +189,9 @@ def _save_dtypes(
     default = dtype or runtime_dtype
     compiled = []
     for pattern in patterns:
+        if not pattern:  # an empty regex matches every key: every floating key would be saved in float32
+            raise PlanError("fp32_keys_pattern holds an empty pattern, which matches every key (all would be saved in "
+                            "float32); pass None, or leave the empty string out of the list, to match none")
         try:
             compiled.append(re.compile(pattern))
         except re.error as exc:
