@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import struct
 from pathlib import Path
+from stat import S_ISREG
 
 from workbench.debug.findings import Finding
 from workbench.debug.source import Source
@@ -76,11 +77,14 @@ def _header(path: Path) -> tuple[dict, dict, list[str]]:
 def _data_bytes(path: Path) -> int | None:
     """Bytes after the header of a safetensors file (None when it cannot be opened or has no 8-byte length)."""
     try:
-        fd = os.open(path, os.O_RDONLY)
+        fd = os.open(path, os.O_RDONLY | os.O_NONBLOCK)  # non-blocking: a FIFO in a file's place would wait forever
     except (OSError, ValueError):  # ValueError: a name with a NUL byte
         return None
     try:
-        size = os.fstat(fd).st_size
+        stat = os.fstat(fd)
+        if not S_ISREG(stat.st_mode):  # a FIFO, a device, a directory: the integrity scan names the file
+            return None
+        size = stat.st_size
         head = os.pread(fd, 8, 0)
     except OSError:  # a directory where the file should be, or a read error: the integrity scan names the file
         return None

@@ -1,0 +1,56 @@
+"""Damaged checkpoints found by review: each case used to hang, claim something wrong, or advise losing data."""
+
+from __future__ import annotations
+
+import json
+import os
+import threading
+from pathlib import Path
+
+import torch
+from safetensors.torch import save_file
+
+from workbench.debug import diagnose
+from workbench.io.files.index import INDEX_NAME
+
+
+def _tensors() -> dict[str, torch.Tensor]:
+    g = torch.Generator().manual_seed(3)
+    return {"model.embed_tokens.weight": torch.randn(10, 4, generator=g).bfloat16(),
+            "model.layers.0.mlp.down_proj.weight": torch.randn(4, 4, generator=g).bfloat16(),
+            "model.layers.0.mlp.up_proj.weight": torch.randn(4, 4, generator=g).bfloat16(),
+            "model.norm.weight": torch.randn(4, generator=g)}
+
+
+def _sharded(directory: Path) -> Path:
+    """Two shards (two keys each) and their index, written by safetensors itself."""
+    tensors = _tensors()
+    directory.mkdir(parents=True)
+    weight_map = {}
+    for i, keys in enumerate((list(tensors)[:2], list(tensors)[2:])):
+        name = f"model-0000{i + 1}-of-00002.safetensors"
+        save_file({k: tensors[k] for k in keys}, str(directory / name))
+        weight_map |= dict.fromkeys(keys, name)
+    (directory / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    return directory
+
+
+def _within(seconds: float, call):
+    """``call()``'s result, or an AssertionError when it has not returned within ``seconds`` (a hang)."""
+    result: list = []
+    worker = threading.Thread(target=lambda: result.append(call()), daemon=True)
+    worker.start()
+    worker.join(seconds)
+    assert result, f"no answer within {seconds} s: it hangs"
+    return result[0]
+
+
+def test_a_fifo_where_a_shard_should_be_does_not_hang(tmp_path) -> None:
+    ref = _sharded(tmp_path / "ref")
+    bad = _sharded(tmp_path / "bad")
+    shard = bad / "model-00002-of-00002.safetensors"
+    shard.unlink()
+    os.mkfifo(shard)  # opening a FIFO for reading blocks until a writer comes: none ever does
+    report = _within(30, lambda: diagnose(bad, str(ref)))
+    assert report.exit_status == 1
+    assert {f.key for f in report.findings} >= {"model.layers.0.mlp.up_proj.weight", "model.norm.weight"}
