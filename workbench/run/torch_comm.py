@@ -56,6 +56,18 @@ def _subgroup(groups: tuple[tuple[int, ...], ...], backend: str | None, timeout:
     return _GROUPS[key]
 
 
+# dtypes every backend's collectives carry; any other (float8, int16, unsigned, bool, complex) goes as its bytes
+_WIRE_DTYPES = frozenset({torch.float64, torch.float32, torch.float16, torch.bfloat16, torch.int64, torch.int32,
+                          torch.int8, torch.uint8})
+
+
+def _on_the_wire(tensor: torch.Tensor) -> torch.Tensor:
+    """``tensor`` (contiguous) as a collective may carry it: itself, or a flat view of its bytes for a dtype gloo
+    lacks (a gather or broadcast moves bytes whole, so nothing changes but the type: "Invalid scalar type" named
+    neither the parameter nor the dtype)."""
+    return tensor if tensor.dtype in _WIRE_DTYPES else tensor.view(-1).view(torch.uint8)  # a view: in place
+
+
 def control_group(timeout: float = DEFAULT_TIMEOUT) -> Any:
     """The whole world on gloo with ``timeout``: the save's and load's own group for status and agreement.
 
@@ -348,9 +360,7 @@ class TorchCommunicator:
         flat send (its bytes, for a float8: gloo has none) and the receive buffer, the largest allocation of a
         save. An out-of-memory error here is this rank's failure, which its flag tells its peers."""
         _, world = self._check(mesh_dim)
-        flat = send.contiguous()
-        if flat.dtype.itemsize == 1 and flat.dtype.is_floating_point:
-            flat = flat.view(torch.uint8)
+        flat = _on_the_wire(send.contiguous())
         return _Prepared(send.dtype, flat, flat.new_empty(world * flat.numel()) if world > 1 else flat)
 
     def all_gather(
@@ -378,10 +388,8 @@ class TorchCommunicator:
         ref, world = self._check(mesh_dim)
         if world == 1:
             return tensor
-        if tensor.dtype.itemsize == 1 and tensor.dtype.is_floating_point:  # gloo has no float8: send the bytes
-            self.broadcast(tensor.view(torch.uint8), mesh_dim, src)
-            return tensor
-        dist.broadcast(tensor, src=self._members[ref][src], group=self._groups[ref])  # src: a global rank
+        # src: a global rank; the bytes of a dtype gloo lacks, broadcast in place
+        dist.broadcast(_on_the_wire(tensor), src=self._members[ref][src], group=self._groups[ref])
         return tensor
 
     def any_flag(self, mesh_dim: MeshDimRef, flag: bool) -> bool:
