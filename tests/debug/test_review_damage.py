@@ -10,7 +10,7 @@ from pathlib import Path
 import torch
 from safetensors.torch import save_file
 
-from workbench.debug import diagnose
+from workbench.debug import diagnose, inspect_checkpoint
 from workbench.io.files.index import INDEX_NAME
 
 
@@ -54,3 +54,15 @@ def test_a_fifo_where_a_shard_should_be_does_not_hang(tmp_path) -> None:
     report = _within(30, lambda: diagnose(bad, str(ref)))
     assert report.exit_status == 1
     assert {f.key for f in report.findings} >= {"model.layers.0.mlp.up_proj.weight", "model.norm.weight"}
+
+
+def test_shards_of_an_index_that_names_no_file_are_not_called_leftovers_to_delete(tmp_path) -> None:
+    ref = _sharded(tmp_path / "ref")
+    for name, body in (("not_json", "{not json"), ("empty_map", json.dumps({"metadata": {}, "weight_map": {}}))):
+        bad = _sharded(tmp_path / name)
+        (bad / INDEX_NAME).write_text(body)  # the shards are intact: they are the data, the index is what broke
+        for report in (diagnose(bad, str(ref)), inspect_checkpoint(bad)):
+            about_shards = [f for f in report.findings if f.key.endswith(".safetensors")]
+            assert len(about_shards) == 2, report.to_text()
+            for finding in about_shards:
+                assert "delete it" not in finding.hint and "keep it" in finding.hint, finding.hint

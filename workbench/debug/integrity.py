@@ -120,7 +120,12 @@ def _stray_files(directory: Path, named: set[str]) -> list[Finding]:
     beside a sharded one is what a user then loads)."""
     out = []
     for file in sorted(p.name for p in directory.glob("*.safetensors") if p.name not in named):
-        if file == "model.safetensors":
+        if not named:  # the index is empty or does not parse: these files are the data, the index is what broke
+            out.append(Finding("index_inconsistent", file, {"file": file, "detail": f"not named by {INDEX_NAME}, "
+                               "which names no file (it is empty or does not parse)"},
+                               "most likely this checkpoint's data, which the broken index does not list: keep it, "
+                               "and rebuild the index from the files' headers (or re-save)"))
+        elif file == "model.safetensors":
             out.append(Finding("index_inconsistent", file, {"file": file, "detail": f"beside {INDEX_NAME}, which "
                                "does not name it"},
                                "two checkpoints in one folder: transformers loads model.safetensors before the "
