@@ -66,3 +66,25 @@ def test_shards_of_an_index_that_names_no_file_are_not_called_leftovers_to_delet
             assert len(about_shards) == 2, report.to_text()
             for finding in about_shards:
                 assert "delete it" not in finding.hint and "keep it" in finding.hint, finding.hint
+
+
+def test_a_shard_linked_out_of_the_folder_is_not_called_a_crafted_index(tmp_path) -> None:
+    # a Hugging Face cache snapshot: every file is a link to ../../blobs/HASH; the index is right
+    ref = _sharded(tmp_path / "ref")
+    sharded = _sharded(tmp_path / "snapshots" / "abc")
+    blobs = tmp_path / "blobs"
+    blobs.mkdir()
+    shard = sharded / "model-00002-of-00002.safetensors"
+    shard.rename(blobs / "f00d")
+    shard.symlink_to(Path("..", "..", "blobs", "f00d"))
+    single = tmp_path / "snapshots" / "one"
+    single.mkdir()
+    save_file(_tensors(), str(blobs / "beef"))
+    (single / "model.safetensors").symlink_to(Path("..", "..", "blobs", "beef"))
+    for path, name in ((sharded, shard.name), (single, "model.safetensors")):
+        for report in (diagnose(path, str(ref)), inspect_checkpoint(path)):
+            linked = [f for f in report.findings if f.key == name]
+            assert len(linked) == 1, report.to_text()
+            finding = linked[0]
+            assert "crafted" not in finding.hint and "different saves" not in finding.hint, finding.hint
+            assert "symbolic link" in finding.evidence["detail"] and "cp -rL" in finding.hint, finding

@@ -21,6 +21,7 @@ from workbench.io.files.publish_types import is_temporary_path, temporary_path
 __all__ = ["ScanResult", "scan_for_findings"]
 
 _KEY_IN_PROBLEM = re.compile(r"key '((?:[^'\\]|\\.)*)'")
+_LINK_OUT = re.compile(r"names '([^'/\\\\]+)', which is a symbolic link pointing outside")
 _UNREADABLE = ("does not exist", "not a checkpoint", "cannot read", f"no {INDEX_NAME} and no")
 
 
@@ -36,6 +37,9 @@ class ScanResult:
 def _classify(problem: str, directory: Path) -> Finding:
     """One problem string of ``scan_checkpoint`` -> a Finding (the io layer words each problem by its kind)."""
     where, _, detail = problem.partition(": ")
+    link = _LINK_OUT.search(detail)
+    if link:  # a plain file name of the folder whose file is a link out of it: the io layer refused to open it
+        return _link_out(directory, link.group(1))
     file = _relative(Path(where), directory)
     match = _KEY_IN_PROBLEM.search(detail)
     key = match.group(1) if match and "weight_map" in detail else file
@@ -54,6 +58,27 @@ def _classify(problem: str, directory: Path) -> Finding:
                        "upload?), or re-save the checkpoint")
     return Finding("index_inconsistent", key, evidence, "the index and the files come from different saves: "
                    "re-save, or rebuild the index from the files' headers")
+
+
+def _is_link_out(directory: Path, name: str) -> bool:
+    """True when ``name`` is a plain file name of ``directory`` (not a path) whose file is a symbolic link."""
+    try:
+        return len(Path(name).parts) == 1 and name not in (".", "..") and (directory / name).is_symlink()
+    except (OSError, ValueError):
+        return False
+
+
+def _link_out(directory: Path, name: str) -> Finding:
+    """A file of the folder that is a symbolic link out of it (a Hugging Face cache snapshot is made of them)."""
+    try:
+        target = str((directory / name).resolve())
+    except (OSError, RuntimeError, ValueError):
+        target = "a path that does not resolve"
+    return Finding("index_inconsistent", name, {"file": name, "detail": f"a symbolic link to {target}, outside the "
+                   "checkpoint folder; it was not opened"},
+                   "workbench opens no file outside the checkpoint folder, and this one links out of it (a Hugging "
+                   "Face cache snapshot links its files to ../../blobs): diagnose a copy with the links resolved "
+                   "(cp -rL FOLDER COPY); nothing says the checkpoint itself is wrong")
 
 
 def _relative(path: Path, directory: Path) -> str:
@@ -201,6 +226,9 @@ def scan_for_findings(path: Path | str) -> ScanResult:
         bad = set(_escaping(directory, files)) if files is not None else set()
         if bad:
             for name in sorted(bad):
+                if _is_link_out(directory, name):
+                    findings.append(_link_out(directory, name))
+                    continue
                 findings.append(Finding("index_inconsistent", name, {"file": name, "detail": "the weight_map names "
                                 "a file outside the checkpoint folder; it was not opened"},
                                 "a checkpoint must only name files in its own folder: this index was edited or "
@@ -212,7 +240,8 @@ def scan_for_findings(path: Path | str) -> ScanResult:
             findings.extend(_stray_files(directory, files or set()))
             return ScanResult(index, tuple(findings))
     elif path.is_file() and path.suffix == ".safetensors" and _escaping(path.parent, {path.name}):
-        return ScanResult(None, tuple(findings), f"{path}: a link to a file outside its folder; not opened")
+        return ScanResult(None, tuple(findings), f"{path}: a link to a file outside its folder; not opened: diagnose "
+                          "the file it links to, or a copy with the link resolved (cp -L)")
     try:
         index, problems = scan_checkpoint(path)
     except Exception:  # a hostile header or index that workbench.io's parser does not survive: go file by file
