@@ -88,3 +88,32 @@ def test_a_shard_linked_out_of_the_folder_is_not_called_a_crafted_index(tmp_path
             finding = linked[0]
             assert "crafted" not in finding.hint and "different saves" not in finding.hint, finding.hint
             assert "symbolic link" in finding.evidence["detail"] and "cp -rL" in finding.hint, finding
+
+
+def _rewrite_header(path: Path, edit) -> None:
+    """Parse the safetensors header of ``path``, ``edit`` it, and write it back (the data bytes kept)."""
+    raw = path.read_bytes()
+    length = int.from_bytes(raw[:8], "little")
+    header = json.loads(raw[8 : 8 + length])
+    edit(header)
+    text = json.dumps(header).encode()
+    text += b" " * (-len(text) % 8)
+    path.write_bytes(len(text).to_bytes(8, "little") + text + raw[8 + length :])
+
+
+def test_a_key_whose_header_entry_is_damaged_is_not_called_missing(tmp_path) -> None:
+    ref = _sharded(tmp_path / "ref")
+    (tmp_path / "one").mkdir()
+    save_file(_tensors(), str(tmp_path / "one" / "model.safetensors"))
+    damages = {"unknown dtype": lambda h: h["model.norm.weight"].update(dtype="F33"),
+               "shape against bytes": lambda h: h["model.norm.weight"].update(shape=[3]),
+               "entry not an object": lambda h: h.update({"model.norm.weight": 5})}
+    for name, edit in damages.items():
+        bad = tmp_path / name.replace(" ", "_")
+        bad.mkdir()
+        save_file(_tensors(), str(bad / "model.safetensors"))
+        _rewrite_header(bad / "model.safetensors", edit)  # the key is in the header; its entry is what broke
+        report = diagnose(bad, str(ref))
+        about = [f for f in report.findings if f.key == "model.norm.weight"]
+        assert [f.kind for f in about] == ["corrupt_header"], (name, report.to_text())
+        assert "lacks this key" not in about[0].hint

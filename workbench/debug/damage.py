@@ -6,6 +6,7 @@ rest; nothing here reads tensor data (one 8-byte header length per damaged file)
 from __future__ import annotations
 
 import os
+import re
 import struct
 from pathlib import Path
 from stat import S_ISREG
@@ -15,6 +16,8 @@ from workbench.debug.source import Source
 from workbench.io.files.index import CheckpointIndex, read_header
 
 __all__ = ["damaged_keys", "readable_keys"]
+
+_KEY_IN_PROBLEM = re.compile(r"^corrupt header: key '((?:[^'\\]|\\.)*)'")
 
 
 def damaged_keys(source: Source) -> dict[str, Finding | None]:
@@ -49,6 +52,17 @@ def damaged_keys(source: Source) -> dict[str, Finding | None]:
             out[key] = Finding("corrupt_header", key, {"file": file, "detail": problems[0].partition(": ")[2]},
                                f"the header of {file} does not parse, so none of its {len(keys)} key(s) can be read: "
                                "re-save the checkpoint, or restore that file")
+    if index.index_file is None:  # one file, no weight_map: its keys with a damaged header entry are named there
+        for file in index.files:
+            _, _, problems = _header(index.path_of(file))
+            for problem in problems:
+                detail = problem.partition(": ")[2]
+                match = _KEY_IN_PROBLEM.search(detail)
+                if match and match.group(1) not in index.keys:
+                    key = match.group(1)
+                    out[key] = Finding("corrupt_header", key, {"file": file, "detail": detail},
+                                       f"the header of {file} names this key, but its entry is damaged, so its bytes "
+                                       "cannot be read: re-save the checkpoint, or restore that file")
     data = {file: _data_bytes(index.path_of(file)) for file in index.files}
     for key, info in index.keys.items():
         have = data.get(info.file)
