@@ -117,3 +117,22 @@ def test_a_key_whose_header_entry_is_damaged_is_not_called_missing(tmp_path) -> 
         about = [f for f in report.findings if f.key == "model.norm.weight"]
         assert [f.kind for f in about] == ["corrupt_header"], (name, report.to_text())
         assert "lacks this key" not in about[0].hint
+
+
+def test_a_folder_that_may_not_be_searched_is_an_error_not_an_exception(tmp_path, monkeypatch) -> None:
+    # `chmod a-x` on the folder: every stat of a file in it fails with EACCES (simulated: the tests may run as root)
+    ref = _sharded(tmp_path / "ref")
+    locked = _sharded(tmp_path / "locked")
+    real_stat, real_lstat = os.stat, os.lstat
+
+    def denied(real):
+        def stat(path, *args, **kwargs):
+            if str(path).startswith(f"{locked}{os.sep}"):
+                raise PermissionError(13, "Permission denied", str(path))
+            return real(path, *args, **kwargs)
+        return stat
+
+    monkeypatch.setattr(os, "stat", denied(real_stat))
+    monkeypatch.setattr(os, "lstat", denied(real_lstat))
+    for report in (diagnose(locked, str(ref)), inspect_checkpoint(locked)):
+        assert report.exit_status == 2 and "Permission denied" in report.to_text(), report.to_text()

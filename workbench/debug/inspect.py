@@ -271,7 +271,11 @@ def inspect_checkpoint(path: Path | str, *, allow_pickle: bool = False) -> Inspe
         exp/hf-100 (hf): 1,028 keys in 4 file(s), 30.5B params, 56.9 GiB [BF16 x1,027, F32 x1]
     """
     path = Path(path)
-    if path.is_dir() and (path / DCP_METADATA).is_file():
+    try:
+        dcp = path.is_dir() and (path / DCP_METADATA).is_file()
+    except OSError:  # a folder that may not be searched: the scan below says so
+        dcp = False
+    if dcp:
         return _inspect_dcp(path, allow_pickle)
     scan = scan_for_findings(path)
     if scan.index is None or scan.error:

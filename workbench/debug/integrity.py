@@ -214,10 +214,18 @@ def scan_for_findings(path: Path | str) -> ScanResult:
     """Parse ``path`` (an HF folder, a folder with ``model.safetensors``, or one ``.safetensors`` file)
     and word every problem as a Finding; never raises for a damaged checkpoint.
 
-    ``error`` is set when nothing could be read (no such path, not a checkpoint); the findings still
-    name unfinished saves found beside it.
+    ``error`` is set when nothing could be read (no such path, not a checkpoint, a folder that may not be
+    searched); the findings still name unfinished saves found beside it.
     """
     path = Path(path)
+    try:
+        return _scan(path)
+    except OSError as exc:  # EACCES on a stat (a folder without search permission), EIO: nothing here can be read
+        return ScanResult(None, (), f"{path}: cannot read: {exc}")
+
+
+def _scan(path: Path) -> ScanResult:
+    """``scan_for_findings`` of ``path``, an OSError of the file system left to the caller."""
     findings = _siblings(path)
     index_file = path / INDEX_NAME if path.is_dir() else (path if path.name == INDEX_NAME else None)
     if index_file is not None and index_file.is_file():
