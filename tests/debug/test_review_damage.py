@@ -136,3 +136,23 @@ def test_a_folder_that_may_not_be_searched_is_an_error_not_an_exception(tmp_path
     monkeypatch.setattr(os, "lstat", denied(real_lstat))
     for report in (diagnose(locked, str(ref)), inspect_checkpoint(locked)):
         assert report.exit_status == 2 and "Permission denied" in report.to_text(), report.to_text()
+
+
+def test_keys_of_a_file_whose_header_cannot_be_read_are_not_said_to_be_dropped(tmp_path) -> None:
+    # the keys are there on disk, in a file whose header (or whose index) broke: "re-save with it" misleads
+    from workbench.layout.layout_file import load_layout
+
+    toy = load_layout(Path(__file__).resolve().parents[2] / "sample_meshes" / "toy_expert_tp.toml")
+    ref = _sharded(tmp_path / "ref")
+    zero = tmp_path / "zero"
+    zero.mkdir()
+    (zero / "model.safetensors").write_bytes(b"")
+    no_map = _sharded(tmp_path / "no_map")
+    (no_map / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": {}}))
+    for bad, files in ((zero, ["model.safetensors"]), (no_map, ["model-00001-of-00002.safetensors"])):
+        for report in (diagnose(bad, str(ref)), diagnose(bad, toy)):
+            missing = [f for f in report.findings if f.kind == "missing_key"]
+            assert missing, report.to_text()
+            for finding in missing:
+                assert "lacks this key" not in finding.hint and "does not: re-save" not in finding.hint, finding.hint
+                assert all(f in finding.hint for f in files), finding.hint

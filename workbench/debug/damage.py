@@ -8,6 +8,7 @@ from __future__ import annotations
 import os
 import re
 import struct
+from collections.abc import Sequence
 from pathlib import Path
 from stat import S_ISREG
 
@@ -15,7 +16,7 @@ from workbench.debug.findings import Finding
 from workbench.debug.source import Source
 from workbench.io.files.index import CheckpointIndex, read_header
 
-__all__ = ["damaged_keys", "readable_keys"]
+__all__ = ["damaged_keys", "readable_keys", "unread_files_hint"]
 
 _KEY_IN_PROBLEM = re.compile(r"^corrupt header: key '((?:[^'\\]|\\.)*)'")
 
@@ -74,6 +75,24 @@ def damaged_keys(source: Source) -> dict[str, Finding | None]:
                 f"{info.file} was cut short (an interrupted write or copy): re-save the checkpoint, or restore the "
                 "file; the keys before the cut are compared as usual")
     return out
+
+
+def unread_files_hint(source: Source, findings: Sequence[Finding]) -> str:
+    """For a key the checkpoint does not list: the hint that it may be in a file whose keys could not be listed (a
+    header that does not parse, shards an empty or broken index does not name), or '' when there is none. A
+    checkpoint whose index maps keys says what it holds: then ''."""
+    index: CheckpointIndex | None = getattr(source, "index", None)
+    if index is None or (index.index_file is not None and index.weight_map):
+        return ""
+    read = {info.file for info in index.keys.values()}
+    files = sorted({file for f in findings if isinstance(file := f.evidence.get("file"), str) and f.key == file
+                    and file.endswith(".safetensors") and file not in read and "side" not in f.evidence
+                    and f.kind in ("corrupt_header", "truncated_file", "index_inconsistent")})
+    if not files:
+        return ""
+    named = ", ".join(files[:4]) + (f" and {len(files) - 4} more" if len(files) > 4 else "")
+    return (f"no key of {named} could be listed (see the findings about it), so this key may be there: fix that "
+            "first (restore the file, or rebuild the index), then diagnose again")
 
 
 def readable_keys(source: Source, damaged: dict[str, Finding | None]) -> list[str]:

@@ -10,7 +10,7 @@ from typing import Any
 
 import torch
 
-from workbench.debug.damage import damaged_keys
+from workbench.debug.damage import damaged_keys, unread_files_hint
 from workbench.debug.diff import (
     MAX_FUSED_PARTS,
     MAX_FUSED_POOL,
@@ -296,11 +296,12 @@ def _against_layout(path: Path | str, layout: Layout) -> Report:
                                          {k: expected[k] for k in missing if k not in renamed})
         fused.update((k, parts) for k, (parts, _) in other_dim.items())
         inside = {part: k for k, parts in fused.items() for part in parts}
+        unread = unread_files_hint(act, findings)
         for k in missing:
             if k not in renamed:
-                hint = ("the layout has this key but the checkpoint does not: re-save with it (keys of other EP or PP "
-                        "ranks dropped while consolidating?)")
-                if k in inside:
+                hint = unread or ("the layout has this key but the checkpoint does not: re-save with it (keys of other "
+                                  "EP or PP ranks dropped while consolidating?)")
+                if k in inside and not unread:
                     share = "half" if len(fused[inside[k]]) == 2 else "part"
                     how = other_dim[inside[k]][1] if inside[k] in other_dim else "fused or stacked on dim 0"
                     hint = (f"by shape it may be {share} of {inside[k]} ({how} with sibling keys): "

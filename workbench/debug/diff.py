@@ -19,7 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from workbench.debug.analyze import analyze_pair
-from workbench.debug.damage import damaged_keys
+from workbench.debug.damage import damaged_keys, unread_files_hint
 from workbench.debug.findings import Finding, Report
 from workbench.debug.integrity import scan_for_findings
 from workbench.debug.provenance import held_by, same_shape, written_from
@@ -532,6 +532,7 @@ def compare_sources(
     maybe = fused_by_shape({u: act_metas[u].shape for u in rest_unexpected},
                            {m: ref_metas[m].shape for m in missing if m not in renamed})
     inside = {part: u for u, sets in maybe.items() for part in sets[0]}
+    unread = unread_files_hint(act, findings)
     for m in missing:
         if m not in renamed:
             meta = ref_metas[m]
@@ -540,7 +541,9 @@ def compare_sources(
                 evidence.update(held_by(provenance, m))
             hint = ("the checkpoint lacks this key: was it filtered out by the key map, dropped while consolidating "
                     "(keys of other EP or PP ranks), or did its writer rank fail? Re-save with it")
-            if m in inside and act_metas[inside[m]].dtype != meta.dtype:
+            if unread:
+                hint = unread
+            elif m in inside and act_metas[inside[m]].dtype != meta.dtype:
                 hint = (f"by shape it may be part of {inside[m]} (fused on dim 0 with sibling keys), stored there as "
                         f"{act_metas[inside[m]].dtype} where {meta.dtype} is expected, so the bytes were not "
                         "compared: split that key, cast the pieces and compare them")
