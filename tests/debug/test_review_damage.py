@@ -156,3 +156,15 @@ def test_keys_of_a_file_whose_header_cannot_be_read_are_not_said_to_be_dropped(t
             for finding in missing:
                 assert "lacks this key" not in finding.hint and "does not: re-save" not in finding.hint, finding.hint
                 assert all(f in finding.hint for f in files), finding.hint
+
+
+def test_an_unpublished_save_with_no_published_checkpoint_beside_it_is_not_to_delete(tmp_path) -> None:
+    ref = _sharded(tmp_path / "ref")
+    only = _sharded(tmp_path / ".ck.incomplete")  # the save of tmp_path/ck stopped before publish: no ck exists
+    finding = next(f for f in diagnose(only, str(ref)).findings if f.kind == "incomplete_checkpoint")
+    assert "delete" not in finding.hint and "published checkpoint beside it" not in finding.hint, finding.hint
+    assert "no published checkpoint" in finding.hint, finding.hint
+    published = _sharded(tmp_path / "ck")
+    assert published.is_dir()
+    finding = next(f for f in diagnose(only, str(ref)).findings if f.kind == "incomplete_checkpoint")
+    assert "load the published checkpoint beside it" in finding.hint  # with ck there, the leftover may go

@@ -16,7 +16,7 @@ from pathlib import Path
 from workbench.debug.findings import Finding
 from workbench.io.files.complete import OLD_SUFFIX
 from workbench.io.files.index import INDEX_NAME, CheckpointIndex, KeyInfo, read_header, read_index, scan_checkpoint
-from workbench.io.files.publish_types import is_temporary_path, temporary_path
+from workbench.io.files.publish_types import INCOMPLETE_SUFFIX, is_temporary_path, temporary_path
 
 __all__ = ["ScanResult", "scan_for_findings"]
 
@@ -123,9 +123,15 @@ def _siblings(path: Path) -> list[Finding]:
     path = path.absolute()  # "." has no name to look beside
     out = []
     if is_temporary_path(path):
-        out.append(Finding("incomplete_checkpoint", "", {"path": str(path)},
-                           "this is an unpublished save (finalize never ran): load the published checkpoint "
-                           "beside it instead, and delete this folder (wb.clean_incomplete)"))
+        final = path.with_name(path.name[1 : -len(INCOMPLETE_SUFFIX)])
+        if final.exists():
+            hint = ("this is an unpublished save (finalize never ran): load the published checkpoint beside it "
+                    "instead, and delete this folder (wb.clean_incomplete)")
+        else:  # the only copy of that save: deleting it loses what it holds
+            hint = (f"this is an unpublished save (finalize never ran) and there is no published checkpoint at "
+                    f"{final}: it is the only copy of that save, perhaps incomplete. Find why the save stopped and "
+                    "keep this folder until a save there completes (diagnose it against a reference before using it)")
+        out.append(Finding("incomplete_checkpoint", "", {"path": str(path)}, hint))
         return out
     pending = temporary_path(path)
     aside = path.with_name(f".{path.name}{OLD_SUFFIX}")
