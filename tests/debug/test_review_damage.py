@@ -168,3 +168,16 @@ def test_an_unpublished_save_with_no_published_checkpoint_beside_it_is_not_to_de
     assert published.is_dir()
     finding = next(f for f in diagnose(only, str(ref)).findings if f.kind == "incomplete_checkpoint")
     assert "load the published checkpoint beside it" in finding.hint  # with ck there, the leftover may go
+
+
+def test_a_shard_the_index_does_not_name_but_that_holds_its_lost_keys_is_not_to_delete(tmp_path) -> None:
+    # the weight_map sends every key to shard 1; shard 2's keys are listed, but under the wrong file
+    ref = _sharded(tmp_path / "ref")
+    bad = _sharded(tmp_path / "bad")
+    body = json.loads((bad / INDEX_NAME).read_text())
+    body["weight_map"] = dict.fromkeys(body["weight_map"], "model-00001-of-00002.safetensors")
+    (bad / INDEX_NAME).write_text(json.dumps(body))
+    for report in (diagnose(bad, str(ref)), inspect_checkpoint(bad)):
+        shard = [f for f in report.findings if f.key == "model-00002-of-00002.safetensors"]
+        assert len(shard) == 1, report.to_text()
+        assert "delete it" not in shard[0].hint and "keep it" in shard[0].hint, shard[0].hint

@@ -145,13 +145,21 @@ def _siblings(path: Path) -> list[Finding]:
     return out
 
 
-def _stray_files(directory: Path, named: set[str]) -> list[Finding]:
+def _stray_files(directory: Path, named: set[str], lost: set[str] = frozenset()) -> list[Finding]:
     """A ``.safetensors`` file in an indexed folder that the index does not name: left by another save. An HF loader
     ignores it, except ``model.safetensors``, which transformers reads before the index (a stale single-file save
-    beside a sharded one is what a user then loads)."""
+    beside a sharded one is what a user then loads). One whose header holds keys of ``lost`` (the weight_map lists
+    them under a file whose header lacks them) holds this checkpoint's data."""
     out = []
     for file in sorted(p.name for p in directory.glob("*.safetensors") if p.name not in named):
-        if not named:  # the index is empty or does not parse: these files are the data, the index is what broke
+        held = sorted(lost & set(_safe_header(directory / file)[0])) if lost else []
+        if held:
+            out.append(Finding("index_inconsistent", file, {"file": file, "detail": f"not named by {INDEX_NAME}, "
+                               f"yet it holds {len(held)} key(s) the weight_map lists under a file whose header "
+                               f"lacks them, e.g. {held[0]!r}"},
+                               "it holds this checkpoint's keys that the index points elsewhere: keep it, and point "
+                               "those weight_map entries at it (or rebuild the index from the files' headers)"))
+        elif not named:  # the index is empty or does not parse: these files are the data, the index is what broke
             out.append(Finding("index_inconsistent", file, {"file": file, "detail": f"not named by {INDEX_NAME}, "
                                "which names no file (it is empty or does not parse)"},
                                "most likely this checkpoint's data, which the broken index does not list: keep it, "
@@ -251,7 +259,7 @@ def _scan(path: Path) -> ScanResult:
                 index = _scan_without(directory, index_file, bad, findings)
             except (OSError, ValueError):
                 return ScanResult(None, tuple(findings), f"{index_file}: unreadable index")
-            findings.extend(_stray_files(directory, files or set()))
+            findings.extend(_stray_files(directory, files or set(), set(index.weight_map) - set(index.keys)))
             return ScanResult(index, tuple(findings))
     elif path.is_file() and path.suffix == ".safetensors" and _escaping(path.parent, {path.name}):
         return ScanResult(None, tuple(findings), f"{path}: a link to a file outside its folder; not opened: diagnose "
@@ -269,7 +277,8 @@ def _scan(path: Path) -> ScanResult:
     findings.extend(_classify(p, index.directory) for p in problems)
     findings.extend(_moved_finding(key, named, file) for key, (named, file) in moved.items())
     if index.index_file is not None:
-        findings.extend(_stray_files(index.directory, set(index.weight_map.values())))
+        findings.extend(_stray_files(index.directory, set(index.weight_map.values()),
+                                     set(index.weight_map) - set(index.keys)))
     for file, extra in index.unlisted_keys.items():
         for key in extra:
             named = index.weight_map.get(key)
