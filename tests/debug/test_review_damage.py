@@ -181,3 +181,20 @@ def test_a_shard_the_index_does_not_name_but_that_holds_its_lost_keys_is_not_to_
         shard = [f for f in report.findings if f.key == "model-00002-of-00002.safetensors"]
         assert len(shard) == 1, report.to_text()
         assert "delete it" not in shard[0].hint and "keep it" in shard[0].hint, shard[0].hint
+
+
+def test_the_cli_prints_no_terminal_control_sequence_a_key_name_carries(tmp_path, capsys) -> None:
+    from workbench.cli import main as workbench_main
+
+    ref = _sharded(tmp_path / "ref")
+    tensors = _tensors()
+    tensors["model.norm.weight\x1b[2J\x1b]0;pwned\x07"] = tensors.pop("model.norm.weight")  # clear screen, set title
+    bad = tmp_path / "bad"
+    bad.mkdir()
+    save_file(tensors, str(bad / "model.safetensors"))
+    for argv in (["inspect", str(bad)], ["diagnose", str(bad), "--expected", str(ref)]):
+        workbench_main(argv)
+        out = capsys.readouterr()
+        assert "model.norm.weight" in out.out, out
+        assert "\x1b" not in out.out + out.err and "\x07" not in out.out + out.err, out
+        assert "\\x1b[2J" in out.out  # the key shown escaped, so it can still be found

@@ -11,6 +11,7 @@ from __future__ import annotations
 import argparse
 import functools
 import json
+import re
 import sys
 import traceback
 from collections.abc import Callable, Sequence
@@ -132,6 +133,15 @@ def _internal_error(command: str, exc: Exception) -> int:
     return INTERNAL_ERROR
 
 
+_CONTROL = re.compile("[\x00-\x09\x0b-\x1f\x7f-\x9f]")  # C0 and C1 controls, newline kept
+
+
+def _printable(text: str) -> str:
+    """``text`` with every control character but newline escaped (``\\x1b``): a key read from a checkpoint must not
+    drive the terminal (clear it, move the cursor, retitle the window)."""
+    return _CONTROL.sub(lambda m: repr(m.group())[1:-1], text)
+
+
 def _emit(command: str, result: Any, as_json: bool) -> int:
     """Print a report and return its exit status. An unreadable subject or reference (status 2 with an error) is an
     error: its text, which names the path, goes to stderr; ``--json`` still prints the report to stdout. A report
@@ -140,9 +150,9 @@ def _emit(command: str, result: Any, as_json: bool) -> int:
     if as_json:
         print(json.dumps(result.to_dict(), indent=2))
     if status == 2 and (getattr(result, "error", "") or not getattr(result, "unchecked", "")):
-        print(f"workbench {command}: {result.to_text()}", file=sys.stderr)
+        print(_printable(f"workbench {command}: {result.to_text()}"), file=sys.stderr)
     elif not as_json:
-        print(result.to_text())
+        print(_printable(result.to_text()))
     return status
 
 
