@@ -116,9 +116,11 @@ class ControlChannel:
     def all_gather_object(self, obj: Any) -> list[Any]:
         """Small Python objects from every rank, in rank order.
 
-        The first exchange through a group an earlier call made, failing at once (well before the timeout), found it
-        closed by a peer's earlier failure (a call that peer made alone, then timed out): the cached groups are
-        dropped, the ranks meet at ``join_the_world`` and make the group again, and the exchange runs once more.
+        The first exchange through a group an earlier call made, failing before its timeout, found it closed by a
+        peer's earlier failure (a call that peer made alone, then timed out): the cached groups are dropped, the ranks
+        meet at ``join_the_world`` and make the group again, and the exchange runs once more. Closing spreads from
+        peer to peer round gloo's ring, each destroying its group in turn, which on a busy host takes seconds: only
+        a failure after 0.9 of the timeout is taken for the timeout itself.
         """
         if self._world == 1:
             return [obj]
@@ -129,7 +131,7 @@ class ControlChannel:
         except BaseException as exc:
             traceback.clear_frames(exc.__traceback__)  # their locals hold the group, which must go (_discard_group)
             self._discard_group()
-            if not isinstance(exc, Exception) or not self._may_remake or time.monotonic() - start > self._timeout / 2:
+            if not isinstance(exc, Exception) or not self._may_remake or time.monotonic() - start > 0.9 * self._timeout:
                 raise
         else:
             self._may_remake = False
