@@ -198,3 +198,27 @@ def test_the_cli_prints_no_terminal_control_sequence_a_key_name_carries(tmp_path
         assert "model.norm.weight" in out.out, out
         assert "\x1b" not in out.out + out.err and "\x07" not in out.out + out.err, out
         assert "\\x1b[2J" in out.out  # the key shown escaped, so it can still be found
+
+
+def test_one_shard_that_cannot_be_read_is_a_finding_and_the_rest_is_compared(tmp_path, monkeypatch) -> None:
+    # chmod 000 on one shard (simulated: the tests may run as root): its keys are findings, the other shard is compared
+    import builtins
+
+    import workbench.io.files.index as index_module
+
+    ref = _sharded(tmp_path / "ref")
+    bad = _sharded(tmp_path / "bad")
+    locked = bad / "model-00002-of-00002.safetensors"
+
+    def denied(path, *args, **kwargs):
+        if Path(path) == locked:
+            raise PermissionError(13, "Permission denied", str(path))
+        return builtins.open(path, *args, **kwargs)
+
+    monkeypatch.setattr(index_module, "open", denied, raising=False)
+    report = diagnose(bad, str(ref))
+    assert report.readable and report.exit_status == 1, report.to_text()
+    assert report.stats["equal"] == 2  # the two keys of the readable shard
+    about = {f.key: f for f in report.findings}
+    for key in ("model.layers.0.mlp.up_proj.weight", "model.norm.weight"):
+        assert "Permission denied" in about[key].evidence["detail"] and "does not parse" not in about[key].hint

@@ -50,6 +50,12 @@ def damaged_keys(source: Source) -> dict[str, Finding | None]:
             if header or not problems:
                 out[key] = None  # in the index, not in the file's header: the integrity scan names it
                 continue
+            detail = problems[0].partition(": ")[2]
+            if detail.startswith("cannot read"):
+                out[key] = Finding("missing_key", key, {"file": file, "detail": detail},
+                                   f"{file} cannot be read ({len(keys)} key(s) in it, not compared): fix its "
+                                   "permissions (or the I/O error), then diagnose again")
+                continue
             out[key] = Finding("corrupt_header", key, {"file": file, "detail": problems[0].partition(": ")[2]},
                                f"the header of {file} does not parse, so none of its {len(keys)} key(s) can be read: "
                                "re-save the checkpoint, or restore that file")

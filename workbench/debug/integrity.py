@@ -50,6 +50,9 @@ def _classify(problem: str, directory: Path) -> Finding:
     if detail.startswith(("corrupt header", "corrupt file")):
         return Finding("corrupt_header", key, evidence, "this file is not a valid safetensors file any more: "
                        "re-save it; do not load this checkpoint")
+    if detail.startswith("cannot read"):
+        return Finding("index_inconsistent", key, evidence, f"{file} cannot be opened or read (its permissions, or "
+                       "an I/O error): fix that, then diagnose again; the other files were compared")
     if detail.startswith("corrupt index"):
         return Finding("index_inconsistent", key, evidence, "the index does not parse as an HF index (damaged, "
                        "or crafted): rebuild it from the files' headers, or re-save; do not load it")
@@ -269,6 +272,8 @@ def _scan(path: Path) -> ScanResult:
     except Exception:  # a hostile header or index that workbench.io's parser does not survive: go file by file
         return _fallback(path, findings)
     unreadable = [p for p in problems if any(u in p for u in _UNREADABLE)]
+    if index is not None and index.keys and index.index_file is not None:  # some file read: the rest are findings
+        unreadable = [p for p in unreadable if "cannot read" not in p or index.index_file.name in p.partition(": ")[0]]
     if index is None or unreadable:
         error = "; ".join(unreadable or problems) or f"{path}: not a checkpoint"
         return ScanResult(index, tuple(findings), error)
