@@ -68,8 +68,8 @@ def test_shards_of_an_index_that_names_no_file_are_not_called_leftovers_to_delet
                 assert "delete it" not in finding.hint and "keep it" in finding.hint, finding.hint
 
 
-def test_a_shard_linked_out_of_the_folder_is_not_called_a_crafted_index(tmp_path) -> None:
-    # a Hugging Face cache snapshot: every file is a link to ../../blobs/HASH; the index is right
+def test_a_hugging_face_cache_snapshot_is_read_through_its_links_and_other_links_out_are_named(tmp_path) -> None:
+    # a Hugging Face cache snapshot (what snapshot_download returns): every file is a link to ../../blobs/HASH
     ref = _sharded(tmp_path / "ref")
     sharded = _sharded(tmp_path / "snapshots" / "abc")
     blobs = tmp_path / "blobs"
@@ -81,9 +81,18 @@ def test_a_shard_linked_out_of_the_folder_is_not_called_a_crafted_index(tmp_path
     single.mkdir()
     save_file(_tensors(), str(blobs / "beef"))
     (single / "model.safetensors").symlink_to(Path("..", "..", "blobs", "beef"))
-    for path, name in ((sharded, shard.name), (single, "model.safetensors")):
+    for path in (sharded, single):
         for report in (diagnose(path, str(ref)), inspect_checkpoint(path)):
-            linked = [f for f in report.findings if f.key == name]
+            assert not report.findings, report.to_text()  # read through the links: values compared, all equal
+    # a link out of any other folder, or out of a snapshot but not into its blobs, is named and not opened
+    elsewhere = _sharded(tmp_path / "elsewhere")
+    stray = _sharded(tmp_path / "snapshots" / "stray")
+    for folder in (elsewhere, stray):
+        link = folder / "model-00002-of-00002.safetensors"
+        link.rename(tmp_path / f"loose-{folder.name}")
+        link.symlink_to(tmp_path / f"loose-{folder.name}")
+        for report in (diagnose(folder, str(ref)), inspect_checkpoint(folder)):
+            linked = [f for f in report.findings if f.key == link.name]
             assert len(linked) == 1, report.to_text()
             finding = linked[0]
             assert "crafted" not in finding.hint and "different saves" not in finding.hint, finding.hint

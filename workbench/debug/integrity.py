@@ -15,7 +15,15 @@ from pathlib import Path
 
 from workbench.debug.findings import Finding
 from workbench.io.files.complete import OLD_SUFFIX
-from workbench.io.files.index import INDEX_NAME, CheckpointIndex, KeyInfo, read_header, read_index, scan_checkpoint
+from workbench.io.files.index import (
+    INDEX_NAME,
+    CheckpointIndex,
+    KeyInfo,
+    outside_folder,
+    read_header,
+    read_index,
+    scan_checkpoint,
+)
 from workbench.io.files.publish_types import INCOMPLETE_SUFFIX, is_temporary_path, temporary_path
 
 __all__ = ["ScanResult", "scan_for_findings"]
@@ -79,9 +87,9 @@ def _link_out(directory: Path, name: str) -> Finding:
         target = "a path that does not resolve"
     return Finding("index_inconsistent", name, {"file": name, "detail": f"a symbolic link to {target}, outside the "
                    "checkpoint folder; it was not opened"},
-                   "workbench opens no file outside the checkpoint folder, and this one links out of it (a Hugging "
-                   "Face cache snapshot links its files to ../../blobs): diagnose a copy with the links resolved "
-                   "(cp -rL FOLDER COPY); nothing says the checkpoint itself is wrong")
+                   "workbench opens no file outside the checkpoint folder (but for a Hugging Face cache snapshot's "
+                   "links into its repo's blobs), and this one links out of it: diagnose a copy with the links "
+                   "resolved (cp -rL FOLDER COPY); nothing says the checkpoint itself is wrong")
 
 
 def _relative(path: Path, directory: Path) -> str:
@@ -92,20 +100,14 @@ def _relative(path: Path, directory: Path) -> str:
 
 
 def _escaping(directory: Path, files: set[str]) -> list[str]:
-    """Weight-map file names that leave ``directory`` (absolute, ``..``, or a link out of it)."""
-    root = directory.resolve()
+    """Weight-map file names that leave ``directory`` (absolute, ``..``, or a link out of it other than into a
+    Hugging Face cache snapshot's blobs): ``outside_folder``, the rule the loader keeps."""
     bad = []
     for name in sorted(files):
-        parts = Path(name).parts
-        if not name or Path(name).is_absolute() or ".." in parts or len(parts) != 1:
-            bad.append(name)
-            continue
         try:
-            target = (directory / name).resolve()
-        except (OSError, RuntimeError, ValueError):  # ValueError: a NUL byte in the name
-            bad.append(name)
-            continue
-        if not target.is_relative_to(root):
+            if outside_folder(directory, name):
+                bad.append(name)
+        except (OSError, ValueError):  # ValueError: a NUL byte in the name
             bad.append(name)
     return bad
 

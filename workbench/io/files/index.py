@@ -35,6 +35,7 @@ __all__ = [
     "CheckpointIndex",
     "KeyInfo",
     "cached_checkpoint",
+    "outside_folder",
     "read_checkpoint",
     "read_header",
     "read_index",
@@ -422,16 +423,22 @@ def _read_index(index_file: Path, problems: list[str]) -> tuple[dict[str, str], 
     return weight_map, total
 
 
-def _escapes(directory: Path, file: str) -> str:
-    """Why a weight-map file name is not a plain file inside ``directory`` ('' when it is)."""
-    if not file or file in (".", "..") or "/" in file or "\\" in file or Path(file).is_absolute():
+def outside_folder(directory: Path, file: str) -> str:
+    """Why a weight-map file name is not a plain file inside ``directory`` ('' when it is). A symbolic link may point
+    inside the folder, or, in a Hugging Face hub cache snapshot (``REPO/snapshots/REV``, what ``snapshot_download``
+    returns), into that repo's ``blobs`` folder, where the hub keeps the files its links name."""
+    if not file or file in (".", "..") or any(c in file for c in "/\\\0") or Path(file).is_absolute():
         return "is not a plain file name in the checkpoint folder"
     target = directory / file
     if target.is_symlink():
         try:
-            target.resolve().relative_to(directory.resolve())
-        except ValueError:
-            return "is a symbolic link pointing outside the checkpoint folder"
+            real, folder = target.resolve(), directory.resolve()
+        except (OSError, RuntimeError):  # a loop of links
+            return "is a symbolic link that does not resolve"
+        allowed = [folder] + ([folder.parent.parent / "blobs"] if folder.parent.name == "snapshots" else [])
+        if not any(real.is_relative_to(place) for place in allowed):
+            return ("is a symbolic link pointing outside the checkpoint folder (and outside the blobs of a Hugging "
+                    "Face cache snapshot)")
     return ""
 
 
@@ -463,9 +470,10 @@ def scan_checkpoint(path: Path | str) -> tuple[CheckpointIndex | None, tuple[str
         keys_of_file.setdefault(file, []).append(key)
     for file in files:
         file_path = directory / file
-        escape = _escapes(directory, file)
+        escape = outside_folder(directory, file)
         if escape:
-            problems.append(f"{index_file}: index names {file!r}, which {escape}; refused (not opened)")
+            problems.append(f"{index_file}: index names {file!r}, which {escape}; refused (not opened)"
+                            if index_file is not None else f"{directory / file}: {escape}; refused (not opened)")
             continue
         if not file_path.is_file():
             named = keys_of_file.get(file, [])
