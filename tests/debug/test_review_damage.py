@@ -231,3 +231,27 @@ def test_one_shard_that_cannot_be_read_is_a_finding_and_the_rest_is_compared(tmp
     about = {f.key: f for f in report.findings}
     for key in ("model.layers.0.mlp.up_proj.weight", "model.norm.weight"):
         assert "Permission denied" in about[key].evidence["detail"] and "does not parse" not in about[key].hint
+
+
+def test_one_file_of_an_indexed_checkpoint_points_at_its_folder_for_the_keys_its_siblings_hold(tmp_path) -> None:
+    # diagnosing model-00001-of-00002.safetensors alone said every key of its sibling was missing: "re-save with it"
+    tensors = _tensors()
+    names = sorted(tensors)
+    folder = tmp_path / "ck"
+    folder.mkdir()
+    first, second = names[: len(names) // 2], names[len(names) // 2 :]
+    save_file({k: tensors[k] for k in first}, str(folder / "model-00001-of-00002.safetensors"))
+    save_file({k: tensors[k] for k in second[1:]}, str(folder / "model-00002-of-00002.safetensors"))
+    weight_map = {**{k: "model-00001-of-00002.safetensors" for k in first},
+                  **{k: "model-00002-of-00002.safetensors" for k in second[1:]}}  # second[0] saved nowhere
+    (folder / INDEX_NAME).write_text(json.dumps({"metadata": {}, "weight_map": weight_map}))
+    ref = tmp_path / "ref"
+    ref.mkdir()
+    save_file(tensors, str(ref / "model.safetensors"))
+    report = diagnose(folder / "model-00001-of-00002.safetensors", str(ref))
+    missing = {f.key: f for f in report.findings if f.kind == "missing_key"}
+    assert set(missing) == set(second), report.to_text()
+    for key in second[1:]:
+        assert missing[key].evidence["in_file"] == "model-00002-of-00002.safetensors"
+        assert f"diagnose the folder {folder}" in missing[key].hint and "re-save" not in missing[key].hint
+    assert "in_file" not in missing[second[0]].evidence and "Re-save" in missing[second[0]].hint  # truly missing

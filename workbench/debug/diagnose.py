@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import math
 from collections.abc import Mapping
+from dataclasses import replace
 from itertools import combinations
 from pathlib import Path
 from typing import Any
@@ -28,7 +29,7 @@ from workbench.debug.provenance import held_by
 from workbench.debug.renames import find_renames, rename_hint
 from workbench.debug.source import DEFAULT_BLOCK_BYTES, MemorySource
 from workbench.debug.transforms import chunk_shard, joined_on, joined_words
-from workbench.io.files.index import safetensors_dtype
+from workbench.io.files.index import INDEX_NAME, read_index, safetensors_dtype
 from workbench.layout.chunking import local_sizes
 from workbench.layout.descriptors import ShardDescriptor
 from workbench.layout.load_spec import LoadSpec
@@ -69,6 +70,10 @@ def diagnose(
         >>> report = wb.diagnose("exp/hf-100", expected="exp/hf-100-reference")   # doctest: +SKIP
         >>> print(report)                                                          # doctest: +SKIP
     """
+    return _one_file_of_a_folder(Path(path), _diagnose(path, expected, layout=layout, block_bytes=block_bytes))
+
+
+def _diagnose(path: Path | str, expected: Any, *, layout: Layout | None, block_bytes: int) -> Report:
     if isinstance(expected, Layout):
         return _against_layout(path, expected)
     if isinstance(expected, str | Path):
@@ -95,6 +100,26 @@ def diagnose(
                                findings=findings, subject=str(path), reference=label)
     finally:
         act.close()
+
+
+def _one_file_of_a_folder(path: Path, report: Report) -> Report:
+    """``report`` of one ``.safetensors`` file of an indexed checkpoint: its missing keys that the folder's index
+    places in another of its files are said to be there (diagnose the folder), not to be re-saved."""
+    index = path.parent / INDEX_NAME
+    if path.suffix != ".safetensors" or not path.is_file() or not index.is_file():
+        return report
+    weight_map, _, _ = read_index(index)
+    if path.name not in weight_map.values():
+        return report
+    findings = []
+    for f in report.findings:
+        elsewhere = weight_map.get(f.key) if f.kind == "missing_key" else None
+        if elsewhere is not None and elsewhere != path.name:
+            f = replace(f, evidence={**f.evidence, "in_file": elsewhere}, hint=(
+                f"{path.parent / INDEX_NAME} places it in {elsewhere}, another file of this checkpoint: diagnose "
+                f"the folder {path.parent}, not one of its files"))
+        findings.append(f)
+    return replace(report, findings=tuple(findings))
 
 
 def _expected_keys(layout: Layout) -> dict[str, tuple[tuple[int, ...], str | None, str]]:
