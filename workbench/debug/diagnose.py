@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import replace
 from itertools import combinations
 from pathlib import Path
@@ -139,17 +139,23 @@ def _expected_keys(layout: Layout) -> dict[str, tuple[tuple[int, ...], str | Non
 _MAX_NEAR = 16384  # missing keys under one module tried as the parts of one stacked key
 
 
+def _under_each_module(keys: Iterable[str]) -> dict[str, list[str]]:
+    """Each module (every dotted prefix of a key but the top one) -> the keys under it, in sorted order."""
+    out: dict[str, list[str]] = {}
+    for key in sorted(keys):
+        parent = key.rsplit(".", 1)[0]
+        while "." in parent:
+            out.setdefault(parent, []).append(key)
+            parent = parent.rsplit(".", 1)[0]
+    return out
+
+
 def _stacked_by_shape(unexpected: Mapping[str, Any], missing: Mapping[str, tuple[tuple[int, ...], str | None, str]]
                       ) -> dict[str, list[str]]:
     """Unexpected keys whose elements are exactly those of the two or more missing keys under their own module that
     fit their shape (stacked on a new dim 0, or joined on dim 0: ``experts.gate_up_proj`` ``[E, 2I, H]`` for each
     expert's gate and up), by shapes and dtypes only."""
-    by_module: dict[str, list[str]] = {}
-    for m in missing:
-        parent = m.rsplit(".", 1)[0]
-        while "." in parent:
-            by_module.setdefault(parent, []).append(m)
-            parent = parent.rsplit(".", 1)[0]
+    by_module = _under_each_module(missing)
     out = {}
     for u, meta in unexpected.items():
         shape = tuple(meta.shape)
@@ -178,12 +184,7 @@ def _joined_on_other_dim(unexpected: Mapping[str, Any], missing: Mapping[str, tu
     ``[H, I]``), by shapes and dtypes only; ``how`` is "joined on dim d" or "stacked on a new dim d". All of a
     module's missing keys of one fitting shape are tried as parts; a subset only of 2 to ``MAX_FUSED_PARTS`` of the
     first ``MAX_FUSED_POOL``, the sets the key's name lists most parts of first (dim-0 joins: ``fused_by_shape``)."""
-    by_module: dict[str, list[str]] = {}
-    for m in sorted(missing):
-        parent = m.rsplit(".", 1)[0]
-        while "." in parent:
-            by_module.setdefault(parent, []).append(m)
-            parent = parent.rsplit(".", 1)[0]
+    by_module = _under_each_module(missing)
     out: dict[str, tuple[list[str], str]] = {}
     for u, meta in unexpected.items():
         whole = tuple(meta.shape)
