@@ -302,9 +302,13 @@ class RankSet:
                 self._agent.wait(_KILL_WAIT)
 
     def _remove_store(self) -> None:
-        store, self._store = self._store, None  # taken at once: a signal handler may remove it meanwhile
+        """Remove the private store folder. A stop and a SIGTERM handler's ``_stop_now`` may both run it at once: each
+        removes all of it (``rmtree`` skips what the other removed), so it is gone before the process dies, whichever
+        thread gets there first (the handler's used to find it taken and skip it, and the process died mid-removal)."""
+        store = self._store
         if store is not None:
             store.close()
+            self._store = None
 
     def _stop_now(self) -> None:
         """Another thread is stopping the ranks (a SIGTERM came during ``stop``): end the agent and remove the
