@@ -7,6 +7,7 @@ from collections.abc import Callable, Mapping
 import torch
 
 from workbench.errors import PlanError
+from workbench.plan.casts import check_fits
 from workbench.plan.load_plan import Adapter, HFLoadPlan
 
 __all__ = ["SliceReader", "execute_load", "prepare_target", "reader_from_tensors"]
@@ -50,8 +51,10 @@ def execute_load(
     """Fill ``out`` (the rank's local tensor) from the checkpoint as ``plan`` says; returns ``out``.
 
     Keys with an adapter are read whole and canonicalized before slicing; all others are read by slice.
-    Tail padding is zeroed. ``cast=False``: an adapter's output of another dtype than ``out`` is an error (the
-    checkpoint check cannot see it), not a silent conversion. ``non_blocking``: copies from pinned host memory
+    Tail padding is zeroed. ``cast=True`` converts values ``out``'s dtype holds, and raises ``CheckpointError`` on
+    one it does not (``plan.casts.check_fits``: it would wrap, saturate or become inf). ``cast=False``: an
+    adapter's output of another dtype than ``out`` is an error (the checkpoint check cannot see it), not a silent
+    conversion. ``non_blocking``: copies from pinned host memory
     into a GPU tensor are queued on the current stream (the caller synchronizes before using ``out``).
     """
     prepare_target(plan, out)
@@ -80,5 +83,7 @@ def execute_load(
                 f"parameter {plan.name!r}: HF key {r.hf_key!r} gave a slice of shape {tuple(piece.shape)} for "
                 f"{r.key_slices()}, expected {r.sizes}; is the key smaller than the layout says?"
             )
+        if cast:
+            check_fits(piece, out.dtype, f"{r.hf_key}, read into the model's {plan.name!r} on rank {plan.rank}")
         out[r.local_slices()].copy_(piece, non_blocking=non_blocking)
     return out

@@ -23,6 +23,7 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.files.index import CheckpointIndex, torch_dtype
+from workbench.plan.casts import check_fits
 from workbench.plan.load_plan import KeyRead
 
 __all__ = ["FileBox", "Transfer", "copy_transfers", "landing_views", "plan_transfers"]
@@ -227,14 +228,18 @@ def copy_transfers(
     out: torch.Tensor,
     *,
     non_blocking: bool = False,
+    into: str = "the model's tensor",
 ) -> torch.Tensor:
     """Copy each transfer's box, as ``read`` hands it out, into its place in ``out`` (one copy per transfer: a
-    cast where ``out`` has another dtype; queued on the current stream from pinned memory when ``non_blocking``).
-    A box ``read`` hands out in its very place (read there, ``landing_views``) is not copied again."""
+    cast where ``out`` has another dtype, of values that fit it (``plan.casts.check_fits``: otherwise an error
+    naming the key and ``into``, what ``out`` is); queued on the current stream from pinned memory when
+    ``non_blocking``). A box ``read`` hands out in its very place (read there, ``landing_views``) is not copied
+    again."""
     for t, place in zip(transfers, landing_views(transfers, out)):
         piece = read(t.source)
         if tuple(piece.shape) != t.source.sizes:
             raise CheckpointError(f"reading {t.source} (from key {t.key!r}) gave shape {tuple(piece.shape)}")
+        check_fits(piece, out.dtype, f"{t.key}, read into {into}")
         if not (piece.data_ptr() == place.data_ptr() and piece.stride() == place.stride()
                 and piece.device == place.device):
             place.copy_(piece, non_blocking=non_blocking)

@@ -33,6 +33,7 @@ from workbench.layout.load_spec import LoadSpec
 from workbench.layout.model_layout import Layout, held_whole_by_every_rank, layout_and_locals
 from workbench.memo import LRU
 from workbench.mesh import MeshDimRef, MeshSpec, format_mesh_dim
+from workbench.plan.casts import changes_kind, narrows_range
 from workbench.plan.load_plan import Adapter, HFLoadPlan, expected_key_shape, plan_hf_load
 from workbench.run.guard import LoadFailed, RankProblem, agree, problem_from
 from workbench.run.load_ops import execute_load, prepare_target
@@ -342,7 +343,8 @@ def _start_reads(
 ) -> _StartedReads:
     """Plan what this rank reads (a replicated parameter only where it is this rank's turn) and start the reader.
     Into a GPU (or through the CPU seam) the reader starts reading the landing pieces at once; it copies nothing
-    into the model until the loading thread drains it (``BoxReader.finish``)."""
+    into the model until the loading thread drains it (``BoxReader.finish``). A parameter whose cast may narrow
+    (``narrows_range``) is not landed there: its pieces are copied by the loading thread, each checked first."""
     plans = {name: spec.memo(("load_plan", rank), lambda spec=spec: plan_hf_load(spec, rank))
              for name, spec in wanted.items()}
     to_read = [n for n in plans if not (n in replicas and not replicas[n].reads)]
@@ -351,7 +353,9 @@ def _start_reads(
     if device is None and _CPU_LANDING_RING is not None:  # the CPU seam: the GPU's path, copies at once
         device, ring = torch.device("cpu"), _CPU_LANDING_RING
     on_gpu = device is not None and device.type == "cuda"
-    landed = _landed(plans, to_read, targets, adapters, device)
+    narrowing = {n for n in to_read if any(narrows_range(reader.dtype(r.hf_key), targets[n].dtype)
+                                           for r in plans[n].reads)}
+    landed = _landed(plans, [n for n in to_read if n not in narrowing], targets, adapters, device)
     transfers = _transfers(reader, wanted, plans, to_read, targets, adapters, rank, landed)
     boxes = BoxReader(reader.index, _reads_in_order(plans, to_read, adapters, transfers, targets, landed),
                       threads=read_threads, budget_bytes=budget_bytes, pin_memory=on_gpu, direct=read_direct,
@@ -439,7 +443,8 @@ def _copy_planned(
 ) -> None:
     """``execute_load`` for a parameter without adapters, one copy per coalesced transfer."""
     prepare_target(plan, out)
-    copy_transfers(transfers, read, out, non_blocking=non_blocking)
+    copy_transfers(transfers, read, out, non_blocking=non_blocking,
+                   into=f"the model's {plan.name!r} on rank {plan.rank}")
 
 
 def _bytes_land_in_place(t: torch.Tensor) -> bool:
@@ -872,7 +877,7 @@ def _check(
             if info.shape != want:
                 mismatched.append(f"{key}: checkpoint {info.shape}, layout of {name!r} expects {want}")
             elif (stored := torch_dtype(info.dtype)) != targets[name].dtype and (
-                    not cast or _lossy(stored, targets[name].dtype)):
+                    not cast or changes_kind(stored, targets[name].dtype)):
                 how = ("cast=True does not convert floating values into integers or bools, nor complex into real ones"
                        if cast else "pass cast=True to convert")
                 mismatched.append(
@@ -880,14 +885,6 @@ def _check(
                     f"{str(targets[name].dtype).removeprefix('torch.')} ({how})"
                 )
     return missing, unexpected, tuple(mismatched)
-
-
-def _lossy(stored: torch.dtype, target: torch.dtype) -> bool:
-    """Whether a cast from ``stored`` into ``target`` changes the kind of number, not its precision: a floating or
-    complex key into an integer or bool parameter (truncated), or a complex key into a real one (imaginary dropped)."""
-    if stored.is_complex:
-        return not target.is_complex
-    return stored.is_floating_point and not (target.is_floating_point or target.is_complex)
 
 
 # the keys that scale a float8 key's raw values: DeepSeek's block scales (``workbench.layout.fp8``), and the

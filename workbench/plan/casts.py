@@ -1,0 +1,90 @@
+"""What a load's ``cast=True`` may convert, and the check that a narrowing conversion kept every value.
+
+A cast may change a number's precision (float32 keys into a bfloat16 model), never its kind (floating into integer
+or bool, complex into real: ``changes_kind``). A conversion into a dtype of a smaller range (int64 into int32,
+float32 into float16, float8 e5m2 into e4m3, uint8 into int8, an integer into bool) is allowed only for values the
+target holds: ``narrows_range`` says which conversions can lose a value, and ``check_fits`` finds the first one
+that did (torch wraps integers and turns floats into inf or NaN, silently).
+"""
+
+from __future__ import annotations
+
+import math
+
+import torch
+
+from workbench.errors import CheckpointError
+
+__all__ = ["changes_kind", "check_fits", "narrows_range"]
+
+
+def changes_kind(stored: torch.dtype, target: torch.dtype) -> bool:
+    """Whether a cast from ``stored`` into ``target`` changes the kind of number, not its precision: a floating or
+    complex key into an integer or bool parameter (truncated), or a complex key into a real one (imaginary dropped)."""
+    if stored.is_complex:
+        return not target.is_complex
+    return stored.is_floating_point and not (target.is_floating_point or target.is_complex)
+
+
+def _largest(dtype: torch.dtype) -> float:
+    if dtype == torch.bool:
+        return 1.0
+    if dtype.is_complex:
+        dtype = torch.float32 if dtype == torch.complex64 else torch.float64 if dtype == torch.complex128 else \
+            torch.float16
+    return float(torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max)
+
+
+def _smallest(dtype: torch.dtype) -> float:
+    if dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex):
+        return 0.0 if dtype == torch.bool else float(torch.iinfo(dtype).min)
+    return -_largest(dtype)
+
+
+def narrows_range(stored: torch.dtype, target: torch.dtype) -> bool:
+    """Whether some value of ``stored`` leaves the range of ``target`` (wraps, or becomes inf or NaN) in a cast
+    that keeps the kind of number. An integer or bool target: when it lacks an integer of the stored dtype (int64
+    into int32, int8 into uint8, an integer into bool). A floating target: when its largest power of two is smaller
+    (float32 into float16 or float8, float8 e5m2 into e4m3, int64 into float16); float32 into bfloat16 and float16
+    into float8 e5m2 keep it, so only a value rounding up past the top binade's last number leaves them, as any
+    rounding to fewer bits may."""
+    if stored == target or changes_kind(stored, target):
+        return False
+    if target.is_floating_point or target.is_complex:  # by binade: rounding at the very top is precision
+        return math.frexp(_largest(target))[1] < math.frexp(_largest(stored))[1]
+    return _smallest(target) > _smallest(stored) or _largest(target) < _largest(stored)
+
+
+def check_fits(values: torch.Tensor, target: torch.dtype, what: str) -> None:
+    """Raise ``CheckpointError`` naming ``what`` (the key and the parameter) when a value of ``values`` leaves the
+    range of ``target``: an integer outside it (the cast wraps it, or makes it True), or a finite float whose
+    magnitude is over the target's largest value (the cast makes it inf, NaN, or the largest value: float8 e4m3
+    saturates). Nothing is checked where the cast cannot narrow (``narrows_range``)."""
+    if not narrows_range(values.dtype, target):
+        return
+    if target.is_floating_point or target.is_complex:
+        parts = torch.view_as_real(values) if values.is_complex() else values
+        wide = parts.double() if parts.dtype.itemsize == 8 else parts.float()
+        bad = torch.isfinite(wide) & (wide.abs() > _largest(target))
+        if values.is_complex():
+            bad = bad.any(-1)
+    else:  # compared as int64 (uint64 values over its range are too big for any other integer)
+        lo, hi = (0, 1) if target == torch.bool else (torch.iinfo(target).min, torch.iinfo(target).max)
+        wide = values.view(torch.int64) if values.dtype == torch.uint64 else values.long()
+        bad = (wide < lo) | (wide > min(hi, torch.iinfo(torch.int64).max))
+        if values.dtype == torch.uint64:
+            bad |= wide < 0
+    if not bool(bad.any()):
+        return
+    where = [int(i) for i in torch.nonzero(bad)[0].tolist()]
+    first = values[tuple(where)]
+    count = int(bad.sum())
+    kept = ("become inf, NaN or the largest value" if target.is_floating_point or target.is_complex
+            else "become True" if target == torch.bool else "wrap around")
+    name = str(target).removeprefix("torch.")
+    raise CheckpointError(
+        f"{what}: {count} of {values.numel()} value(s) do not fit into {name} (the first, {first.item()!r} at "
+        f"{where} of the slice read, would {kept}); cast=True converts only values the model's "
+        f"dtype holds: load into a parameter of the checkpoint's dtype ({str(values.dtype).removeprefix('torch.')}) "
+        "and convert it yourself"
+    )
