@@ -179,7 +179,7 @@ class MemorySource:
         return self._metas
 
     def _bytes(self, key: str) -> torch.Tensor:
-        t = self._tensors[key]
+        t = self._tensors[key].resolve_conj().resolve_neg()  # the values a conjugate or negative view shows
         return t.reshape(-1).view(torch.uint8) if t.numel() else torch.empty(0, dtype=torch.uint8)
 
     def read_raw(self, key: str, start: int, stop: int) -> bytes:

@@ -18,8 +18,9 @@ _INT_OF_SIZE = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 
 
 def bits(t: torch.Tensor) -> torch.Tensor:
-    """The tensor's raw bits as integers of the same size (NaN == NaN, -0.0 != 0.0)."""
-    t = t.contiguous()
+    """The tensor's raw bits as integers of the same size (NaN == NaN, -0.0 != 0.0); of the values a conjugate or
+    negative view shows."""
+    t = t.resolve_conj().resolve_neg().contiguous()
     if t.dtype == torch.bool:
         return t.view(torch.uint8)
     return t.view(_INT_OF_SIZE[t.element_size()])

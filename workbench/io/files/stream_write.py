@@ -55,8 +55,9 @@ def byte_view(tensor: torch.Tensor) -> torch.Tensor:
 
     ``contiguous()`` and ``reshape(-1)`` pass a tensor of one element (or none) whatever its stride (``table[:1, 0]``
     keeps stride 3, and so does its ``clone()``), and ``view(torch.uint8)`` refuses a last stride other than 1: for
-    such a tensor a stride of 1 names the same bytes, so it is taken without a copy."""
-    flat = tensor.contiguous().reshape(-1)
+    such a tensor a stride of 1 names the same bytes, so it is taken without a copy. A conjugate or negative view
+    (``z.conj()``, whose memory holds the values before the sign flips) is resolved into the values it shows."""
+    flat = tensor.resolve_conj().resolve_neg().contiguous().reshape(-1)
     if flat.numel() <= 1:
         flat = flat.as_strided((flat.numel(),), (1,))
     return flat.view(torch.uint8)

@@ -17,6 +17,7 @@ from typing import Any
 import torch
 
 from workbench.errors import CheckpointError
+from workbench.io.files.stream_write import byte_view
 
 __all__ = ["tie_problem", "untie"]
 
@@ -88,7 +89,7 @@ def tie_problem(ties: Ties, targets: Mapping[str, torch.Tensor], layout: Any, ra
 def _same_bits(a: torch.Tensor, b: torch.Tensor) -> bool:
     """Whether ``a`` and ``b`` (one shape and dtype) hold the same bytes: ``torch.equal`` calls NaN unequal to
     itself."""
-    return torch.equal(a.contiguous().reshape(-1).view(torch.uint8), b.contiguous().reshape(-1).view(torch.uint8))
+    return torch.equal(byte_view(a), byte_view(b))
 
 
 def _span(t: torch.Tensor) -> tuple[int, int]:
