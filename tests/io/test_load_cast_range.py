@@ -78,7 +78,8 @@ def test_check_fits_refuses_exactly_the_values_torch_would_change(stored, target
         check_fits(values, target, "model.x, read into the model's 'x'")
     text = str(caught.value)
     assert text.startswith("model.x, read into the model's 'x'"), text
-    assert f"{len(outside)} of {values.numel()} value(s) do not fit into {str(target).removeprefix('torch.')}" in text
+    names = str(stored).removeprefix("torch."), str(target).removeprefix("torch.")
+    assert f"{len(outside)} of {values.numel()} {names[0]} value(s) do not fit into {names[1]}" in text, text
     assert f"at [{len(inside)}]" in text, text  # the first outside value
     check_fits(values[: len(inside)], target, "x")  # the values that fit pass
 

@@ -15,7 +15,7 @@ import torch
 
 from workbench.errors import CheckpointError
 
-__all__ = ["changes_kind", "check_fits", "narrows_range"]
+__all__ = ["LOAD_ADVICE", "changes_kind", "check_fits", "narrows_range"]
 
 
 def changes_kind(stored: torch.dtype, target: torch.dtype) -> bool:
@@ -55,11 +55,17 @@ def narrows_range(stored: torch.dtype, target: torch.dtype) -> bool:
     return _smallest(target) > _smallest(stored) or _largest(target) < _largest(stored)
 
 
-def check_fits(values: torch.Tensor, target: torch.dtype, what: str) -> None:
+# what a load says to do about a value its cast=True cannot convert
+LOAD_ADVICE = ("cast=True converts only values the model's dtype holds: load into a parameter of the checkpoint's "
+               "dtype and convert it yourself")
+
+
+def check_fits(values: torch.Tensor, target: torch.dtype, what: str, advice: str = LOAD_ADVICE) -> None:
     """Raise ``CheckpointError`` naming ``what`` (the key and the parameter) when a value of ``values`` leaves the
     range of ``target``: an integer outside it (the cast wraps it, or makes it True), or a finite float whose
     magnitude is over the target's largest value (the cast makes it inf, NaN, or the largest value: float8 e4m3
-    saturates). Nothing is checked where the cast cannot narrow (``narrows_range``)."""
+    saturates). Nothing is checked where the cast cannot narrow (``narrows_range``). The error ends with
+    ``advice``, what to do instead."""
     if not narrows_range(values.dtype, target):
         return
     if target.is_floating_point or target.is_complex:
@@ -82,9 +88,8 @@ def check_fits(values: torch.Tensor, target: torch.dtype, what: str) -> None:
     kept = ("become inf, NaN or the largest value" if target.is_floating_point or target.is_complex
             else "become True" if target == torch.bool else "wrap around")
     name = str(target).removeprefix("torch.")
+    stored = str(values.dtype).removeprefix("torch.")
     raise CheckpointError(
-        f"{what}: {count} of {values.numel()} value(s) do not fit into {name} (the first, {first.item()!r} at "
-        f"{where} of the slice read, would {kept}); cast=True converts only values the model's "
-        f"dtype holds: load into a parameter of the checkpoint's dtype ({str(values.dtype).removeprefix('torch.')}) "
-        "and convert it yourself"
+        f"{what}: {count} of {values.numel()} {stored} value(s) do not fit into {name} (the first, {first.item()!r} "
+        f"at {where}, would {kept}); {advice}"
     )

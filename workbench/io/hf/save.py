@@ -41,7 +41,9 @@ from workbench.io.hf.early_snapshot import remember_direct_plan, take_early
 from workbench.io.hf.save_session import _IN_FLIGHT, SaveResult, SaveSession
 from workbench.layout.key_map import KeyMap
 from workbench.layout.model_layout import Layout, held_whole_by_every_rank, layout_and_locals
+from workbench.plan.casts import check_fits, narrows_range
 from workbench.plan.policy import SavePolicy
+from workbench.plan.save_plan import save_dtypes
 from workbench.plan.save_set import layout_as_held
 from workbench.run.communicator import Communicator
 from workbench.run.guard import RankProblem, SaveFailed, agree, problem_from
@@ -144,7 +146,9 @@ def save_hf(
         dtype: an explicit cast of the other floating keys (default None: none, each tensor's own dtype): a
             floating dtype of 16 bits or more. A cast (by ``dtype`` or ``fp32_keys_pattern``) that would change a
             float8 tensor is refused: its raw values mean nothing without their block scales (save
-            ``workbench.io.hf.fp8.dequantized_state`` instead). Refused on every rank; nothing is published.
+            ``workbench.io.hf.fp8.dequantized_state`` instead). So is a cast into a smaller range (float32 or
+            bfloat16 into float16) of a tensor holding a value it would make inf, naming the parameter, the count
+            and the first value. Refused on every rank; nothing is published.
         config_files: files copied next to the weights (config.json, tokenizer files...); a name that is one of
             the files the save writes (the index, a weight file) is refused. They are read during the call (an
             async save publishes them as they were then, whatever the working directory is at ``wait()``).
@@ -211,6 +215,7 @@ def save_hf(
             layout = held_whole_by_every_rank(layout, dist.get_world_size() if dist.is_initialized() else 1)
         # each tensor is written in its own dtype: a layout that says nothing is told it, one that disagrees fails
         layout = layout.with_tensor_dtypes(tensors)
+        _refuse_values_outside(layout, tensors, dtype, fp32_keys_pattern, _rank(comm))
     except BaseException as exc:  # KeyboardInterrupt too: the peers wait for this rank's word (raised after it)
         mine = exc
     # the write mode's host names (and rank 0's probe file) travel with the agreement: one exchange for both
@@ -275,6 +280,28 @@ def save_hf(
     except BaseException:
         session.close()
         raise
+
+
+def _refuse_values_outside(
+    layout: Layout,
+    tensors: Mapping[str, torch.Tensor],
+    dtype: torch.dtype | None,
+    fp32_keys_pattern: Sequence[str] | str | None,
+    rank: int,
+) -> None:
+    """Raise where a save's cast would change a value of this rank's tensors, not only round it: ``dtype=float16``
+    of a float32 or bfloat16 model made values over 65504 inf, silently (``plan.casts.check_fits``). Only the
+    casts that narrow the range pass over the values; a fused tensor whose keys take different dtypes is checked
+    against the narrowest."""
+    for name, tensor in tensors.items():
+        keys = layout.specs[name].hf_keys
+        narrower = [d for d in set(save_dtypes(keys, tensor.dtype, dtype=dtype, fp32_keys_pattern=fp32_keys_pattern))
+                    if narrows_range(tensor.dtype, d)]
+        if narrower:
+            target = min(narrower, key=lambda d: torch.finfo(d).max)
+            check_fits(tensor.detach(), target, f"parameter {name!r} (HF key(s) {', '.join(keys)}), rank {rank}",
+                       advice="save in a dtype that holds them (dtype=None writes each tensor in its own; "
+                              "fp32_keys_pattern keeps the keys it matches in float32)")
 
 
 def warm_host_pool(
