@@ -13,6 +13,7 @@ from safetensors.torch import save_file
 
 import workbench as wb
 from tests.io import test_box_reads as box_reads_tests
+from workbench.errors import CheckpointError
 from workbench.io.files import box_reads as box_reads_module
 from workbench.io.files.box_reads import BoxReader
 from workbench.io.files.index import read_checkpoint
@@ -152,3 +153,21 @@ def test_one_ring_lands_on_two_gpus_in_turn(tmp_path: Path) -> None:
             wb.load_hf(model, tmp_path / "ckpt")
             torch.cuda.synchronize(device)
         assert all(torch.equal(model[k].cpu(), v) for k, v in state.items()), device
+
+
+@pytest.mark.parametrize(("stored", "target", "big"), [(torch.int64, torch.int32, 2**40),
+                                                       (torch.float32, torch.float16, 1e5)])
+def test_a_narrowing_cast_into_cuda_tensors_is_checked_and_exact(tmp_path: Path, stored, target, big) -> None:
+    """A GPU load lands its boxes from the reading threads, and a cast there is the device's copy: a narrowing one
+    takes the loading thread's path, each piece checked (``plan.casts``). Expected values: torch's ``.to``."""
+    values = (torch.arange(512 * 256, dtype=torch.float64).reshape(512, 256) % 300 - 150).to(stored)
+    values[400, 7] = big
+    save_file({"w": values, "b": values[0].clone()}, str(tmp_path / "model.safetensors"))
+    state = {"w": torch.zeros(512, 256, dtype=target, device="cuda"), "b": torch.zeros(256, dtype=target,
+                                                                                          device="cuda")}
+    with pytest.raises((wb.LoadFailed, CheckpointError), match=r"w, read into the model's 'w'.*do not fit"):
+        wb.load_hf(state, tmp_path, cast=True)
+    values[400, 7] = 3
+    save_file({"w": values, "b": values[0].clone()}, str(tmp_path / "model.safetensors"))
+    wb.load_hf(state, tmp_path, cast=True)
+    assert torch.equal(state["w"].cpu(), values.to(target)) and torch.equal(state["b"].cpu(), values[0].to(target))
