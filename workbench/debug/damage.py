@@ -6,19 +6,17 @@ rest; nothing here reads tensor data (one 8-byte header length per damaged file)
 from __future__ import annotations
 
 import os
-import re
 import struct
 from collections.abc import Sequence
 from pathlib import Path
 from stat import S_ISREG
 
-from workbench.debug.findings import Finding
+from workbench.debug.findings import Finding, key_named_in
 from workbench.debug.source import Source
 from workbench.io.files.index import CheckpointIndex, read_header
 
 __all__ = ["damaged_keys", "readable_keys", "unread_files_hint"]
 
-_KEY_IN_PROBLEM = re.compile(r"^corrupt header: key '((?:[^'\\]|\\.)*)'")
 
 
 def damaged_keys(source: Source) -> dict[str, Finding | None]:
@@ -64,9 +62,8 @@ def damaged_keys(source: Source) -> dict[str, Finding | None]:
             _, _, problems = _header(index.path_of(file))
             for problem in problems:
                 detail = problem.partition(": ")[2]
-                match = _KEY_IN_PROBLEM.search(detail)
-                if match and match.group(1) not in index.keys:
-                    key = match.group(1)
+                key = key_named_in(detail, "corrupt header: ")
+                if key is not None and key not in index.keys:
                     out[key] = Finding("corrupt_header", key, {"file": file, "detail": detail},
                                        f"the header of {file} names this key, but its entry is damaged, so its bytes "
                                        "cannot be read: re-save the checkpoint, or restore that file")

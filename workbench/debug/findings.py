@@ -9,12 +9,13 @@ from __future__ import annotations
 
 import html
 import json
+import re
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
-__all__ = ["KINDS", "VALUES_NOT_COMPARED", "Finding", "FindingGroup", "Report"]
+__all__ = ["KINDS", "VALUES_NOT_COMPARED", "Finding", "FindingGroup", "Report", "key_named_in"]
 
 # DESIGN.md section 6: the diagnosis vocabulary (a contract; order = how reports sort them).
 KINDS: tuple[str, ...] = (
@@ -36,9 +37,20 @@ KINDS: tuple[str, ...] = (
     "value_mismatch",
 )
 _ORDER = {k: i for i, k in enumerate(KINDS)}
+_QUOTED_KEY = re.compile(r"key '((?:[^'\\]|\\.)*)'")  # how the file layer's problems quote a key
 _MAX_HTML_ROWS = 200
 _FIRST_KEYS = 3  # keys shown with their own evidence in a group
 _LIMITS = {"written_from": 480, "held_by": 480, "transform": 320, "detail": 320}  # text kept of long evidence
+
+
+def key_named_in(detail: str, prefix: str | None = None) -> str | None:
+    """The key a problem of the file layer quotes (``key 'K'``): the first anywhere in ``detail``, or, given a
+    ``prefix``, the one right after it (None where ``detail`` does not start so)."""
+    if prefix is None:
+        match = _QUOTED_KEY.search(detail)
+    else:
+        match = _QUOTED_KEY.match(detail, len(prefix)) if detail.startswith(prefix) else None
+    return match.group(1) if match else None
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass, replace
 from pathlib import Path
 
-from workbench.debug.findings import Finding
+from workbench.debug.findings import Finding, key_named_in
 from workbench.io.files.complete import OLD_SUFFIX
 from workbench.io.files.index import (
     INDEX_NAME,
@@ -28,7 +28,6 @@ from workbench.io.files.publish_types import INCOMPLETE_SUFFIX, is_temporary_pat
 
 __all__ = ["ScanResult", "scan_for_findings"]
 
-_KEY_IN_PROBLEM = re.compile(r"key '((?:[^'\\]|\\.)*)'")
 _LINK_OUT = re.compile(r"names '([^'/\\\\]+)', which is a symbolic link pointing outside")
 _UNREADABLE = ("does not exist", "not a checkpoint", "cannot read", f"no {INDEX_NAME} and no")
 
@@ -49,8 +48,8 @@ def _classify(problem: str, directory: Path) -> Finding:
     if link:  # a plain file name of the folder whose file is a link out of it: the io layer refused to open it
         return _link_out(directory, link.group(1))
     file = _relative(Path(where), directory)
-    match = _KEY_IN_PROBLEM.search(detail)
-    key = match.group(1) if match and "weight_map" in detail else file
+    named = key_named_in(detail)
+    key = named if named is not None and "weight_map" in detail else file
     evidence = {"file": file, "detail": detail}
     if detail.startswith("truncated file"):
         return Finding("truncated_file", key, evidence, "the write was interrupted: re-save the checkpoint, or "
@@ -341,9 +340,8 @@ def _moved_keys(index: CheckpointIndex, problems: Sequence[str]) -> tuple[Checkp
 def _listed_not_in_header(problem: str) -> str | None:
     """The key of a "listed in the weight_map but not in this file's header" problem, else None."""
     _, _, detail = problem.partition(": ")
-    match = _KEY_IN_PROBLEM.search(detail)
-    return match.group(1) if match and "is listed in the weight_map" in detail and "not in this file's header" in \
-        detail else None
+    named = key_named_in(detail)
+    return named if "is listed in the weight_map" in detail and "not in this file's header" in detail else None
 
 
 def _moved_finding(key: str, named: str, holder: str) -> Finding:
