@@ -32,11 +32,14 @@ from workbench.io.files.publish import AtomicRenamePublisher
 from workbench.io.files.stream_write import StreamWriter
 from workbench.io.files.writeback import WritebackWindow
 from workbench.layout.model_layout import Layout
+from workbench.plan.casts import check_fits
 from workbench.plan.save_plan import save_dtypes
 
 __all__ = ["ConvertResult", "dcp_to_hf"]
 
 DCP_METADATA = ".metadata"
+_CAST_ADVICE = ("convert in a dtype that holds them (dtype=None writes each tensor in its stored dtype; "
+                "fp32_keys_pattern keeps the keys it matches in float32)")
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -100,8 +103,9 @@ def dcp_to_hf(
     Raises:
         CheckpointError: ``allow_pickle`` is false (nothing is read), ``dcp_path`` has no ``.metadata`` or
             it does not unpickle to DCP metadata, a parameter of the layout is missing from the DCP checkpoint,
-            holds a non-tensor, or its saved global shape differs from the layout's (both named), or a config
-            file is missing.
+            holds a non-tensor, or its saved global shape differs from the layout's (both named), a config
+            file is missing, or ``dtype`` cannot hold a value of a key (float32 values over 65504 into float16;
+            nothing is published).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -212,4 +216,6 @@ def _split(layout: Layout, param: _Param, full: torch.Tensor) -> Iterator[tuple[
         full = full.narrow(dim, 0, size)  # FP8 tail padding is never part of the checkpoint
     for index, (key, key_dtype, _) in enumerate(param.keys):
         piece = full if spec.fused_dim is None else full.narrow(spec.fused_dim, index * spec.key_size, spec.key_size)
+        # a cast into a smaller range (float32 into float16) would make large values inf, silently
+        check_fits(piece, key_dtype, f"parameter {param.fqn!r} (HF key {key!r})", advice=_CAST_ADVICE)
         yield key, piece.to(key_dtype).contiguous()

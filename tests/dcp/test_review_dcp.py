@@ -1,0 +1,44 @@
+"""Review of the DCP side: cases where a user got silently wrong data or an error that named nothing useful."""
+
+from __future__ import annotations
+
+from pathlib import Path
+
+import pytest
+import torch
+
+from workbench.errors import CheckpointError
+from workbench.io.dcp.convert import dcp_to_hf
+from workbench.layout.load_spec import LoadSpec
+from workbench.layout.model_layout import Layout
+from workbench.mesh import MeshSpec
+
+ONE = MeshSpec((1,), ("world",))
+
+
+def _save_plain(path: Path, tensors: dict[str, torch.Tensor]) -> None:
+    import torch.distributed.checkpoint as dcp
+
+    dcp.save({"model": dict(tensors)}, checkpoint_id=path, no_dist=True)
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_dcp_to_hf_refuses_a_cast_that_makes_values_inf(tmp_path: Path) -> None:
+    # two keys fused on dim 0; the second holds 1e5, over float16's largest value 65504
+    fused = torch.tensor([[1.0, 2.0], [3.0, 4.0], [5.0, 1e5], [-6.0, 7.0]])
+    _save_plain(tmp_path / "dcp", {"w": fused})
+    layout = Layout(ONE, {"w": LoadSpec(name="w", hf_keys=["a.weight", "b.weight"], global_shape=(4, 2), mesh=ONE,
+                                        fused_dim=0)})
+    with pytest.raises(CheckpointError, match=r"'model\.w' \(HF key 'b\.weight'\).*float16.*100000\.0"):
+        dcp_to_hf(tmp_path / "dcp", tmp_path / "hf", layout, dtype=torch.float16, allow_pickle=True)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / ".hf.incomplete").exists()
+
+    # bfloat16 holds 1e5 (rounded): the same conversion goes through, each key torch's own cast of its rows
+    from safetensors.torch import load_file
+
+    dcp_to_hf(tmp_path / "dcp", tmp_path / "hf", layout, dtype=torch.bfloat16, allow_pickle=True)
+    got = {}
+    for f in (tmp_path / "hf").glob("*.safetensors"):
+        got.update(load_file(f))
+    assert torch.equal(got["a.weight"], fused[:2].to(torch.bfloat16))
+    assert torch.equal(got["b.weight"], fused[2:].to(torch.bfloat16))
