@@ -404,6 +404,9 @@ def _saved_pipeline(pipeline: PipelineLayout, stage_dirs: Sequence[Path]) -> Pip
     of the tensors it wrote, which ``pipeline`` may leave out) on ``pipeline``'s mesh."""
     stages = []
     for stage, stage_dir in enumerate(stage_dirs):
+        if not pipeline.stages[stage].specs:  # a stage with no parameters wrote no parameter's layout: nothing to read
+            stages.append(pipeline.stages[stage])
+            continue
         layout = read_checkpoint_layout(stage_dir)
         if layout is None:
             raise CheckpointError(f"pipeline stage {stage}'s save left no {LAYOUT_FILE_NAME} in {stage_dir}")
