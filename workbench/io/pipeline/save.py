@@ -57,7 +57,7 @@ from workbench.run.guard import (
     forget_groups_if_broken,
     problem_from,
 )
-from workbench.run.torch_comm import ControlChannel, TorchCommunicator, _subgroup
+from workbench.run.torch_comm import ControlChannel, TorchCommunicator, _subgroup, ranks_listed
 
 __all__ = ["StageCommunicator", "pipeline_layout_from_model", "save_hf_pipeline"]
 
@@ -147,41 +147,71 @@ def pipeline_layout_from_model(
     seconds is named on every rank) and every rank gets the same ``PipelineLayout``.
 
     Raises:
-        LayoutError: this rank's own model could not be read, a parameter name held by two stages, or stages that
-            disagree on the mesh. RanksFailed: another rank could not read its model (named with the cause).
+        LayoutError: this rank's own model could not be read, a parameter name held by two stages, stages that
+            disagree on the mesh, or ranks of plain tensors beside ranks of DTensors (a rank holding no tensor is
+            a stage with no parameter). RanksFailed: another rank could not read its model (named with the cause).
     """
     if not isinstance(pp_dim, str):  # a key map passed by position lands here
         raise LayoutError(f"pipeline_layout_from_model: pp_dim must be the pipeline's mesh dim name, got {pp_dim!r} "
                           "(pass a key map by keyword: key_map=...)")
     channel = ControlChannel(timeout, what="pipeline_layout_from_model")
-    mine: Any = None
+    own: Any = None
     problem = None
     try:
-        mine = _pure_pipeline(Layout.from_model(model, key_map), pp_dim, dist.get_world_size() if
-                              dist.is_initialized() else 1)
-        stage = mine.mesh.coordinate(channel.rank)[mine.mesh.mesh_dim_index(pp_dim)]
+        own = Layout.from_model(model, key_map)
+        if own.mesh.size > 1 or pp_dim in own.mesh.dim_names:
+            own.mesh.mesh_dim_index(pp_dim)  # a mesh without the pipeline dim: named here, by the rank that has it
     except Exception as exc:
         problem = problem_from(exc, channel.rank, "reading its stage's layout")
         failure = exc
     try:
         everyone = agree(channel, problem, what="reading the pipeline layout", error=RanksFailed,
-                         outcome="no layout was made", share=None if problem else (stage, mine))
+                         outcome="no layout was made", share=own)
     except RanksFailed:
         if problem is not None:
             raise failure from None
         raise
+    layouts = _on_one_mesh(everyone, pp_dim)
+    mesh = layouts[0].mesh
+    pp = mesh.mesh_dim_index(pp_dim)
     specs, dtypes, owner = {}, {}, {}
-    for s, layout in sorted(everyone, key=lambda item: item[0]):
-        if layout.mesh != mine.mesh:
-            raise LayoutError(f"stages disagree on the mesh: {layout.mesh!r} and {mine.mesh!r}")
+    for s, layout in sorted(((mesh.coordinate(r)[pp], layout) for r, layout in enumerate(layouts)),
+                            key=lambda item: item[0]):
         for name, spec in layout.specs.items():
             if owner.setdefault(name, s) != s:
                 raise LayoutError(f"parameter {name!r} is held by stage {owner[name]} and stage {s}")
             specs[name] = spec
             if name in layout.dtypes:  # none is assumed: the save takes the tensor's own
                 dtypes[name] = layout.dtypes[name]
-    merged = Layout(mine.mesh, specs, dtypes, name=mine.name)
+    merged = Layout(mesh, specs, dtypes, name=layouts[0].name)
     return PipelineLayout.from_layout(merged, pp_dim, owner.__getitem__)
+
+
+def _on_one_mesh(everyone: Sequence[Layout], pp_dim: str) -> list[Layout]:
+    """Every rank's layout on the pipeline mesh: a rank of plain tensors or none in a world where other ranks hold
+    DTensors on a mesh with ``pp_dim`` holds no parameter (a stage with none) or is refused (named); with no
+    DTensor anywhere, every rank is a stage of its own (``_pure_pipeline``).
+
+    Raises:
+        LayoutError: ranks on different meshes, or ranks of plain tensors beside ranks of DTensors (ranks named).
+    """
+    meshes: dict[MeshSpec, list[int]] = {}
+    for rank, layout in enumerate(everyone):
+        if pp_dim in layout.mesh.dim_names:
+            meshes.setdefault(layout.mesh, []).append(rank)
+    if not meshes:
+        return [_pure_pipeline(layout, pp_dim, len(everyone)) for layout in everyone]
+    if len(meshes) > 1:
+        listed = "; ".join(f"rank(s) {ranks_listed(ranks)} on {mesh!r}" for mesh, ranks in meshes.items())
+        raise LayoutError(f"stages disagree on the mesh: {listed}")
+    ((mesh, ranks),) = meshes.items()
+    plain = [r for r, layout in enumerate(everyone) if r not in ranks and layout.specs]
+    if plain:
+        raise LayoutError(f"rank(s) {ranks_listed(plain)} hold plain tensors (no DTensor), rank(s) "
+                          f"{ranks_listed(ranks)} DTensors on {mesh!r}: hold every stage's parameters as DTensors "
+                          "on that mesh (Replicate() where a stage does not cut one)")
+    return [layout if r in ranks else Layout(mesh, {}, {}, name=everyone[ranks[0]].name)
+            for r, layout in enumerate(everyone)]
 
 
 def _pure_pipeline(layout: Layout, pp_dim: str, world: int) -> Layout:
