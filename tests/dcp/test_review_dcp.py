@@ -42,3 +42,20 @@ def test_dcp_to_hf_refuses_a_cast_that_makes_values_inf(tmp_path: Path) -> None:
         got.update(load_file(f))
     assert torch.equal(got["a.weight"], fused[:2].to(torch.bfloat16))
     assert torch.equal(got["b.weight"], fused[2:].to(torch.bfloat16))
+
+
+@pytest.mark.filterwarnings("ignore::UserWarning")
+def test_dcp_to_hf_refuses_config_files_named_like_its_own_files(tmp_path: Path) -> None:
+    # config_files=[*source.glob("*.json")] took the source model's index along; copied last, it replaced the index
+    # just written, and publishing refused the result only after the whole conversion, as "different saves"
+    _save_plain(tmp_path / "dcp", {"w": torch.ones(2, 2)})
+    layout = Layout(ONE, {"w": LoadSpec(name="w", hf_keys=["w.weight"], global_shape=(2, 2), mesh=ONE)})
+    source = tmp_path / "source"
+    source.mkdir()
+    for name in ("config.json", "model.safetensors.index.json", "model-00001-of-00001.safetensors"):
+        (source / name).write_text("{}")
+    for clash in ("model.safetensors.index.json", "model-00001-of-00001.safetensors"):
+        with pytest.raises(CheckpointError, match=rf"config file\(s\) \['{source / clash}'\] would overwrite"):
+            dcp_to_hf(tmp_path / "dcp", tmp_path / "hf", layout, config_files=[source / "config.json", source / clash],
+                      allow_pickle=True)
+    assert not (tmp_path / "hf").exists() and not (tmp_path / ".hf.incomplete").exists()

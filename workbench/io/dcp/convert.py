@@ -27,10 +27,12 @@ import torch
 
 from workbench.errors import CheckpointError
 from workbench.io.files.file_plan import DEFAULT_MAX_SHARD_BYTES, plan_files
-from workbench.io.files.index import write_index
+from workbench.io.files.index import INDEX_NAME, write_index
+from workbench.io.files.ownership import MARKER_NAME
 from workbench.io.files.publish import AtomicRenamePublisher
 from workbench.io.files.stream_write import StreamWriter
 from workbench.io.files.writeback import WritebackWindow
+from workbench.layout.layout_file import LAYOUT_FILE_NAME
 from workbench.layout.model_layout import Layout
 from workbench.plan.casts import check_fits
 from workbench.plan.save_plan import save_dtypes
@@ -104,8 +106,9 @@ def dcp_to_hf(
         CheckpointError: ``allow_pickle`` is false (nothing is read), ``dcp_path`` has no ``.metadata`` or
             it does not unpickle to DCP metadata, a parameter of the layout is missing from the DCP checkpoint,
             holds a non-tensor, or its saved global shape differs from the layout's (both named), a config
-            file is missing, or ``dtype`` cannot hold a value of a key (float32 values over 65504 into float16;
-            nothing is published).
+            file is missing or named like a file of the checkpoint (its index, a ``.safetensors`` file; refused
+            before anything is read), or ``dtype`` cannot hold a value of a key (float32 values over 65504 into
+            float16; nothing is published).
     """
     import torch.distributed.checkpoint as dcp
     from torch.distributed.checkpoint.default_planner import DefaultLoadPlanner
@@ -124,6 +127,11 @@ def dcp_to_hf(
     missing_configs = [str(c) for c in config_files if not Path(c).is_file()]
     if missing_configs:
         raise CheckpointError(f"config file(s) to copy do not exist: {missing_configs}")
+    clash = [str(c) for c in config_files
+             if Path(c).name in (INDEX_NAME, MARKER_NAME, LAYOUT_FILE_NAME) or Path(c).name.endswith(".safetensors")]
+    if clash:  # copied last, the source model's index replaced the one just written (publish then refused it)
+        raise CheckpointError(f"config file(s) {clash} would overwrite the index or weight files dcp_to_hf writes; "
+                              "rename them or leave them out of config_files")
     reader = dcp.FileSystemReader(str(dcp_path))
     try:
         saved = reader.read_metadata().state_dict_metadata
