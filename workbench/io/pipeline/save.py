@@ -399,6 +399,7 @@ def _merge(stage_dirs: Sequence[Path], publisher: AtomicRenamePublisher, config_
     """Move every stage's files up into the publisher's prepared directory (which holds the stages) with global
     numbering, remove the stages, write one index and the pipeline's layout file, and publish it."""
     files: list[tuple[Path, dict[str, str]]] = []  # (file, {key: ...}) in stage order
+    empty: set[int] = set()  # stages that wrote no key
     for stage, stage_dir in enumerate(stage_dirs):
         weight_map, _, problems = read_index(stage_dir / INDEX_NAME)  # bounded, checked parsing
         strays = sorted({n for n in weight_map.values() if Path(n).name != n or n in ("", ".", "..")})
@@ -406,11 +407,13 @@ def _merge(stage_dirs: Sequence[Path], publisher: AtomicRenamePublisher, config_
             problems.append(f"{stage_dir / INDEX_NAME}: file name(s) {strays[:3]} are not in its directory")
         if problems:
             raise CheckpointError(f"pipeline stage {stage}'s index cannot be merged: {'; '.join(problems)}")
+        if not weight_map:
+            empty.add(stage)
         by_file: dict[str, list[str]] = {}
         for key, name in weight_map.items():
             by_file.setdefault(name, []).append(key)
         files.extend((stage_dir / name, dict.fromkeys(keys, name)) for name, keys in sorted(by_file.items()))
-    saved = _saved_pipeline(pipeline, stage_dirs)
+    saved = _saved_pipeline(pipeline, stage_dirs, empty)
     total = len(files)
     temporary = publisher.temporary
     specs = []
@@ -429,13 +432,13 @@ def _merge(stage_dirs: Sequence[Path], publisher: AtomicRenamePublisher, config_
     publisher.finalize()
 
 
-def _saved_pipeline(pipeline: PipelineLayout, stage_dirs: Sequence[Path]) -> PipelineLayout:
+def _saved_pipeline(pipeline: PipelineLayout, stage_dirs: Sequence[Path], empty: set[int]) -> PipelineLayout:
     """The pipeline as its stages were saved: each stage's own layout file (``save_hf`` writes it with the dtypes
     of the tensors it wrote, which ``pipeline`` may leave out) on ``pipeline``'s mesh."""
     stages = []
     for stage, stage_dir in enumerate(stage_dirs):
-        if not pipeline.stages[stage].specs:  # a stage with no parameters wrote no parameter's layout: nothing to read
-            stages.append(pipeline.stages[stage])
+        if stage in empty:  # a stage that saved no key (no parameter): its layout file lists none, and is no layout
+            stages.append(Layout(pipeline.stage_mesh, {}, {}, name=f"{pipeline.name}[{pipeline.pp_dim}={stage}]"))
             continue
         layout = read_checkpoint_layout(stage_dir)
         if layout is None:
