@@ -61,6 +61,7 @@ from workbench.errors import CheckpointError
 from workbench.io.dcp._dcp_compat import read_items_for_chunks, set_up_default_load
 from workbench.layout.load_spec import LoadSpec
 from workbench.layout.runs import Run
+from workbench.plan.casts import check_fits, narrows_range
 
 __all__ = ["DCPLoadPlanner", "DCPSavePlanner", "dtensor_runs"]
 
@@ -181,9 +182,12 @@ class DCPLoadPlanner(DefaultLoadPlanner):
         flatten_state_dict: as torch's ``DefaultLoadPlanner``.
         allow_partial_load: as torch's: keys missing from the checkpoint are skipped instead of an error.
 
+    A key saved in a dtype of a larger range than the target's (float32 into float16) is read into a buffer of its
+    own dtype first and copied only when every value fits (torch's copy turned 1e5 into inf, silently).
+
     Raises (from ``dcp.load``):
-        CheckpointError: a key is missing from the checkpoint (unless ``allow_partial_load``), or its saved global
-            shape differs from the target's (both shapes named).
+        CheckpointError: a key is missing from the checkpoint (unless ``allow_partial_load``), its saved global
+            shape differs from the target's (both shapes named), or a saved value does not fit the target dtype.
 
     .. note:: SPMD: pass one to ``dcp.load`` on every rank.
     """
@@ -200,6 +204,7 @@ class DCPLoadPlanner(DefaultLoadPlanner):
                          allow_partial_load=allow_partial_load)
         self.fsdp_mesh_dims = _fsdp_dims(model, fsdp_mesh_dims)
         self._views: dict[tuple[str, tuple[int, ...]], torch.Tensor] = {}
+        self._narrowing: dict[ReadItem, torch.Tensor] = {}  # read item -> target, where the read has its own buffer
 
     def create_local_plan(self) -> LoadPlan:
         """Read items for every run of every DTensor; torch's default items for everything else."""
@@ -209,7 +214,7 @@ class DCPLoadPlanner(DefaultLoadPlanner):
         strict = not self.allow_partial_load
         items: list[ReadItem] = []
         plain: dict[str, Any] = {}
-        self._views = {}
+        self._views, self._narrowing = {}, {}
         missing = []
         for fqn, obj in self.state_dict.items():
             if not _compat.is_dtensor(obj):
@@ -247,11 +252,26 @@ class DCPLoadPlanner(DefaultLoadPlanner):
         return read_items_for_chunks(fqn, storage, chunks)
 
     def resolve_tensor(self, read_item: ReadItem) -> torch.Tensor:
-        """The part of a run's local view that ``read_item`` fills (a view: DCP copies into it in place)."""
+        """The part of a run's local view that ``read_item`` fills (a view: DCP copies into it in place); a buffer
+        of the saved dtype where the copy could change a value (``commit_tensor`` checks and copies it)."""
         index = read_item.dest_index
         view = self._views.get((index.fqn, tuple(index.offset or ())))
         if view is None:
-            return super().resolve_tensor(read_item)
-        for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
-            view = view.narrow(dim, start, length)
+            view = super().resolve_tensor(read_item)
+        else:
+            for dim, (start, length) in enumerate(zip(read_item.dest_offsets, read_item.lengths)):
+                view = view.narrow(dim, start, length)
+        stored = self.metadata.state_dict_metadata.get(index.fqn) if self.metadata is not None else None
+        if isinstance(stored, TensorStorageMetadata) and narrows_range(stored.properties.dtype, view.dtype):
+            self._narrowing[read_item] = view
+            return torch.empty(view.shape, dtype=stored.properties.dtype, device=view.device)
         return view
+
+    def commit_tensor(self, read_item: ReadItem, tensor: torch.Tensor) -> None:
+        """Copy a buffer of the saved dtype into its target once every value is known to fit."""
+        target = self._narrowing.pop(read_item, None)
+        if target is not None:
+            check_fits(tensor, target.dtype, f"key {read_item.dest_index.fqn!r}",
+                       advice="load into a tensor of the checkpoint's dtype and convert it yourself")
+            target.copy_(tensor)
+        super().commit_tensor(read_item, tensor)
