@@ -120,3 +120,38 @@ def test_plain_tensors_beside_dtensors_are_named_by_rank(dtensor_stage_1: tuple[
     for rank, got in results.items():
         assert got["plain"].startswith("rank(s) 2, 3 hold plain tensors (no DTensor), rank(s) 0, 1 DTensors on "
                                        "MeshSpec(pp=2, fsdp=2)"), (rank, got["plain"])
+
+
+def _ranks_with_other_pipelines(root: str) -> str:
+    """pp=2 x fsdp=2; rank 3's pipeline says both parameters are replicated over fsdp, the others' cut them."""
+    import torch.distributed as dist
+    from torch.distributed.tensor import Replicate, Shard
+
+    import workbench as wb
+    from workbench.io.pipeline.save import save_hf_pipeline
+    from workbench.layout.pipeline import PipelineLayout
+
+    rank = dist.get_rank()
+    mesh = wb.MeshSpec((2, 2), ("pp", "fsdp"))
+    cut = Replicate() if rank == 3 else Shard(0)
+    specs = {name: wb.LoadSpec.from_placements(name, name, (4, 2), mesh, [Replicate(), cut]) for name in ("a", "b")}
+    pipeline = PipelineLayout.from_layout(wb.Layout(mesh, specs), "pp", {"a": 0, "b": 1}.__getitem__)
+    stage, place = pipeline.stage_of_rank(rank)
+    model = {"ab"[stage]: _value_a() if rank == 3 else _value_a().chunk(2)[place].clone()}
+    try:
+        save_hf_pipeline(model, Path(root) / "ckpt", pipeline, timeout=5)
+    except wb.SaveFailed as exc:
+        return str(exc)
+    return "published"
+
+
+@pytest.mark.slow
+def test_ranks_that_pass_other_pipelines_are_refused_naming_them(tmp_path: Path) -> None:
+    # the old code built every stage's groups from each rank's own pipeline: rank 3 made none over fsdp, and the
+    # ranks timed out in group constructions and exchanges ("RuntimeError: Wait timeout" on rank 2, not a SaveFailed)
+    results = launch(_ranks_with_other_pipelines, nprocs=4, args=(str(tmp_path),), timeout=120)
+    for rank, message in results.items():
+        assert message.endswith("refused before anything was written: the ranks passed different pipeline layouts "
+                                "(one on rank(s) 0, 1, 2, another on rank(s) 3); every rank must pass the same "
+                                "PipelineLayout (pipeline_layout_from_model gives every rank the same one)"), message
+    assert list(tmp_path.iterdir()) == []

@@ -29,6 +29,7 @@ left as it was. Within a stage, ``save_hf``'s own flag protocol and status excha
 from __future__ import annotations
 
 import dataclasses
+import hashlib
 import os
 import shutil
 from collections.abc import Callable, Mapping, Sequence
@@ -263,8 +264,10 @@ def save_hf_pipeline(
     # arguments first, agreed on by the whole world before any stage group is built (a collective of every rank)
     problem: RankProblem | None = None
     failure: BaseException | None = None
+    digest = ""
     try:
         _check_arguments(pipeline, config_files if rank == 0 else (), save_kwargs)
+        digest = hashlib.sha256(pipeline.to_toml().encode()).hexdigest()
         if rank == 0:
             preparing = AtomicRenamePublisher(path)
             preparing.prepare()  # refuses a live save at the path, or a directory that is not a checkpoint
@@ -276,14 +279,17 @@ def save_hf_pipeline(
         if publisher is not None:
             publisher.abort()
 
-    # every stage saves with the same arguments: stages that differ would publish one checkpoint of mixed dtypes
-    options = _across_stages(world, problem, what, outcome="nothing was written", on_failure=abort, cause=failure,
-                             share=call_options(save_kwargs))
-    differ = other_arguments_problem(options)
+    # every stage saves with the same arguments: stages that differ would publish one checkpoint of mixed dtypes;
+    # and the same pipeline: every rank builds every stage's groups from it, and ranks that differ would wait in
+    # group constructions or collectives that others never make (a timeout naming no cause)
+    shared = _across_stages(world, problem, what, outcome="nothing was written", on_failure=abort, cause=failure,
+                            share=(call_options(save_kwargs), digest))
+    differ = other_arguments_problem([options for options, _ in shared]) or _pipelines_differ(
+        [d for _, d in shared])
     if differ is not None:
         abort()
         raise SaveFailed(f"{what} refused before anything was written: {differ}",
-                         [RankProblem(r, "checking the arguments", differ) for r in range(len(options))])
+                         [RankProblem(r, "checking the arguments", differ) for r in range(len(shared))])
     comm = StageCommunicator(pipeline, timeout=timeout)
     mine: RankProblem | None = None
     try:
@@ -326,6 +332,19 @@ def _check_arguments(pipeline: PipelineLayout, config_files: Sequence[str | Path
     if clash:
         raise CheckpointError(f"config file(s) {clash} would overwrite the index, layout, owner marker or weight files "
                               "of the checkpoint; rename them or leave them out of config_files")
+
+
+def _pipelines_differ(digests: Sequence[str]) -> str | None:
+    """Which ranks passed which pipeline (every rank's digest of its ``pipeline.to_toml()``); None when alike."""
+    by_digest: dict[str, list[int]] = {}
+    for rank, digest in enumerate(digests):
+        by_digest.setdefault(digest, []).append(rank)
+    if len(by_digest) == 1:
+        return None
+    listed = ", ".join(f"{'another' if i else 'one'} on rank(s) {ranks_listed(ranks)}"
+                       for i, ranks in enumerate(by_digest.values()))
+    return (f"the ranks passed different pipeline layouts ({listed}); every rank must pass the same PipelineLayout "
+            "(pipeline_layout_from_model gives every rank the same one)")
 
 
 def _stage_problem(exc: BaseException, pipeline: PipelineLayout, rank: int) -> RankProblem:
