@@ -153,5 +153,6 @@ def test_ranks_that_pass_other_pipelines_are_refused_naming_them(tmp_path: Path)
     for rank, message in results.items():
         assert message.endswith("refused before anything was written: the ranks passed different pipeline layouts "
                                 "(one on rank(s) 0, 1, 2, another on rank(s) 3); every rank must pass the same "
-                                "PipelineLayout (pipeline_layout_from_model gives every rank the same one)"), message
+                                "PipelineLayout (pipeline_layout_from_model gives every rank the same one)"), (
+            rank, message)
     assert list(tmp_path.iterdir()) == []
