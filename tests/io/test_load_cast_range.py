@@ -80,7 +80,8 @@ def test_check_fits_refuses_exactly_the_values_torch_would_change(stored, target
     assert text.startswith("model.x, read into the model's 'x'"), text
     names = str(stored).removeprefix("torch."), str(target).removeprefix("torch.")
     assert f"{len(outside)} of {values.numel()} {names[0]} value(s) do not fit into {names[1]}" in text, text
-    assert f"at [{len(inside)}]" in text, text  # the first outside value
+    first = values[len(inside)].item()
+    assert f"(the first, {first!r}," in text, text  # the first outside value
     check_fits(values[: len(inside)], target, "x")  # the values that fit pass
 
 

@@ -82,14 +82,13 @@ def check_fits(values: torch.Tensor, target: torch.dtype, what: str, advice: str
             bad |= wide < 0
     if not bool(bad.any()):
         return
-    where = [int(i) for i in torch.nonzero(bad)[0].tolist()]
-    first = values[tuple(where)]
+    first = values.reshape(-1)[int(torch.nonzero(bad.reshape(-1))[0])]
     count = int(bad.sum())
     kept = ("become inf, NaN or the largest value" if target.is_floating_point or target.is_complex
             else "become True" if target == torch.bool else "wrap around")
     name = str(target).removeprefix("torch.")
     stored = str(values.dtype).removeprefix("torch.")
     raise CheckpointError(
-        f"{what}: {count} of {values.numel()} {stored} value(s) do not fit into {name} (the first, {first.item()!r} "
-        f"at {where}, would {kept}); {advice}"
+        f"{what}: {count} of {values.numel()} {stored} value(s) do not fit into {name} (the first, {first.item()!r}, "
+        f"would {kept}); {advice}"
     )
