@@ -18,9 +18,11 @@ a collective broke (timed out), every rank drops its cached process groups and t
 from __future__ import annotations
 
 import atexit
+import contextlib
 import inspect
 import os
 import socket
+import threading
 import time
 import uuid
 import warnings
@@ -72,6 +74,8 @@ class AsyncSave:
     _session: SaveSession
     _result: SaveResult | None = field(default=None, init=False)
     _error: BaseException | None = field(default=None, init=False)
+    # one finish at a time: a wait() from another thread (or the next save_hf's) waits for the one under way
+    _lock: threading.Lock = field(default_factory=threading.Lock, init=False, repr=False)
 
     @property
     def path(self) -> Path:
@@ -84,16 +88,20 @@ class AsyncSave:
 
     def wait(self) -> SaveResult:
         """Finish writing, check every rank, publish atomically; returns this rank's result (or raises SaveFailed
-        on every rank). Calling it again returns the same result or raises the same error."""
-        if self._result is None and self._error is None:
-            if self in _PENDING:
-                _PENDING.remove(self)
-            try:
-                self._result = self._session.finish()
-            except BaseException as exc:
-                self._error = exc
-            finally:
-                self._session.close()
+        on every rank). Calling it again, from any thread, returns the same result or raises the same error (a call
+        made while another thread's is under way waits for it)."""
+        with self._lock:
+            if self._result is None and self._error is None:
+                try:
+                    self._result = self._session.finish()
+                except BaseException as exc:
+                    self._error = exc
+                finally:
+                    try:
+                        self._session.close()
+                    finally:  # pending until finished: a save_hf meanwhile waits for it (its collectives come first)
+                        with contextlib.suppress(ValueError):
+                            _PENDING.remove(self)
         if self._error is not None:
             raise self._error
         assert self._result is not None
@@ -401,9 +409,12 @@ def _finish_pending() -> None:
     first: BaseException | None = None
     interrupt: BaseException | None = None
     while _PENDING:
-        handle = _PENDING[0]
         try:
-            handle.wait()
+            handle = _PENDING[0]
+        except IndexError:  # finished meanwhile by a wait() in another thread
+            break
+        try:
+            handle.wait()  # one another thread is waiting on: waits for it, and has its outcome
         except BaseException as exc:
             first = first or exc
             if interrupt is None and not isinstance(exc, Exception):
@@ -419,11 +430,16 @@ def _finish_pending() -> None:
 def _abandon_pending() -> None:
     """At interpreter exit: release every async save never waited on (no collective is possible any more)."""
     for handle in list(_PENDING):
-        warnings.warn(
-            f"async save to {handle.path} was never waited on; it was not published (call wait() before exiting)",
-            stacklevel=1,
-        )
-        handle._session.close(abandon=True)
+        if not handle._lock.acquire(blocking=False):  # a daemon thread is finishing it: left to that thread
+            continue
+        try:
+            warnings.warn(
+                f"async save to {handle.path} was never waited on; it was not published (call wait() before exiting)",
+                stacklevel=1,
+            )
+            handle._session.close(abandon=True)
+        finally:
+            handle._lock.release()
     _PENDING.clear()
 
 

@@ -1,0 +1,87 @@
+"""Review of the async save's lifecycle: ``wait()`` from several threads, a Ctrl-C while it waits, and what a
+finished handle keeps alive. Files are compared with safetensors' own ``load_file`` of the values cloned at the
+call."""
+
+from __future__ import annotations
+
+import os
+import threading
+import time
+from pathlib import Path
+
+import pytest
+import torch
+from safetensors.torch import load_file
+
+import workbench as wb
+
+
+def _read(path: Path) -> dict[str, torch.Tensor]:
+    out: dict[str, torch.Tensor] = {}
+    for file in sorted(path.glob("*.safetensors")):
+        out.update(load_file(file))
+    return out
+
+
+def _state(seed: int = 0) -> dict[str, torch.Tensor]:
+    gen = torch.Generator().manual_seed(seed)
+    return {f"w{i}": torch.randn(64, 64, generator=gen) for i in range(4)}
+
+
+@pytest.fixture
+def slow_writes(monkeypatch: pytest.MonkeyPatch) -> None:
+    """Every data write takes 0.1 s (headers are not slowed): the writes are still running when ``wait()`` starts."""
+    real = os.pwrite
+
+    def slow(fd: int, data, offset: int) -> int:
+        if len(data) > 1024:
+            time.sleep(0.1)
+        return real(fd, data, offset)
+
+    monkeypatch.setattr(os, "pwrite", slow)
+
+
+@pytest.mark.parametrize("write_mode", ["direct", "gather"])
+def test_wait_from_two_threads_at_once_publishes_once_and_both_get_the_result(tmp_path: Path, slow_writes,
+                                                                              write_mode: str) -> None:
+    # a trainer's checkpoint thread waits on the handle while the main thread calls result(): both finished the save,
+    # one published it and the other failed to publish it again, and both raised "nothing was published"
+    state = _state()
+    expected = {k: v.clone() for k, v in state.items()}
+    handle = wb.save_hf(state, tmp_path / "ckpt", async_save=True, write_mode=write_mode, write_threads=1)
+    start = threading.Barrier(2)
+    outcomes: list[object] = [None, None]
+
+    def waiter(index: int) -> None:
+        start.wait()
+        try:
+            outcomes[index] = handle.wait()
+        except BaseException as exc:  # the outcome is what the test checks
+            outcomes[index] = exc
+
+    threads = [threading.Thread(target=waiter, args=(i,)) for i in range(2)]
+    for thread in threads:
+        thread.start()
+    for thread in threads:
+        thread.join(60)
+    assert all(isinstance(o, wb.SaveResult) for o in outcomes), outcomes
+    assert outcomes[0] is outcomes[1] and handle.wait() is outcomes[0]
+    read = _read(tmp_path / "ckpt")
+    assert read.keys() == expected.keys() and all(torch.equal(read[k], expected[k]) for k in expected)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]
+
+
+def test_a_save_while_another_thread_waits_on_the_last_one_follows_it(tmp_path: Path, slow_writes) -> None:
+    # the handle a background thread waits on is still this process's save in progress: the next save_hf to the same
+    # path waits for it to publish (as for a handle nobody waits on) instead of refusing "call its wait()"
+    first, second = _state(0), _state(1)
+    expected = {k: v.clone() for k, v in second.items()}
+    handle = wb.save_hf(first, tmp_path / "ckpt", async_save=True, write_threads=1)
+    waiting = threading.Thread(target=handle.wait)
+    waiting.start()
+    time.sleep(0.05)  # the thread is inside wait(), the writes still running
+    wb.save_hf(second, tmp_path / "ckpt")
+    waiting.join(60)
+    assert handle.wait().path == tmp_path / "ckpt"
+    read = _read(tmp_path / "ckpt")
+    assert all(torch.equal(read[k], expected[k]) for k in expected)
