@@ -26,6 +26,7 @@ __all__ = ["OffsetsFigure", "needs_zoom", "plot_shard_offsets"]
 
 _LABEL_LIMIT = 48  # overview cells labelled with their rank up to this many (when the text fits)
 _READABLE = 0.05  # a box under this fraction of an axis gets a zoom panel
+_VECTOR_BOXES = 4096  # more boxes than this are drawn as one raster image in vector output (SVG, PDF)
 
 
 def plot_shard_offsets(
@@ -152,16 +153,22 @@ class OffsetsFigure:
 
     # -- static ------------------------------------------------------------------------------------------
     def _draw_overview(self, figsize: tuple[float, float], beside: bool) -> None:
-        from matplotlib.collections import PatchCollection
-        from matplotlib.patches import Rectangle
+        import numpy as np
+        from matplotlib.collections import PolyCollection
 
         ax, view = self.overview, self.view
         rows, cols = view.shape
-        patches = [Rectangle((b.col0, b.row0), b.col1 - b.col0, b.row1 - b.row0) for b in reversed(view.boxes)]
+        # one polygon per box from an array (Rectangle patches cost ~0.2 ms each: 65,536 interleaved runs took 11 s)
+        corners = np.array([(b.col0, b.row0, b.col1, b.row1) for b in reversed(view.boxes)], dtype=float)
+        corners = corners.reshape(-1, 4)
+        x0, y0, x1, y1 = corners.T
+        verts = np.stack([np.stack([x0, y0], 1), np.stack([x1, y0], 1), np.stack([x1, y1], 1),
+                          np.stack([x0, y1], 1)], 1)
         faces = [self.colours(b.rank) for b in reversed(view.boxes)]
-        edge = 0.6 if len(patches) <= 256 else 0.0
-        boxes = PatchCollection(patches, facecolors=faces, edgecolors="white", linewidths=edge)
+        edge = 0.6 if len(verts) <= 256 else 0.0
+        boxes = PolyCollection(verts, facecolors=faces, edgecolors="white", linewidths=edge)
         boxes.set_gid("boxes")
+        boxes.set_rasterized(len(verts) > _VECTOR_BOXES)  # an SVG of 65,536 paths was 11 MB
         ax.add_collection(boxes)
         ax.set_xlim(0, cols)
         ax.set_ylim(rows, 0)

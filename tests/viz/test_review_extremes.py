@@ -1,0 +1,32 @@
+"""What a person sees at the extremes: 1,024-rank meshes, many runs, empty and 0-d tensors, odd names."""
+
+from __future__ import annotations
+
+import io
+import time
+
+import matplotlib
+from torch.distributed.tensor import Shard
+
+from workbench.layout import InterleavedShard, LoadSpec
+from workbench.mesh import MeshSpec
+from workbench.viz.figures import plot_shard_offsets
+
+matplotlib.use("Agg")
+
+MESH_1024 = MeshSpec((8, 128), ("dp", "tp"))
+
+
+def test_offsets_of_65536_interleaved_runs_take_seconds_and_kilobytes() -> None:
+    # expert TP with 64 stripes per rank on 1,024 ranks: 64 x 1,024 runs of 2 rows each
+    spec = LoadSpec.from_placements("e", [f"e{i}" for i in range(64)], (8 * 128 * 64 * 2, 16), MESH_1024,
+                                    [Shard(0), InterleavedShard(0, num_local_stripes=64)], fused_dim=0)
+    start = time.perf_counter()
+    fig = plot_shard_offsets(spec, rank=1023)
+    svg = io.BytesIO()
+    fig.savefig(svg, format="svg")
+    seconds = time.perf_counter() - start
+    assert len(fig.view.boxes) == 64 * 1024
+    assert len(svg.getvalue()) < 2 << 20, f"{len(svg.getvalue()):,} B of SVG"
+    assert seconds < 8, f"{seconds:.1f} s"
+
