@@ -4,13 +4,15 @@ from __future__ import annotations
 
 import io
 import time
+import warnings
 
 import matplotlib
-from torch.distributed.tensor import Shard
+from torch.distributed.tensor import Replicate, Shard
 
 from workbench.layout import InterleavedShard, LoadSpec
 from workbench.mesh import MeshSpec
 from workbench.viz.figures import plot_shard_offsets
+from workbench.viz.html import render_html
 
 matplotlib.use("Agg")
 
@@ -30,3 +32,10 @@ def test_offsets_of_65536_interleaved_runs_take_seconds_and_kilobytes() -> None:
     assert len(svg.getvalue()) < 2 << 20, f"{len(svg.getvalue()):,} B of SVG"
     assert seconds < 8, f"{seconds:.1f} s"
 
+
+def test_html_of_a_scalar_parameter_is_its_table_not_a_warning() -> None:
+    spec = LoadSpec.from_placements("scale", "scale", (), MeshSpec((2, 2), ("dp", "tp")), [Replicate(), Replicate()])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        page = render_html(spec)
+    assert "LoadSpec scale" in page and "global shape" in page and "<pre" not in page

@@ -206,6 +206,8 @@ def _mesh(mesh: Any) -> str:
 def _spec_picture(spec: Any, width: int = 240, height: int = 120) -> str:
     from workbench.viz.views import shard_view
 
+    if not spec.global_shape:  # a scalar (0-d): nothing to draw (the table says its shape)
+        return ""
     view = shard_view(spec)
     rows, cols = view.shape
     if not rows or not cols:  # a 0-size tensor: no element to draw (the table says its shape)
