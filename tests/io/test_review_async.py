@@ -85,3 +85,29 @@ def test_a_save_while_another_thread_waits_on_the_last_one_follows_it(tmp_path: 
     assert handle.wait().path == tmp_path / "ckpt"
     read = _read(tmp_path / "ckpt")
     assert all(torch.equal(read[k], expected[k]) for k in expected)
+
+
+def test_a_ctrl_c_in_the_status_exchange_leaves_no_live_temporary_behind(tmp_path: Path,
+                                                                         monkeypatch: pytest.MonkeyPatch) -> None:
+    # wait() spends its time in the status exchange while slower ranks write: a Ctrl-C there left .ckpt.incomplete
+    # claimed by this process, its heartbeat beating, and every later save to the path refused as "in progress"
+    from workbench.io.hf import save_session
+
+    wb.save_hf({"old": torch.zeros(3)}, tmp_path / "ckpt")
+    handle = wb.save_hf(_state(0), tmp_path / "ckpt", async_save=True)
+    real = save_session.agree
+
+    def interrupted(*args, **kwargs):
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(save_session, "agree", interrupted)
+    with pytest.raises(KeyboardInterrupt):
+        handle.wait()
+    monkeypatch.setattr(save_session, "agree", real)
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["ckpt"]  # no temporary left, the old checkpoint intact
+    assert list(_read(tmp_path / "ckpt")) == ["old"]
+    state = _state(1)
+    expected = {k: v.clone() for k, v in state.items()}
+    wb.save_hf(state, tmp_path / "ckpt")  # the path is free again
+    read = _read(tmp_path / "ckpt")
+    assert read.keys() == expected.keys() and all(torch.equal(read[k], expected[k]) for k in expected)

@@ -132,6 +132,7 @@ class SaveSession:
         self.target = path.resolve()
         self.closed = False
         self.prepared = False  # rank 0 made the temporary directory (only then may it remove it)
+        self.published = False  # rank 0 renamed it into place (from then on it is never removed)
         snapshot.on_full = self._make_room
         _IN_FLIGHT.add(self.target)
 
@@ -422,6 +423,7 @@ class SaveSession:
         if self.heartbeat is not None:
             self.heartbeat.stop()
         self.publisher.finalize(verify=True)
+        self.published = True
 
     def _result(self, written: int) -> SaveResult:
         assert self.planned is not None
@@ -469,7 +471,8 @@ class SaveSession:
     def _abort(self) -> None:
         if self.heartbeat is not None:
             self.heartbeat.stop()
-        if self.rank == 0 and self.prepared:
+        if self.rank == 0 and self.prepared and not self.published:
+            self.prepared = False  # removed once
             self.publisher.abort()
 
     def close(self, *, abandon: bool = False) -> None:
@@ -491,6 +494,10 @@ class SaveSession:
                 self.checkpoint_files.close()
         if self.heartbeat is not None:
             self.heartbeat.stop()
+        # not published, whatever left the save (a Ctrl-C in a status exchange, exit): the temporary directory goes
+        # with its claim and heartbeat, which held it live, so that no later save to the path was possible
+        with contextlib.suppress(Exception):
+            self._abort()
 
 
 @dataclass(frozen=True, slots=True)
