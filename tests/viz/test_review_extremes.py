@@ -39,3 +39,14 @@ def test_html_of_a_scalar_parameter_is_its_table_not_a_warning() -> None:
         warnings.simplefilter("error")
         page = render_html(spec)
     assert "LoadSpec scale" in page and "global shape" in page and "<pre" not in page
+
+
+def test_offsets_of_a_zero_row_parameter_label_its_one_edge_once() -> None:
+    spec = LoadSpec.from_placements("none", "none", (0, 4), MeshSpec((2, 4), ("dp", "tp")), [Replicate(), Shard(0)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = plot_shard_offsets(spec, rank=3)
+        fig.canvas.draw()
+    rows = [t.get_text() for t in fig.axes[0].get_yticklabels() if t.get_text()]
+    assert rows == ["0"]  # not '0' repeated down an invented range
+    assert fig.view.empty_ranks == tuple(range(8))

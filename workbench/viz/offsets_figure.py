@@ -170,8 +170,8 @@ class OffsetsFigure:
         boxes.set_gid("boxes")
         boxes.set_rasterized(len(verts) > _VECTOR_BOXES)  # an SVG of 65,536 paths was 11 MB
         ax.add_collection(boxes)
-        ax.set_xlim(0, cols)
-        ax.set_ylim(rows, 0)
+        ax.set_xlim(0, cols or 1)  # a 0-length dim keeps a unit range (no singular limits, one tick at 0)
+        ax.set_ylim(rows or 1, 0)
         _draw_padding(ax, view)
         # the overview's share of the figure, before layout: for thinning the key names
         share = 1.0 / (2.4 if beside else 1.3)
@@ -180,6 +180,9 @@ class OffsetsFigure:
         if note:
             self._static_notes.append(note)
         _integer_ticks(ax)
+        for size, axis in ((rows, ax.yaxis), (cols, ax.xaxis)):
+            if not size:
+                axis.set_ticks([0])
         d0, d1 = view.dims
         ax.set_xlabel(f"dim {d1}" + (f" (global +{view.origin[1]:,})" if view.origin[1] else ""),
                       fontsize=_style.LABEL_PT)
