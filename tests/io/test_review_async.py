@@ -111,3 +111,51 @@ def test_a_ctrl_c_in_the_status_exchange_leaves_no_live_temporary_behind(tmp_pat
     wb.save_hf(state, tmp_path / "ckpt")  # the path is free again
     read = _read(tmp_path / "ckpt")
     assert read.keys() == expected.keys() and all(torch.equal(read[k], expected[k]) for k in expected)
+
+
+@pytest.mark.skipif(not hasattr(os, "fork"), reason="needs fork")
+def test_a_forked_child_neither_finishes_nor_removes_its_parents_async_save(tmp_path: Path, slow_writes) -> None:
+    # the child inherits the list of pending saves but not their writer threads: its save_hf waited forever for the
+    # parent's writes, and its exit abandoned (removed) the parent's save
+    import atexit
+    import signal
+
+    state = _state()
+    expected = {k: v.clone() for k, v in state.items()}
+    handle = wb.save_hf(state, tmp_path / "ckpt", async_save=True, write_threads=1)
+    pid = os.fork()
+    if pid == 0:  # the child: a save of its own, then its interpreter's exit
+        code = 1
+        try:
+            wb.save_hf({"x": torch.ones(2)}, tmp_path / "child")
+            atexit._run_exitfuncs()
+            code = 0
+        finally:
+            os._exit(code)
+    deadline = time.monotonic() + 30
+    while (done := os.waitpid(pid, os.WNOHANG))[0] == 0 and time.monotonic() < deadline:
+        time.sleep(0.05)
+    if done[0] == 0:
+        os.kill(pid, signal.SIGKILL)
+        os.waitpid(pid, 0)
+    assert done[0] == pid and os.waitstatus_to_exitcode(done[1]) == 0, "the child's save hung or failed"
+    assert _read(tmp_path / "child")["x"].tolist() == [1.0, 1.0]
+    handle.wait()
+    read = _read(tmp_path / "ckpt")
+    assert read.keys() == expected.keys() and all(torch.equal(read[k], expected[k]) for k in expected)
+
+
+def test_an_async_save_never_waited_on_leaves_nothing_at_exit(tmp_path: Path) -> None:
+    # abandoned at exit: nothing published, and its temporary directory (a whole checkpoint's bytes) not left behind
+    import subprocess
+    import sys
+
+    script = (
+        "import sys, torch, workbench as wb\n"
+        "wb.save_hf({'w': torch.ones(256, 256)}, sys.argv[1], async_save=True)\n"
+    )
+    done = subprocess.run([sys.executable, "-c", script, str(tmp_path / "ckpt")], capture_output=True, text=True,
+                          timeout=120, cwd=Path(__file__).resolve().parents[2])
+    assert done.returncode == 0, done.stderr
+    assert "was never waited on" in done.stderr
+    assert list(tmp_path.iterdir()) == []

@@ -66,7 +66,8 @@ class AsyncSave:
     Every byte it writes is already in host memory the save owns, so the caller may change the model at once.
     A failure in the background surfaces at ``wait()`` / ``result()`` and, if neither is called, at the next
     ``save_hf`` (which first finishes every earlier async save of the process, oldest first). At interpreter
-    exit, a save never waited on is abandoned (threads, files and its path released; nothing published).
+    exit, a save never waited on is abandoned (threads, files and its path released, its temporary directory
+    removed; nothing published); a forked child leaves its parent's saves alone.
 
     .. note:: SPMD: every rank must call ``wait()`` (it exchanges every rank's status before publishing).
     """
@@ -444,6 +445,16 @@ def _abandon_pending() -> None:
 
 
 atexit.register(_abandon_pending)
+
+
+def _forget_pending_in_child() -> None:
+    """A forked child inherits its parent's pending saves but none of their threads: they are the parent's to finish
+    (the child's next save would wait for writes that never run) and to abandon (its exit would remove them)."""
+    _PENDING.clear()
+
+
+if hasattr(os, "register_at_fork"):
+    os.register_at_fork(after_in_child=_forget_pending_in_child)
 
 
 _ALIKE = ("async_save", "write_mode", "policy", "budget_bytes", "max_shard_bytes", "dtype", "fp32_keys_pattern",
