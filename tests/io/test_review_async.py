@@ -159,3 +159,24 @@ def test_an_async_save_never_waited_on_leaves_nothing_at_exit(tmp_path: Path) ->
     assert done.returncode == 0, done.stderr
     assert "was never waited on" in done.stderr
     assert list(tmp_path.iterdir()) == []
+
+
+@pytest.mark.parametrize("write_mode", ["direct", "gather"])
+def test_a_handle_kept_after_wait_does_not_keep_the_model_alive(tmp_path: Path, write_mode: str) -> None:
+    # a trainer keeps its last handle (to call result() later); the model it saved is dropped or its parameters
+    # replaced: the handle held every one of the model's tensors, a whole model of memory (device memory on GPU)
+    import gc
+    import weakref
+
+    import numpy as np
+
+    memory = np.arange(4096, dtype=np.float32)  # the storage behind the model's tensor, which numpy lets us watch
+    alive = weakref.ref(memory)
+    state = {"w": torch.from_numpy(memory).reshape(64, 64)}
+    del memory
+    handle = wb.save_hf(state, tmp_path / "ckpt", async_save=True, write_mode=write_mode)
+    handle.wait()
+    del state
+    gc.collect()
+    assert alive() is None, "the finished save's handle keeps the model's memory"
+    assert _read(tmp_path / "ckpt")["w"].equal(torch.arange(4096, dtype=torch.float32).reshape(64, 64))

@@ -128,6 +128,11 @@ class Snapshotter:
         self._model_tensors.extend(tensors)
         self._storages = None
 
+    def forget_model_tensors(self) -> None:
+        """Drop the references to the rank's tensors (the save is over: a handle kept must not keep the model)."""
+        self._model_tensors = []
+        self._storages = None
+
     def _model_storages(self) -> set[tuple[str, int]]:
         if self._storages is None:
             self._storages = {_storage_key(t) for t in self._model_tensors}

@@ -482,6 +482,7 @@ class SaveSession:
             return
         self.closed = True
         _IN_FLIGHT.discard(self.target)
+        self.snapshot.forget_model_tensors()  # a handle kept after wait() held every tensor of the model alive
         if abandon:
             self.writers.write_problem = self.writers.write_problem or RankProblem(self.rank, "exiting", "abandoned")
         self.writers.close()
