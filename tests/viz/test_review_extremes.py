@@ -7,11 +7,13 @@ import time
 import warnings
 
 import matplotlib
+import pytest
 from torch.distributed.tensor import Replicate, Shard
 
+from tests.viz.legibility import problems
 from workbench.layout import InterleavedShard, LoadSpec
 from workbench.mesh import MeshSpec
-from workbench.viz.figures import plot_shard_offsets
+from workbench.viz.figures import plot_mesh, plot_shard_offsets
 from workbench.viz.html import render_html
 
 matplotlib.use("Agg")
@@ -50,3 +52,12 @@ def test_offsets_of_a_zero_row_parameter_label_its_one_edge_once() -> None:
     rows = [t.get_text() for t in fig.axes[0].get_yticklabels() if t.get_text()]
     assert rows == ["0"]  # not '0' repeated down an invented range
     assert fig.view.empty_ranks == tuple(range(8))
+
+
+@pytest.mark.parametrize("shape", [(2, 2, 4, 2, 16), (4, 2, 2, 2, 2, 8)])
+def test_mesh_of_torchtitans_many_named_dims_is_legible(shape: tuple[int, ...]) -> None:
+    # torchtitan's world mesh at 1,024 ranks: panel titles and the colour key's dim names must not collide or be cut
+    names = ("pp", "dp_replicate", "dp_shard", "cp", "tp", "ep")[: len(shape)]
+    mesh = MeshSpec(shape, names)
+    found, _ = problems(plot_mesh(mesh), f"plot_mesh{shape}")
+    assert found == []

@@ -11,6 +11,7 @@ from __future__ import annotations
 import functools
 import io
 import threading
+from collections.abc import Sequence
 from typing import Any
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "png_bytes",
     "text_on",
     "text_width_pt",
+    "wrap_parts",
 ]
 
 MIN_PT = 8.0  # the smallest text any figure draws
@@ -161,6 +163,19 @@ def ellipsize(text: str, limit: int) -> str:
         return text
     half = (limit - 3) // 2
     return text[:half] + "..." + text[-(limit - 3 - half):]
+
+
+def wrap_parts(parts: Sequence[str], sep: str, room_pt: float, size: float = MIN_PT) -> str:
+    """``parts`` joined by ``sep``, broken into lines (after a separator) each at most ``room_pt`` wide if it can."""
+    lines: list[str] = []
+    for part in parts:
+        if lines and text_width_pt(lines[-1] + sep + part, size) <= room_pt:
+            lines[-1] += sep + part
+        else:
+            if lines:
+                lines[-1] += sep.rstrip()
+            lines.append(part)
+    return "\n".join(lines)
 
 
 def text_width_pt(text: str, size: float = MIN_PT) -> float:

@@ -24,6 +24,7 @@ DISCRETE_LIMIT = 20  # up to this many ranks, each gets a distinct qualitative c
 _HUE_SPAN = 0.85  # hues from red through violet, stopping short of red again
 _LIGHT = (0.30, 0.72)  # HLS lightness from the first to the last index of the lightness dims
 _SATURATION = 0.80
+_KEY_LABEL_PT = 72.0  # longest line of the key's lightness label (the key can be this short)
 
 
 @dataclass(frozen=True, eq=False)
@@ -94,7 +95,9 @@ class RankColours:
         ax.set_xticks([0, hue_n - 1], ["0", str(hue_n - 1)], fontsize=_style.MIN_PT)
         if self.light_dims:
             light_n = image.shape[0]
-            ax.set_ylabel("lightness: " + " x ".join(names[d] for d in self.light_dims), fontsize=_style.MIN_PT)
+            parts = ["lightness:", *(names[d] for d in self.light_dims)]  # lines that fit beside a short key
+            label = _style.wrap_parts(parts, " x ", _KEY_LABEL_PT).replace("lightness: x", "lightness:")
+            ax.set_ylabel(label, fontsize=_style.MIN_PT)
             ax.set_yticks([0, light_n - 1], ["0", str(light_n - 1)], fontsize=_style.MIN_PT)
         else:
             ax.set_yticks([])

@@ -127,6 +127,12 @@ class MeshFigure:
         self._values = values
         self._norm = (0.0, max(top, 1.0))
         image = None
+        # panel titles name their dims when the longest fits the panel's width, else only the coordinates
+        lead = mesh.dim_names[:-2]
+        longest = ", ".join(f"{k}={n - 1}" for k, n in zip(lead, mesh.shape[:-2]))
+        named_titles = _style.text_width_pt(longest, _style.LABEL_PT) <= figsize[0] * 72 / (ncols + 0.3) - 24
+        if len(panels) > 1 and not named_titles:
+            heading += f"\npanels: ({', '.join(lead)})"
         for n, (prefix, ranks) in enumerate(panels):
             ax = fig.add_subplot(grid[n // ncols, n % ncols])
             ax.set_label("panel")
@@ -134,7 +140,8 @@ class MeshFigure:
             self.ranks.append(ranks)
             image = self._draw_cells(ax, ranks)
             if prefix:
-                ax.set_title(", ".join(f"{k}={v}" for k, v in prefix), fontsize=_style.LABEL_PT)
+                ax.set_title(", ".join(f"{k}={v}" for k, v in prefix) if named_titles else
+                             "(" + ", ".join(str(v) for _, v in prefix) + ")", fontsize=_style.LABEL_PT)
         if values is not None and image is not None:
             bar = fig.colorbar(image, cax=fig.add_subplot(grid[:, -1]))
             bar.ax.set_label("<colorbar>")
