@@ -45,6 +45,25 @@ def _byte_count(text: str) -> int:
         raise argparse.ArgumentTypeError(str(exc)) from None
 
 
+def _writer_count(text: str) -> int:
+    """argparse type of ``--max-writers``: a whole number >= 1."""
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"{text!r} is not a whole number of writer ranks") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"{text!r}: at least 1 rank must write")
+    return value
+
+
+def _check_policy_dims(policy: Any, layout: Any) -> None:
+    """A policy naming a mesh dim the layout does not have (a typo) is an error, not a silent full save."""
+    unknown = [d for d in getattr(policy, "mesh_dims", ()) if d not in layout.mesh.dim_names]
+    if unknown:
+        raise ValueError(f"policy {policy} names mesh dim(s) {unknown} that {layout.name!r} does not have; its mesh "
+                         f"dims: {list(layout.mesh.dim_names)}")
+
+
 def _policy(text: str) -> Any:
     from workbench.plan.policy import SavePolicy
 
@@ -155,7 +174,7 @@ def register_plan(subparsers: Any) -> None:
     p.add_argument("--policy", type=_policy, default=None,
                    help="minimal (default, as save_hf), full, preserve:ep, gather_only:fsdp")
     p.add_argument("--param", default=None, help="glob on parameter names whose save plans to list")
-    p.add_argument("--max-writers", type=int, default=None, help="cap the number of writer ranks")
+    p.add_argument("--max-writers", type=_writer_count, default=None, help="cap the number of writer ranks")
     p.add_argument("--write-mode", choices=("direct", "gather"), default="direct",
                    help="direct (default, as save_hf on one host or a shared filesystem): tensors whose pieces make "
                    "long byte segments are written in place by their holders and only the rest is scheduled; "
@@ -185,6 +204,7 @@ def _run_plan(args: argparse.Namespace) -> int:
         raise ValueError(f"rank(s) {format_ranks(bad)} outside {layout.name!r}'s {layout.mesh.size} ranks "
                          f"(0-{layout.mesh.size - 1})")
     policy = args.policy or SavePolicy.minimal()
+    _check_policy_dims(policy, layout)
     direct: tuple[str, ...] = ()
     capped = args.max_writers is not None and args.max_writers < layout.mesh.size  # save_hf writes nothing in place
     if args.write_mode == "direct" and policy.mode in ("full", "minimal") and not capped:
@@ -268,6 +288,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
               "about 3x that. Use a small layout (sample_meshes/toy_expert_tp.toml).", file=sys.stderr)
         return 2
     policy = args.policy or SavePolicy.minimal()
+    _check_policy_dims(policy, layout)
     result = simulate_round_trip(layout, budget_bytes=args.budget, policy=policy)
     if args.json:
         print(json.dumps({"kind": "round_trip", "layout": result.layout, "policy": str(policy), "ranks": result.ranks,
