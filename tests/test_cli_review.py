@@ -26,3 +26,10 @@ def test_max_writers_below_one_is_refused(count: str, capsys: pytest.CaptureFixt
         main(["plan", str(TOY), "--max-writers", count])
     assert done.value.code == 2
     assert "--max-writers" in capsys.readouterr().err
+
+
+def test_simulate_refuses_a_rank_outside_the_mesh_before_simulating(capsys: pytest.CaptureFixture[str]) -> None:
+    status = main(["simulate", str(TOY), "--rank", "99"])  # the toy mesh has 8 ranks
+    out, err = capsys.readouterr()
+    assert status == 2 and "99" in err
+    assert out == ""  # no round trip printed before the refusal

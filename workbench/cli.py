@@ -56,6 +56,16 @@ def _writer_count(text: str) -> int:
     return value
 
 
+def _check_ranks(ranks: Sequence[int], layout: Any) -> None:
+    """Ranks outside the layout's mesh are an error, before any work."""
+    from workbench.report.units import format_ranks
+
+    bad = [r for r in ranks if not 0 <= r < layout.mesh.size]
+    if bad:
+        raise ValueError(f"rank(s) {format_ranks(bad)} outside {layout.name!r}'s {layout.mesh.size} ranks "
+                         f"(0-{layout.mesh.size - 1})")
+
+
 def _check_policy_dims(policy: Any, layout: Any) -> None:
     """A policy naming a mesh dim the layout does not have (a typo) is an error, not a silent full save."""
     unknown = [d for d in getattr(policy, "mesh_dims", ()) if d not in layout.mesh.dim_names]
@@ -195,14 +205,10 @@ def _run_plan(args: argparse.Namespace) -> int:
     from workbench.plan.policy import SavePolicy
     from workbench.plan.save_set import key_sizes, plan_save_within_writers
     from workbench.report.save_report import summarize_save
-    from workbench.report.units import format_ranks
 
     layout = load_layout(args.path)
     ranks = args.rank or (0,)
-    bad = [r for r in ranks if not 0 <= r < layout.mesh.size]
-    if bad:
-        raise ValueError(f"rank(s) {format_ranks(bad)} outside {layout.name!r}'s {layout.mesh.size} ranks "
-                         f"(0-{layout.mesh.size - 1})")
+    _check_ranks(ranks, layout)
     policy = args.policy or SavePolicy.minimal()
     _check_policy_dims(policy, layout)
     direct: tuple[str, ...] = ()
@@ -282,6 +288,7 @@ def _run_simulate(args: argparse.Namespace) -> int:
     from workbench.run.simulated import plan_save
 
     layout = load_layout(args.path)
+    _check_ranks(args.rank or (), layout)
     total = sum(math.prod(spec.visible_shape) * layout.dtype(name).itemsize for name, spec in layout.specs.items())
     if total * 3 > 2 << 30:
         print(f"workbench: error: {layout.name} holds {format_bytes(total)}; simulating every rank in memory needs "
