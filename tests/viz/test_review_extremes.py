@@ -12,8 +12,10 @@ from torch.distributed.tensor import Replicate, Shard
 
 from tests.viz.legibility import problems
 from workbench.layout import InterleavedShard, LoadSpec
+from workbench.layout.model_layout import Layout
 from workbench.mesh import MeshSpec
-from workbench.viz.figures import plot_mesh, plot_shard_offsets
+from workbench.run.simulated import plan_save
+from workbench.viz.figures import plot_mesh, plot_schedule, plot_shard_offsets
 from workbench.viz.html import render_html
 
 matplotlib.use("Agg")
@@ -61,3 +63,14 @@ def test_mesh_of_torchtitans_many_named_dims_is_legible(shape: tuple[int, ...]) 
     mesh = MeshSpec(shape, names)
     found, _ = problems(plot_mesh(mesh), f"plot_mesh{shape}")
     assert found == []
+
+
+def test_schedule_of_a_rank_with_nothing_to_gather_draws_without_warnings() -> None:
+    mesh = MeshSpec((2, 2), ("dp", "tp"))
+    replicated = Layout(mesh, {"r": LoadSpec.from_placements("r", "r", (4, 4), mesh, [Replicate(), Replicate()])})
+    schedule = plan_save(replicated, ranks=(0,)).schedules[0]  # every rank holds it whole: no all-gather
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fig = plot_schedule(schedule)
+        fig.canvas.draw()
+    assert "0 call(s)" in fig.get_suptitle()

@@ -80,7 +80,7 @@ def plot_schedule(schedule: Any, measured: Any = None, *, figsize: tuple[float, 
         for start in view.wave_starts[1:]:
             for a in axes:
                 a.axvline(start, color="0.55", lw=0.6, ls=":")
-    ax.set_ylim(len(view.lanes), 0)
+    ax.set_ylim(max(len(view.lanes), 1), 0)  # nothing to gather: an empty lane, not singular limits
     ax.set_yticks(np.arange(len(view.lanes)) + 0.5, view.lanes, fontsize=_style.MIN_PT)
     ax.set_xlim(0, total)
     handles = [Patch(facecolor="white", edgecolor="none", label="bar: one all-gather call,\nwidth = bytes it gathers"),
