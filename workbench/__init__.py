@@ -10,7 +10,7 @@ from workbench.io.dcp.convert import dcp_to_hf
 from workbench.io.dcp.planners import DCPLoadPlanner, DCPSavePlanner
 from workbench.io.files.ownership import clean_incomplete, latest_checkpoint
 from workbench.io.hf.load import LoadReport, load_hf
-from workbench.io.hf.save import AsyncSave, SaveResult, save_hf, warm_host_pool
+from workbench.io.hf.save import AsyncSave, SaveResult, release_host_pool, save_hf, warm_host_pool
 from workbench.io.hf.save_timings import SaveTimings
 from workbench.layout import InterleavedShard, LoadSpec, Run, ShardDescriptor, compute_runs
 from workbench.layout.layout_file import load_layout, save_layout
@@ -68,6 +68,7 @@ __all__ = [
     "load_layout",
     "plan_hf_load",
     "plan_hf_save",
+    "release_host_pool",
     "report",
     "save_hf",
     "save_layout",

@@ -25,7 +25,7 @@ from dataclasses import dataclass, field
 
 import torch
 
-__all__ = ["DEFAULT_POOL_BYTES", "HostBuffer", "HostPool", "host_pool"]
+__all__ = ["DEFAULT_POOL_BYTES", "HostBuffer", "HostPool", "host_pool", "trim_host_pools"]
 
 DEFAULT_POOL_BYTES = 4 << 30
 _MIN_CLASS = 1 << 20
@@ -155,6 +155,14 @@ class HostPool:
                 self._held -= size
                 needed -= size
 
+    def trim(self) -> int:
+        """Drop every idle buffer (those handed out stay theirs, and return here when given back); the bytes freed."""
+        with self._cond:
+            freed = sum(size * len(buffers) for size, buffers in self._free.items())
+            self._free.clear()
+            self._held -= freed
+            return freed
+
     def _give_back(self, storage: torch.Tensor) -> None:
         with self._cond:
             size = storage.numel()
@@ -195,3 +203,10 @@ def host_pool(*, pinned: bool, capacity: int | None = None) -> HostPool:
         elif capacity is not None:
             pool.capacity = int(capacity)
         return pool
+
+
+def trim_host_pools() -> int:
+    """Drop the idle buffers of both process-wide pools; the bytes freed."""
+    with _POOLS_LOCK:
+        pools = list(_POOLS.values())
+    return sum(pool.trim() for pool in pools)

@@ -37,7 +37,7 @@ import torch.distributed as dist
 from workbench.errors import CheckpointError
 from workbench.io.files.direct import DEFAULT_MIN_SEGMENT_BYTES
 from workbench.io.files.file_plan import DEFAULT_MAX_SHARD_BYTES
-from workbench.io.files.host_pool import DEFAULT_POOL_BYTES, host_pool
+from workbench.io.files.host_pool import DEFAULT_POOL_BYTES, host_pool, trim_host_pools
 from workbench.io.files.snapshot import Snapshotter
 from workbench.io.hf.early_snapshot import remember_direct_plan, take_early
 from workbench.io.hf.save_session import _IN_FLIGHT, SaveResult, SaveSession
@@ -52,7 +52,8 @@ from workbench.run.guard import RankProblem, SaveFailed, agree, problem_from
 from workbench.run.torch_comm import DEFAULT_TIMEOUT, ranks_listed
 from workbench.version import __version__
 
-__all__ = ["AsyncSave", "SaveFailed", "SaveResult", "local_communicator", "save_hf", "warm_host_pool"]
+__all__ = ["AsyncSave", "SaveFailed", "SaveResult", "local_communicator", "release_host_pool", "save_hf",
+           "warm_host_pool"]
 
 _DEFAULT_BUDGET = 2 << 30
 _UNBOUNDED = 1 << 62
@@ -311,6 +312,17 @@ def _refuse_values_outside(
             check_fits(tensor.detach(), target, f"parameter {name!r} (HF key(s) {', '.join(keys)}), rank {rank}",
                        advice="save in a dtype that holds them (dtype=None writes each tensor in its own; "
                               "fp32_keys_pattern keeps the keys it matches in float32)")
+
+
+def release_host_pool() -> int:
+    """Free the host buffers that saves keep for the next one (pinned ones too); returns the bytes freed.
+
+    An async save copies what it writes into host buffers the process keeps for the next save (``warm_host_pool``
+    allocates them up front); by default nothing bounds them but the largest save's share. Call this after
+    ``wait()`` when no save is coming soon (training done, the model moved): buffers a pending save still holds are
+    left to it. The next save allocates again.
+    """
+    return trim_host_pools()
 
 
 def warm_host_pool(
