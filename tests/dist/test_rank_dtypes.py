@@ -79,3 +79,49 @@ def test_dtype_problem_names_the_first_parameter_and_counts_the_rest() -> None:
     assert message is not None and message.startswith(
         "parameter 'b' is float32 on rank(s) 0, 2 and bfloat16 on rank(s) 1: every rank must hold it in one dtype")
     assert message.endswith("(1 more parameter(s) differ in dtype)")
+
+
+def _save_other_cut(root: str) -> dict[str, str]:
+    """Rank 1 holds ``model.b.weight`` cut on dim 1 where rank 0 cuts it on dim 0 (each passes its own layout)."""
+    import torch
+    import torch.distributed as dist
+    from torch.distributed.tensor import Shard
+
+    rank = dist.get_rank()
+    mesh = wb.MeshSpec((2,), ("fsdp",))
+    dim = 1 if rank == 1 else 0
+    specs = {"model.a.weight": wb.LoadSpec.from_placements("model.a.weight", "model.a.weight", (8, 6), mesh,
+                                                            [Shard(0)]),
+             "model.b.weight": wb.LoadSpec.from_placements("model.b.weight", "model.b.weight", (8, 6), mesh,
+                                                            [Shard(dim)])}
+    full = torch.arange(48.0).reshape(8, 6)
+    state = {"model.a.weight": full.chunk(2)[rank].clone(), "model.b.weight": full.chunk(2, dim)[rank].clone()}
+    try:
+        wb.save_hf(state, Path(root) / "ckpt", layout=wb.Layout(mesh, specs), timeout=30)
+        return {"outcome": "OK"}
+    except Exception as exc:
+        return {"outcome": f"{type(exc).__name__}: {exc}"}
+
+
+def test_ranks_that_cut_a_parameter_otherwise_are_told_which_and_how(tmp_path: Path) -> None:
+    # the message was "rank(s) 0: 2 parameters, the first 'model.a.weight'; rank(s) 1: 2 parameters, the first
+    # 'model.a.weight'": two halves alike, nothing said of what differs
+    results = wb.launch(_save_other_cut, nprocs=2, args=(str(tmp_path),), timeout=120)
+    for rank, got in results.items():
+        outcome = got["outcome"]
+        assert outcome.startswith("SaveFailed: ") and "refused before any data moved" in outcome, (rank, outcome)
+        assert "parameter 'model.b.weight' differs: HF key(s) model.b.weight, shape (8, 6), cut " in outcome, outcome
+        assert " on rank(s) 0; HF key(s) model.b.weight" in outcome and outcome.count("on rank(s) 1") >= 1, outcome
+    assert list(tmp_path.iterdir()) == []
+
+
+def test_layout_problem_names_a_parameter_one_side_lacks_and_the_mesh() -> None:
+    from workbench.io.hf.save_planning import layout_problem
+
+    a = (("mesh", "M(2)"), ("x", "cut S(0)"), ("y", "cut S(1)"))
+    assert layout_problem(["f", "f"], [a, None]) is None
+    assert layout_problem(["f", "g", "g"], [a, a[:2], None]) == \
+        "parameter 'y' is held by rank(s) 0 and not by rank(s) 1, 2"
+    assert layout_problem(["f", "g"], [a[:2], a]) == "parameter 'y' is held by rank(s) 1 and not by rank(s) 0"
+    assert layout_problem(["f", "g"], [a, (("mesh", "M(4)"), *a[1:])]) == \
+        "the mesh differs: M(2) on rank(s) 0; M(4) on rank(s) 1"

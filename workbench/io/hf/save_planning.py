@@ -30,7 +30,7 @@ from workbench.plan.writers import writer_pool
 
 __all__ = [
     "RankSavePlan", "dtype_problem", "dtype_summary", "files_digest", "files_problem", "files_summary",
-    "plan_rank_save", "same_model_problem",
+    "layout_problem", "layout_rows", "plan_rank_save", "same_model_problem",
 ]
 
 RESERVED_NAMES = frozenset({INDEX_NAME, MARKER_NAME, LAYOUT_FILE_NAME})  # files of the save that configs may not be
@@ -111,21 +111,68 @@ def plan_rank_save(
     return RankSavePlan(meta, direct, plan_set, file_plan)
 
 
-def same_model_problem(models: Sequence[tuple[str, int, str | None]]) -> str | None:
+def same_model_problem(models: Sequence[tuple[str, int, str | None]], detail: str | None = None) -> str | None:
     """Why the ranks cannot save together when they hold different layouts (``(fingerprint, parameters, first
-    name)`` per rank), else None. Ranks that hold different parameters (pipeline stages called as one model) would
-    each leave the others' tensors to a writer that does not have them, and publish a checkpoint without them."""
+    name)`` per rank), else None; ``detail`` (``layout_problem``'s words) says what differs, else each layout's
+    size. Ranks that hold different parameters (pipeline stages called as one model) would each leave the others'
+    tensors to a writer that does not have them, and publish a checkpoint without them."""
     by_layout: dict[str, list[int]] = {}
     for rank, (fingerprint, _, _) in enumerate(models):
         by_layout.setdefault(fingerprint, []).append(rank)
     if len(by_layout) == 1:
         return None
-    groups = "; ".join(
+    groups = detail or "; ".join(
         f"rank(s) {_ranks(ranks)}: {models[ranks[0]][1]} parameters, the first {models[ranks[0]][2]!r}"
         for ranks in by_layout.values()
     )
     return (f"the ranks hold different layouts ({groups}); every rank must save the same model (pipeline "
             "stages save with save_hf_pipeline)")
+
+
+LayoutRows = tuple[tuple[str, str], ...]  # ("mesh" or a parameter's name, what the save needs alike, as text)
+
+
+def layout_rows(layout: Layout) -> LayoutRows:
+    """The mesh and every parameter of ``layout`` (HF keys, shapes, cuts), as text: what ranks whose layouts differ
+    share (one rank per layout) so that ``layout_problem`` can name the first difference."""
+    rows = [("mesh", repr(layout.mesh))]
+    for name, spec in layout.specs.items():
+        text = f"HF key(s) {', '.join(spec.hf_keys)}, shape {tuple(spec.global_shape)}"
+        if spec.origin_shape is not None and tuple(spec.origin_shape) != tuple(spec.global_shape):
+            text += f" (origin {tuple(spec.origin_shape)})"
+        if spec.fused_dim is not None:
+            text += f", fused on dim {spec.fused_dim}"
+        text += f", cut {' then '.join(str(d) for d in spec.shards) or 'nowhere'}"
+        rows.append((name, text))
+    return tuple(rows)
+
+
+def layout_problem(fingerprints: Sequence[str], rows: Sequence[LayoutRows | None]) -> str | None:
+    """The first difference between the ranks' layouts (each rank's model fingerprint, and the ``layout_rows`` of
+    the first rank of each fingerprint, None from the others): the mesh, or a parameter held by some ranks only or
+    cut otherwise, with the ranks of each side; None when the layouts agree or no rank's rows differ."""
+    groups: dict[str, list[int]] = {}
+    for rank, fingerprint in enumerate(fingerprints):
+        groups.setdefault(fingerprint, []).append(rank)
+    if len(groups) < 2:
+        return None
+    (_, ref_ranks), *others = groups.items()
+    mine = dict(rows[ref_ranks[0]] or ())
+    for _, ranks in others:
+        theirs = dict(rows[ranks[0]] or ())
+        if not mine or not theirs:
+            continue
+        a, b = _ranks(ref_ranks), _ranks(ranks)
+        for name, text in mine.items():
+            if name not in theirs:
+                return f"parameter {name!r} is held by rank(s) {a} and not by rank(s) {b}"
+            if theirs[name] != text:
+                what = "the mesh" if name == "mesh" else f"parameter {name!r}"
+                return f"{what} differs: {text} on rank(s) {a}; {theirs[name]} on rank(s) {b}"
+        extra = next((name for name in theirs if name not in mine), None)
+        if extra is not None:
+            return f"parameter {extra!r} is held by rank(s) {b} and not by rank(s) {a}"
+    return None
 
 
 def dtype_summary(layout: Layout) -> DtypeSummary:

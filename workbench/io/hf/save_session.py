@@ -51,6 +51,8 @@ from workbench.io.hf.save_planning import (
     files_digest,
     files_problem,
     files_summary,
+    layout_problem,
+    layout_rows,
     plan_rank_save,
     same_model_problem,
 )
@@ -228,10 +230,18 @@ class SaveSession:
         everyone = self._agree(problem, what=f"save to {self.path}", on_failure=self._abort,
                                share=(digests, model, files))
         cause = same_model_problem([m for _, m, _ in everyone])
-        if cause is not None:  # every rank knows it: a second exchange, of each parameter's dtype, names a dtype apart
-            summaries = self._agree(None, what=f"save to {self.path}", on_failure=self._abort,
-                                    share=dtype_summary(self.layout))
-            cause = dtype_problem(list(self.layout.specs), summaries) or cause
+        if cause is not None:  # every rank knows it: a second exchange, of each parameter's dtype and of one rank's
+            # layout per fingerprint, names a dtype apart or the first parameter that differs
+            fingerprints = [m[0] for _, m, _ in everyone]
+            rows = None
+            if fingerprints.index(self.model_fingerprint) == self.rank:
+                with contextlib.suppress(Exception):  # words for the error only: never keep the peers waiting
+                    rows = layout_rows(self.layout)
+            shared = self._agree(None, what=f"save to {self.path}", on_failure=self._abort,
+                                 share=(dtype_summary(self.layout), rows))
+            cause = (dtype_problem(list(self.layout.specs), [s for s, _ in shared])
+                     or same_model_problem([m for _, m, _ in everyone],
+                                           layout_problem(fingerprints, [r for _, r in shared])))
             self._abort()
             raise SaveFailed(f"save to {self.path} refused before any data moved: {cause}",
                              [RankProblem(self.rank, "checking that the ranks save the same model", cause)])
