@@ -41,6 +41,22 @@ def _smallest(dtype: torch.dtype) -> float:
     return -_largest(dtype)
 
 
+def _first_outside(dtype: torch.dtype) -> tuple[float, bool]:
+    """The magnitude where a floating ``dtype``'s rounding leaves its range, and whether that very value leaves it:
+    halfway between the largest value and the next one of its top binade (round to nearest even: float16 turns
+    65519 into 65504 and 65520 into inf; float8 e4m3fn's 464 rounds to 448, whose last bit is even)."""
+    if dtype.is_complex:
+        dtype = torch.float32 if dtype == torch.complex64 else torch.float64 if dtype == torch.complex128 else \
+            torch.float16
+    top = torch.tensor(torch.finfo(dtype).max, dtype=dtype)
+    bits = top.view(_BITS[dtype.itemsize])
+    largest, below = float(top), float((bits - 1).view(dtype))  # finfo's eps is off for float8 e5m2fnuz
+    return largest + (largest - below) / 2, bool(bits.item() & 1)
+
+
+_BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float's bits, by its size
+
+
 def narrows_range(stored: torch.dtype, target: torch.dtype) -> bool:
     """Whether some value of ``stored`` leaves the range of ``target`` (wraps, or becomes inf or NaN) in a cast
     that keeps the kind of number. An integer or bool target: when it lacks an integer of the stored dtype (int64
@@ -62,16 +78,17 @@ LOAD_ADVICE = ("cast=True converts only values the model's dtype holds: load int
 
 def check_fits(values: torch.Tensor, target: torch.dtype, what: str, advice: str = LOAD_ADVICE) -> None:
     """Raise ``CheckpointError`` naming ``what`` (the key and the parameter) when a value of ``values`` leaves the
-    range of ``target``: an integer outside it (the cast wraps it, or makes it True), or a finite float whose
-    magnitude is over the target's largest value (the cast makes it inf, NaN, or the largest value: float8 e4m3
-    saturates). Nothing is checked where the cast cannot narrow (``narrows_range``). The error ends with
-    ``advice``, what to do instead."""
+    range of ``target``: an integer outside it (the cast wraps it, or makes it True), or a finite float that does
+    not round to a value of the target (the cast makes it inf, NaN, or the largest value: float8 e4m3 saturates;
+    65519 into float16 rounds to 65504 and passes). Nothing is checked where the cast cannot narrow
+    (``narrows_range``). The error ends with ``advice``, what to do instead."""
     if not narrows_range(values.dtype, target):
         return
     if target.is_floating_point or target.is_complex:
         parts = torch.view_as_real(values) if values.is_complex() else values
         wide = parts.double() if parts.dtype.itemsize == 8 else parts.float()
-        bad = torch.isfinite(wide) & (wide.abs() > _largest(target))
+        bound, leaves_at_bound = _first_outside(target)  # a value rounding to the largest one fits
+        bad = torch.isfinite(wide) & ((wide.abs() >= bound) if leaves_at_bound else (wide.abs() > bound))
         if values.is_complex():
             bad = bad.any(-1)
     else:  # compared as int64 (uint64 values over its range are too big for any other integer)
