@@ -9,6 +9,7 @@ that did (torch wraps integers and turns floats into inf or NaN, silently).
 
 from __future__ import annotations
 
+import functools
 import math
 
 import torch
@@ -41,6 +42,7 @@ def _smallest(dtype: torch.dtype) -> float:
     return -_largest(dtype)
 
 
+@functools.cache
 def _first_outside(dtype: torch.dtype) -> tuple[float, bool]:
     """The magnitude where a floating ``dtype``'s rounding leaves its range, and whether that very value leaves it:
     halfway between the largest value and the next one of its top binade (round to nearest even: float16 turns
@@ -57,6 +59,7 @@ def _first_outside(dtype: torch.dtype) -> tuple[float, bool]:
 _BITS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}  # a float's bits, by its size
 
 
+@functools.cache
 def narrows_range(stored: torch.dtype, target: torch.dtype) -> bool:
     """Whether some value of ``stored`` leaves the range of ``target`` (wraps, or becomes inf or NaN) in a cast
     that keeps the kind of number. An integer or bool target: when it lacks an integer of the stored dtype (int64
@@ -71,6 +74,24 @@ def narrows_range(stored: torch.dtype, target: torch.dtype) -> bool:
     return _smallest(target) > _smallest(stored) or _largest(target) < _largest(stored)
 
 
+# dtypes whose smallest and largest value one ``torch.aminmax`` finds (a NaN makes both NaN)
+_MIN_MAX = frozenset({torch.float16, torch.bfloat16, torch.float32, torch.float64, torch.uint8, torch.int8,
+                      torch.int16, torch.int32, torch.int64})
+
+
+def _inside(values: torch.Tensor, target: torch.dtype) -> bool:
+    """Whether every value of ``values`` is known to fit ``target`` from its smallest and largest one (one pass:
+    the load of many small tensors paid six); False where that cannot tell (a NaN or inf, another dtype)."""
+    if values.dtype not in _MIN_MAX:
+        return False
+    lo, hi = (x.item() for x in torch.aminmax(values))
+    if target.is_floating_point or target.is_complex:
+        bound, leaves_at_bound = _first_outside(target)
+        return max(-lo, hi) < bound or (max(-lo, hi) == bound and not leaves_at_bound)  # NaN compares False
+    low, high = (0, 1) if target == torch.bool else (torch.iinfo(target).min, torch.iinfo(target).max)
+    return low <= lo and hi <= high
+
+
 # what a load says to do about a value its cast=True cannot convert
 LOAD_ADVICE = ("cast=True converts only values the model's dtype holds: load into a parameter of the checkpoint's "
                "dtype and convert it yourself")
@@ -82,7 +103,7 @@ def check_fits(values: torch.Tensor, target: torch.dtype, what: str, advice: str
     not round to a value of the target (the cast makes it inf, NaN, or the largest value: float8 e4m3 saturates;
     65519 into float16 rounds to 65504 and passes). Nothing is checked where the cast cannot narrow
     (``narrows_range``). The error ends with ``advice``, what to do instead."""
-    if not narrows_range(values.dtype, target):
+    if not narrows_range(values.dtype, target) or values.numel() == 0 or _inside(values, target):
         return
     if target.is_floating_point or target.is_complex:
         parts = torch.view_as_real(values) if values.is_complex() else values
