@@ -5,6 +5,8 @@ count."""
 
 from __future__ import annotations
 
+import contextlib
+import ctypes
 import gc
 from pathlib import Path
 
@@ -18,6 +20,11 @@ _MIB = 1 << 20
 
 
 def _rss() -> int:
+    """Resident bytes once freed memory is given back: glibc keeps freed heap memory (and serves big buffers from the
+    heap once it has freed a big mapping), so ``malloc_trim`` first."""
+    gc.collect()
+    with contextlib.suppress(OSError, AttributeError):
+        ctypes.CDLL("libc.so.6").malloc_trim(0)
     with open("/proc/self/statm") as f:
         return int(f.read().split()[1]) * 4096
 

@@ -34,7 +34,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from workbench.errors import CheckpointError
+from workbench.errors import CheckpointError, PlanError
 from workbench.io.files.direct import DEFAULT_MIN_SEGMENT_BYTES
 from workbench.io.files.file_plan import DEFAULT_MAX_SHARD_BYTES
 from workbench.io.files.host_pool import DEFAULT_POOL_BYTES, host_pool, trim_host_pools
@@ -305,8 +305,11 @@ def _refuse_values_outside(
     against the narrowest."""
     for name, tensor in tensors.items():
         keys = layout.specs[name].hf_keys
-        narrower = [d for d in set(save_dtypes(keys, tensor.dtype, dtype=dtype, fp32_keys_pattern=fp32_keys_pattern))
-                    if narrows_range(tensor.dtype, d)]
+        try:
+            saved = save_dtypes(keys, tensor.dtype, dtype=dtype, fp32_keys_pattern=fp32_keys_pattern)
+        except PlanError:  # a dtype no save may write: the plan refuses it on every rank, as it always did
+            return
+        narrower = [d for d in set(saved) if narrows_range(tensor.dtype, d)]
         if narrower:
             target = min(narrower, key=lambda d: torch.finfo(d).max)
             check_fits(tensor.detach(), target, f"parameter {name!r} (HF key(s) {', '.join(keys)}), rank {rank}",
