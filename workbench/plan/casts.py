@@ -27,19 +27,24 @@ def changes_kind(stored: torch.dtype, target: torch.dtype) -> bool:
     return stored.is_floating_point and not (target.is_floating_point or target.is_complex)
 
 
+def _part(dtype: torch.dtype) -> torch.dtype:
+    """The dtype of a complex dtype's real and imaginary parts; any other dtype itself."""
+    return dtype.to_real() if dtype.is_complex else dtype
+
+
+def _integer_bounds(dtype: torch.dtype) -> tuple[int, int]:
+    """The smallest and largest value of an integer or bool ``dtype``."""
+    return (0, 1) if dtype == torch.bool else (torch.iinfo(dtype).min, torch.iinfo(dtype).max)
+
+
 def _largest(dtype: torch.dtype) -> float:
-    if dtype == torch.bool:
-        return 1.0
-    if dtype.is_complex:
-        dtype = torch.float32 if dtype == torch.complex64 else torch.float64 if dtype == torch.complex128 else \
-            torch.float16
-    return float(torch.finfo(dtype).max if dtype.is_floating_point else torch.iinfo(dtype).max)
+    dtype = _part(dtype)
+    return float(torch.finfo(dtype).max if dtype.is_floating_point else _integer_bounds(dtype)[1])
 
 
 def _smallest(dtype: torch.dtype) -> float:
-    if dtype == torch.bool or not (dtype.is_floating_point or dtype.is_complex):
-        return 0.0 if dtype == torch.bool else float(torch.iinfo(dtype).min)
-    return -_largest(dtype)
+    dtype = _part(dtype)
+    return -float(torch.finfo(dtype).max) if dtype.is_floating_point else float(_integer_bounds(dtype)[0])
 
 
 @functools.cache
@@ -47,9 +52,7 @@ def _first_outside(dtype: torch.dtype) -> tuple[float, bool]:
     """The magnitude where a floating ``dtype``'s rounding leaves its range, and whether that very value leaves it:
     halfway between the largest value and the next one of its top binade (round to nearest even: float16 turns
     65519 into 65504 and 65520 into inf; float8 e4m3fn's 464 rounds to 448, whose last bit is even)."""
-    if dtype.is_complex:
-        dtype = torch.float32 if dtype == torch.complex64 else torch.float64 if dtype == torch.complex128 else \
-            torch.float16
+    dtype = _part(dtype)
     top = torch.tensor(torch.finfo(dtype).max, dtype=dtype)
     bits = top.view(_BITS[dtype.itemsize])
     largest, below = float(top), float((bits - 1).view(dtype))  # finfo's eps is off for float8 e5m2fnuz
@@ -88,7 +91,7 @@ def _inside(values: torch.Tensor, target: torch.dtype) -> bool:
     if target.is_floating_point or target.is_complex:
         bound, leaves_at_bound = _first_outside(target)
         return max(-lo, hi) < bound or (max(-lo, hi) == bound and not leaves_at_bound)  # NaN compares False
-    low, high = (0, 1) if target == torch.bool else (torch.iinfo(target).min, torch.iinfo(target).max)
+    low, high = _integer_bounds(target)
     return low <= lo and hi <= high
 
 
@@ -113,7 +116,7 @@ def check_fits(values: torch.Tensor, target: torch.dtype, what: str, advice: str
         if values.is_complex():
             bad = bad.any(-1)
     else:  # compared as int64 (uint64 values over its range are too big for any other integer)
-        lo, hi = (0, 1) if target == torch.bool else (torch.iinfo(target).min, torch.iinfo(target).max)
+        lo, hi = _integer_bounds(target)
         wide = values.view(torch.int64) if values.dtype == torch.uint64 else values.long()
         bad = (wide < lo) | (wide > min(hi, torch.iinfo(torch.int64).max))
         if values.dtype == torch.uint64:
